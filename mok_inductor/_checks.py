@@ -1,0 +1,162 @@
+"""Argument validation shared by the user API, the op registration and the functional ABI.
+
+Every check here reads only metadata (dtype, shape, device, strides), so it is free under
+torch.compile: Dynamo traces it on fake tensors. Checks that read values (expert ids in range)
+live in the op implementations (`mok_inductor.ops`), where they run eagerly on the CPU and as a
+device-side assert on CUDA. Errors are `TypeError` (wrong kind or dtype) or `ValueError` (wrong
+shape, device, value), and every message starts with the argument's name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _fmt_dtypes(dtypes) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def _shape(t: torch.Tensor) -> list:
+    return list(t.shape)
+
+
+def require_tensor(name: str, t, *, optional: bool = False) -> None:
+    if t is None and optional:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
+def require_dtype(name: str, t: torch.Tensor, dtypes) -> None:
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {_fmt_dtypes(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
+
+
+def require_dim(name: str, t: torch.Tensor, dim: int, what: str) -> None:
+    if t.dim() != dim:
+        raise ValueError(f"{name}: expected a {dim}-D tensor {what}, got shape {_shape(t)}")
+
+
+def require_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of x), got one on {t.device}")
+
+
+def require_shape(name: str, t: torch.Tensor, expected: Sequence, what: str) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected shape {list(expected)} {what}, got {_shape(t)}")
+
+
+def check_swiglu_limit(swiglu_limit) -> Optional[float]:
+    if swiglu_limit is None:
+        return None
+    if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float)):
+        raise TypeError(f"swiglu_limit: expected a float or None, got {type(swiglu_limit).__name__}")
+    value = float(swiglu_limit)
+    if not (value > 0.0 and math.isfinite(value)):
+        raise ValueError(f"swiglu_limit: expected a finite positive float, got {swiglu_limit}")
+    return value
+
+
+def check_moe_args(
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    top_experts: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    shared_gate_up_proj: Optional[torch.Tensor],
+    shared_down_proj: Optional[torch.Tensor],
+    shared_output_gate: Optional[torch.Tensor],
+    swiglu_limit,
+) -> None:
+    """Validate the flattened arguments of `torch.ops.mok.moe` (x is [T, H])."""
+    require_tensor("x", x)
+    require_dtype("x", x, ACTIVATION_DTYPES)
+    require_dim("x", x, 2, "[T, H]")
+    T, H = x.shape
+    device = x.device
+
+    require_tensor("router_weights", router_weights)
+    if not router_weights.dtype.is_floating_point:
+        raise TypeError(
+            f"router_weights: expected a floating-point dtype (float32 preferred), got "
+            f"{str(router_weights.dtype).replace('torch.', '')}"
+        )
+    require_dim("router_weights", router_weights, 2, "[T, K]")
+    require_device("router_weights", router_weights, device)
+    if router_weights.shape[0] != T:
+        raise ValueError(
+            f"router_weights: expected {T} rows (one per token of x), got shape {_shape(router_weights)}"
+        )
+    K = router_weights.shape[1]
+
+    require_tensor("top_experts", top_experts)
+    require_dtype("top_experts", top_experts, INDEX_DTYPES)
+    require_device("top_experts", top_experts, device)
+    require_shape("top_experts", top_experts, (T, K), "(the shape of router_weights)")
+
+    require_tensor("gate_up_proj", gate_up_proj)
+    require_dtype("gate_up_proj", gate_up_proj, (x.dtype,))
+    require_dim("gate_up_proj", gate_up_proj, 3, "[E, 2*I, H]")
+    require_device("gate_up_proj", gate_up_proj, device)
+    E, two_i, h_w = gate_up_proj.shape
+    if h_w != H:
+        raise ValueError(f"gate_up_proj: expected shape [E, 2*I, {H}] (H of x), got {_shape(gate_up_proj)}")
+    if two_i % 2 != 0:
+        raise ValueError(f"gate_up_proj: expected an even second dim (gate rows then up rows), got {_shape(gate_up_proj)}")
+    if E < 1:
+        raise ValueError(f"gate_up_proj: expected at least one expert, got shape {_shape(gate_up_proj)}")
+    I = two_i // 2
+
+    require_tensor("down_proj", down_proj)
+    require_dtype("down_proj", down_proj, (x.dtype,))
+    require_device("down_proj", down_proj, device)
+    require_shape("down_proj", down_proj, (E, H, I), "[E, H, I] (matching gate_up_proj [E, 2*I, H])")
+
+    require_tensor("shared_gate_up_proj", shared_gate_up_proj, optional=True)
+    require_tensor("shared_down_proj", shared_down_proj, optional=True)
+    require_tensor("shared_output_gate", shared_output_gate, optional=True)
+    if (shared_gate_up_proj is None) != (shared_down_proj is None):
+        missing = "shared_down_proj" if shared_down_proj is None else "shared_gate_up_proj"
+        raise ValueError(f"{missing}: the shared expert needs both shared_gate_up_proj and shared_down_proj")
+    if shared_gate_up_proj is not None:
+        require_dtype("shared_gate_up_proj", shared_gate_up_proj, (x.dtype,))
+        require_dim("shared_gate_up_proj", shared_gate_up_proj, 2, "[2*Is, H]")
+        require_device("shared_gate_up_proj", shared_gate_up_proj, device)
+        two_is, hs = shared_gate_up_proj.shape
+        if hs != H or two_is % 2 != 0:
+            raise ValueError(
+                f"shared_gate_up_proj: expected shape [2*Is, {H}] with an even first dim, got "
+                f"{_shape(shared_gate_up_proj)}"
+            )
+        require_dtype("shared_down_proj", shared_down_proj, (x.dtype,))
+        require_device("shared_down_proj", shared_down_proj, device)
+        require_shape(
+            "shared_down_proj", shared_down_proj, (H, two_is // 2), "[H, Is] (matching shared_gate_up_proj [2*Is, H])"
+        )
+    if shared_output_gate is not None:
+        if shared_gate_up_proj is None:
+            raise ValueError("shared_output_gate: given without a shared expert (shared_gate_up_proj is None)")
+        require_dtype("shared_output_gate", shared_output_gate, (x.dtype,))
+        require_device("shared_output_gate", shared_output_gate, device)
+        require_shape("shared_output_gate", shared_output_gate, (1, H), "[1, H]")
+    check_swiglu_limit(swiglu_limit)
+
+
+def check_expert_ids_eager(top_experts: torch.Tensor, num_experts: int) -> None:
+    """The value check of SPEC section 5 for the CPU path (reads values; never traced)."""
+    if top_experts.numel() == 0:
+        return
+    lo = int(top_experts.min())
+    hi = int(top_experts.max())
+    if lo < -1 or hi >= num_experts:
+        bad = lo if lo < -1 else hi
+        raise ValueError(
+            f"top_experts: expected expert indices in [-1, {num_experts}) (-1 means no route), found {bad}"
+        )

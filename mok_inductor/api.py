@@ -1,0 +1,76 @@
+"""The user-facing API: `mok_inductor.moe`.
+
+It checks the leading dims, flattens them into the token dim and calls `torch.ops.mok.moe`, which
+validates the rest (shapes, dtypes, devices: metadata only, so Dynamo traces it for free) and runs
+the schedule, forward and (under autograd) backward ops of `mok_inductor.ops`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _checks
+from . import ops as _ops  # noqa: F401  (registers the mok:: ops)
+
+
+def moe(
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    top_experts: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    shared_gate_up_proj: Optional[torch.Tensor] = None,
+    shared_down_proj: Optional[torch.Tensor] = None,
+    shared_output_gate: Optional[torch.Tensor] = None,
+    swiglu_limit: Optional[float] = None,
+) -> torch.Tensor:
+    """A Mixture-of-Experts layer with SwiGLU experts (shared/SPEC.md section 1).
+
+    Args:
+        x: [..., H] activations, float32, bfloat16 or float16. Leading dims are flattened into T tokens.
+        router_weights: [..., K] routing weights (float32; other float dtypes are upcast, and their
+            gradient comes back in their own dtype).
+        top_experts: [..., K] int32/int64 expert ids in [0, E), or -1 for "no route".
+        gate_up_proj: [E, 2*I, H] routed FC1, gate rows [0, I) then up rows [I, 2I).
+        down_proj: [E, H, I] routed FC2.
+        shared_gate_up_proj: optional [2*Is, H] shared expert FC1 (gate rows, then up rows).
+        shared_down_proj: optional [H, Is] shared expert FC2.
+        shared_output_gate: optional [1, H]; the shared expert's output is scaled by
+            sigmoid(x @ shared_output_gate^T) per token.
+        swiglu_limit: optional clamp of the SwiGLU: gate clamped above, up clamped to [-limit, limit].
+
+    Returns:
+        [..., H] in x.dtype: shared(x) * gate(x) + sum_k router_weights[k] * expert_{top_experts[k]}(x).
+    """
+    _checks.require_tensor("x", x)
+    _checks.require_tensor("router_weights", router_weights)
+    _checks.require_tensor("top_experts", top_experts)
+    if x.dim() < 2:
+        raise ValueError(f"x: expected shape [..., H] with at least one token dim, got {list(x.shape)}")
+    lead = x.shape[:-1]
+    if router_weights.dim() != x.dim() or router_weights.shape[:-1] != lead:
+        raise ValueError(
+            f"router_weights: expected shape {list(lead)} + [K] (the leading dims of x), got {list(router_weights.shape)}"
+        )
+    if top_experts.shape != router_weights.shape:
+        raise ValueError(
+            f"top_experts: expected shape {list(router_weights.shape)} (the shape of router_weights), got "
+            f"{list(top_experts.shape)}"
+        )
+    H = x.shape[-1]
+    K = router_weights.shape[-1]
+    y = torch.ops.mok.moe(
+        x.reshape(-1, H),
+        router_weights.reshape(-1, K),
+        top_experts.reshape(-1, K),
+        gate_up_proj,
+        down_proj,
+        shared_gate_up_proj,
+        shared_down_proj,
+        shared_output_gate,
+        swiglu_limit,
+    )
+    return y.view(x.shape)

@@ -1,0 +1,342 @@
+"""The `mok::` operators: schemas, fake kernels and autograd formulas, side by side.
+
+    mok::moe        the user-facing op (CompositeImplicitAutograd): validates, then
+                    schedule -> moe_fwd. Its autograd and fake come from the two ops below,
+                    so compiled graphs hold mok::schedule + mok::moe_fwd forward and
+                    mok::moe_bwd backward.
+    mok::schedule   top_experts [T, K] -> (sorted_routes [N], expert_offsets [E+1], route_slots [N]),
+                    int32, deterministic (a stable sort of the flat route index). Not differentiable.
+    mok::moe_fwd    -> (y [T, H], h [N, I], h_shared [T, Is] or [0, 0]). y is differentiable;
+                    h and h_shared are the saved activations (marked non-differentiable).
+    mok::moe_bwd    -> (dx, d_router_weights, d_gate_up_proj, d_down_proj, d_shared_gate_up_proj,
+                    d_shared_down_proj, d_shared_output_gate); the shared gradients are [0]-shaped
+                    when there is no shared expert / gate.
+
+What is saved for backward: x, router_weights, top_experts, the schedule, the weights, h and
+h_shared. What is recomputed: the gate/up pre-activations g, u (one gate/up GEMM in backward), the
+shared output gate sigmoid(x @ w^T), and never y_tk or s_t (their inner products with dy come from
+<dy @ down, h>).
+
+Implementations: CPU tensors run `mok_inductor.reference` (vectorised PyTorch, float32
+accumulation). CUDA tensors run the Triton kernels of `mok_inductor.kernels` when that backend
+provides them (see `_triton_backend`), otherwise the reference. `MOK_BACKEND=reference|triton|auto`
+overrides the choice (`triton` on CPU tensors needs `TRITON_INTERPRET=1`). Under torch.compile, a
+FunctionalTensorMode rule decomposes the ops into their Triton launches on CUDA (so Inductor emits the
+kernels in its generated code, as `torch.library.triton_op` does) and keeps them opaque on the CPU,
+where the compiled graph calls the reference.
+
+Shape legend: T tokens, H hidden, I intermediate, Is shared intermediate, E experts, K routes per
+token, N = T*K.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+from . import _checks, reference
+
+# ---------------------------------------------------------------------------------------------
+# Backend choice
+
+
+def _triton_backend():
+    """The Triton kernel module, or None when it cannot run here (no triton, or not provided yet)."""
+    try:
+        from . import kernels
+    except ImportError:
+        return None
+    return kernels if getattr(kernels, "AVAILABLE", False) else None
+
+
+def use_triton(t: Tensor) -> bool:
+    """Whether an op on tensors like `t` runs the Triton kernels."""
+    choice = os.environ.get("MOK_BACKEND", "auto")
+    if choice not in ("auto", "reference", "triton"):
+        raise ValueError(f"MOK_BACKEND: expected auto, reference or triton, got {choice!r}")
+    if choice == "reference":
+        return False
+    if _triton_backend() is None:
+        if choice == "triton":
+            raise RuntimeError("MOK_BACKEND=triton, but the Triton kernels are not available (is triton installed?)")
+        return False
+    if choice == "triton":
+        return True
+    return t.device.type == "cuda"
+
+
+def path_name(t: Tensor) -> str:
+    """A human-readable name of the implementation that runs for tensors like `t`."""
+    return "triton" if use_triton(t) else "reference"
+
+
+def _register_functional_rule(op, triton_fn) -> None:
+    """Decompose `op` into `triton_fn` (its Triton launches) while AOTAutograd functionalizes CUDA
+    tensors, so Inductor sees user-defined Triton kernels; leave it opaque otherwise."""
+
+    def rule(mode, func, types, args, kwargs):
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor
+
+        if any(t not in (Tensor, FakeTensor, FunctionalTensor) for t in types):
+            return NotImplemented
+        first = args[0]
+        if first.device.type == "cuda" and use_triton(first):
+            with mode:
+                return triton_fn(*args, **kwargs)
+        return mode.__torch_dispatch__(func, types, args, kwargs)
+
+    op.register_torch_dispatch(FunctionalTensorMode, rule)
+
+
+# ---------------------------------------------------------------------------------------------
+# mok::schedule
+
+
+def _schedule_impl(top_experts: Tensor, num_experts: int):
+    if use_triton(top_experts):
+        return _triton_backend().schedule(top_experts, num_experts)
+    if top_experts.device.type == "cpu":
+        _checks.check_expert_ids_eager(top_experts, num_experts)
+    else:
+        _assert_expert_ids_on_device(top_experts, num_experts)
+    return tuple(reference.build_schedule(top_experts, num_experts))
+
+
+def _assert_expert_ids_on_device(top_experts: Tensor, num_experts: int) -> None:
+    ok = ((top_experts >= -1) & (top_experts < num_experts)).all()
+    torch._assert_async(ok, f"top_experts: expected expert indices in [-1, {num_experts})")
+
+
+@torch.library.custom_op("mok::schedule", mutates_args=())
+def schedule(top_experts: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    return _schedule_impl(top_experts, num_experts)
+
+
+@schedule.register_fake
+def _(top_experts, num_experts):
+    n = top_experts.numel()
+    return (
+        top_experts.new_empty(n, dtype=torch.int32),
+        top_experts.new_empty(num_experts + 1, dtype=torch.int32),
+        top_experts.new_empty(n, dtype=torch.int32),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# mok::moe_fwd
+
+
+def fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj):
+    """Shapes of (y, h, h_shared): the one shape function of the fake and the real kernels."""
+    T, H = x.shape
+    N = T * top_experts.shape[1]
+    I = gate_up_proj.shape[1] // 2
+    hs = (T, shared_gate_up_proj.shape[0] // 2) if shared_gate_up_proj is not None else (0, 0)
+    return (T, H), (N, I), hs
+
+
+def split_gate_up(w_E2IH: Tensor):
+    """Zero-copy gate and up row views of a combined FC1 ([..., 2I, H] -> two [..., I, H])."""
+    i = w_E2IH.shape[-2] // 2
+    return w_E2IH.narrow(-2, 0, i), w_E2IH.narrow(-2, i, i)
+
+
+def _moe_fwd_reference(
+    x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+    shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit,
+):
+    w_gate, w_up = split_gate_up(gate_up_proj)
+    s_gate = s_up = None
+    if shared_gate_up_proj is not None:
+        s_gate, s_up = split_gate_up(shared_gate_up_proj)
+    out = reference.moe_forward(
+        x, router_weights, top_experts, reference.Schedule(sorted_routes, expert_offsets, route_slots),
+        w_gate, w_up, down_proj, s_gate, s_up, shared_down_proj, shared_output_gate, swiglu_limit,
+    )
+    return tuple(out)
+
+
+def _moe_fwd_triton(*args):
+    return _triton_backend().moe_fwd(*args)
+
+
+@torch.library.custom_op("mok::moe_fwd", mutates_args=())
+def moe_fwd(
+    x: Tensor,
+    router_weights: Tensor,
+    top_experts: Tensor,
+    sorted_routes: Tensor,
+    expert_offsets: Tensor,
+    route_slots: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    shared_gate_up_proj: Optional[Tensor],
+    shared_down_proj: Optional[Tensor],
+    shared_output_gate: Optional[Tensor],
+    swiglu_limit: Optional[float],
+) -> tuple[Tensor, Tensor, Tensor]:
+    args = (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj,
+            down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit)
+    if use_triton(x):
+        return _moe_fwd_triton(*args)
+    return _moe_fwd_reference(*args)
+
+
+@moe_fwd.register_fake
+def _(x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+      shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit):
+    y, h, hs = fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj)
+    return x.new_empty(y), x.new_empty(h), x.new_empty(hs)
+
+
+def _moe_fwd_setup_context(ctx, inputs, output):
+    (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+     shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit) = inputs
+    _, h, h_shared = output
+    ctx.mark_non_differentiable(h, h_shared)
+    ctx.set_materialize_grads(False)
+    ctx.swiglu_limit = swiglu_limit
+    ctx.has_shared = shared_gate_up_proj is not None
+    ctx.has_gate = shared_output_gate is not None
+    ctx.save_for_backward(
+        x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+        shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared,
+    )
+
+
+def _moe_fwd_backward(ctx, dy, _dh, _dh_shared):
+    (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+     shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared) = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(x)
+    dx, drw, dgu, dd, dsgu, dsd, dsg = torch.ops.mok.moe_bwd(
+        dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+        shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared, ctx.swiglu_limit,
+    )
+    return (
+        dx, drw, None, None, None, None, dgu, dd,
+        dsgu if ctx.has_shared else None,
+        dsd if ctx.has_shared else None,
+        dsg if ctx.has_gate else None,
+        None,
+    )
+
+
+moe_fwd.register_autograd(_moe_fwd_backward, setup_context=_moe_fwd_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# mok::moe_bwd
+
+
+def bwd_output_shapes(x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj,
+                      shared_output_gate):
+    """Shapes of moe_bwd's outputs: the one shape function of the fake and the real kernels."""
+    empty = (0,)
+    return (
+        tuple(x.shape),
+        tuple(router_weights.shape),
+        tuple(gate_up_proj.shape),
+        tuple(down_proj.shape),
+        tuple(shared_gate_up_proj.shape) if shared_gate_up_proj is not None else empty,
+        tuple(shared_down_proj.shape) if shared_down_proj is not None else empty,
+        tuple(shared_output_gate.shape) if shared_output_gate is not None else empty,
+    )
+
+
+def _moe_bwd_reference(
+    dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+    shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared, swiglu_limit,
+):
+    w_gate, w_up = split_gate_up(gate_up_proj)
+    s_gate = s_up = None
+    if shared_gate_up_proj is not None:
+        s_gate, s_up = split_gate_up(shared_gate_up_proj)
+    g = reference.moe_backward(
+        dy, x, router_weights, top_experts, reference.Schedule(sorted_routes, expert_offsets, route_slots),
+        w_gate, w_up, down_proj, h, s_gate, s_up, shared_down_proj, shared_output_gate, h_shared, swiglu_limit,
+    )
+    wdt = gate_up_proj.dtype
+    d_gate_up = torch.cat([torch.stack(g.d_gate), torch.stack(g.d_up)], dim=1).to(wdt)
+    d_down = torch.stack(g.d_down).to(wdt)
+    empty = x.new_empty(0)
+    d_sgu = torch.cat([g.d_s_gate, g.d_s_up]).to(wdt) if g.d_s_gate is not None else empty
+    d_sd = g.d_s_down.to(wdt) if g.d_s_down is not None else empty
+    d_sg = g.d_s_out_gate.to(shared_output_gate.dtype) if g.d_s_out_gate is not None else empty
+    return g.dx_TH, g.d_router_weights_TK.to(router_weights.dtype), d_gate_up, d_down, d_sgu, d_sd, d_sg
+
+
+def _moe_bwd_triton(*args):
+    return _triton_backend().moe_bwd(*args)
+
+
+@torch.library.custom_op("mok::moe_bwd", mutates_args=())
+def moe_bwd(
+    dy: Tensor,
+    x: Tensor,
+    router_weights: Tensor,
+    top_experts: Tensor,
+    sorted_routes: Tensor,
+    expert_offsets: Tensor,
+    route_slots: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    shared_gate_up_proj: Optional[Tensor],
+    shared_down_proj: Optional[Tensor],
+    shared_output_gate: Optional[Tensor],
+    h: Tensor,
+    h_shared: Tensor,
+    swiglu_limit: Optional[float],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    args = (dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj,
+            down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared, swiglu_limit)
+    if use_triton(x):
+        return _moe_bwd_triton(*args)
+    return _moe_bwd_reference(*args)
+
+
+@moe_bwd.register_fake
+def _(dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+      shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared, swiglu_limit):
+    shapes = bwd_output_shapes(x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj,
+                               shared_down_proj, shared_output_gate)
+    dtypes = (x.dtype, router_weights.dtype, gate_up_proj.dtype, down_proj.dtype, gate_up_proj.dtype,
+              down_proj.dtype, shared_output_gate.dtype if shared_output_gate is not None else x.dtype)
+    return tuple(x.new_empty(s, dtype=d) for s, d in zip(shapes, dtypes))
+
+
+# ---------------------------------------------------------------------------------------------
+# mok::moe (user-facing, composite)
+
+_lib = torch.library.Library("mok", "FRAGMENT")
+_lib.define(
+    "moe(Tensor x, Tensor router_weights, Tensor top_experts, Tensor gate_up_proj, Tensor down_proj, "
+    "Tensor? shared_gate_up_proj=None, Tensor? shared_down_proj=None, Tensor? shared_output_gate=None, "
+    "float? swiglu_limit=None) -> Tensor"
+)
+
+
+def _moe_composite(x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj=None,
+                   shared_down_proj=None, shared_output_gate=None, swiglu_limit=None):
+    _checks.check_moe_args(x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj,
+                           shared_down_proj, shared_output_gate, swiglu_limit)
+    num_experts = gate_up_proj.shape[0]
+    sorted_routes, expert_offsets, route_slots = torch.ops.mok.schedule(top_experts, num_experts)
+    y, _, _ = torch.ops.mok.moe_fwd(
+        x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+        shared_gate_up_proj, shared_down_proj, shared_output_gate,
+        None if swiglu_limit is None else float(swiglu_limit),
+    )
+    return y
+
+
+_lib.impl("moe", _moe_composite, "CompositeImplicitAutograd")
+
+_register_functional_rule(schedule, lambda *a: _triton_backend().schedule(*a))
+_register_functional_rule(moe_fwd, _moe_fwd_triton)
+_register_functional_rule(moe_bwd, _moe_bwd_triton)

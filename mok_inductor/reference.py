@@ -1,0 +1,285 @@
+"""The MoK computation in plain PyTorch: the CPU path, and the oracle for the Triton kernels.
+
+This is the one reference implementation of shared/SPEC.md section 1 in the package. The op
+registration (`mok_inductor.ops`) calls it for CPU tensors; the kernel tests compare the Triton
+kernels against it; the tests in `tests/` check it against an independent float64 loop.
+
+Data flow (forward):
+
+    top_experts_TK --schedule--> sorted_routes_N, expert_offsets_E1, route_slots_N
+    x_TH[sorted_routes // K] --per-expert GEMMs--> g, u --clamped SwiGLU--> h_NI (stored, x.dtype)
+    h_NI --per-expert down GEMM--> y_NH (rounded to x.dtype)
+    y_TH = s_TH * sigmoid(x @ w_gate^T) + sum_k rw_TK[:, k] * y[route_slots[t*K+k]]   (fp32, k order)
+
+Backward recomputes g and u from x (only h is saved), and gets the router-weight gradient as
+<dy_t @ down[e], h_tk> = <dy_t, y_tk> without storing y_tk. The shared output gate's gradient uses the
+same identity on the shared expert: <dy_t, s_t> = <dy_t @ down_s, h_s,t>.
+
+Shape legend: T tokens, H hidden, I routed intermediate, Is shared intermediate, E experts,
+K routes per token, N = T*K routes. Suffixes name the dims (`x_TH`, `h_NI`, `expert_offsets_E1` is [E+1]).
+
+Weights are passed as separate gate, up and down operands, each a 3-D tensor or a sequence of E
+2-D tensors (split per-expert allocations; `w[e]` works for both, so nothing is stacked). Combined
+FC1 `[E, 2I, H]` is passed as two zero-copy row views.
+
+Numerics: every GEMM accumulates in float32; the clamp and SwiGLU run in float32; h, y_tk and s_t
+are rounded to x.dtype between stages (as a bf16 kernel stores them); the combine accumulates in
+float32 in k order and the result is rounded to x.dtype once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence, Union
+
+import torch
+
+Weight = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+class Schedule(NamedTuple):
+    """Routes sorted by expert. Deterministic: a stable sort of the flat route index t*K+k.
+
+    sorted_routes_N: int32 [N], the flat route index held by each sorted slot; valid routes first
+        (ascending expert, then ascending route index), then the `-1` routes in route order.
+    expert_offsets_E1: int32 [E+1], expert e owns slots [offsets[e], offsets[e+1]); offsets[E] is the
+        number of valid routes.
+    route_slots_N: int32 [N], the inverse permutation: the sorted slot of route t*K+k.
+    """
+
+    sorted_routes_N: torch.Tensor
+    expert_offsets_E1: torch.Tensor
+    route_slots_N: torch.Tensor
+
+
+def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
+    """Sort the routes of `top_experts_TK` by expert; `-1` routes go last. Values must be in [-1, E)."""
+    flat_N = top_experts_TK.reshape(-1).to(torch.int64)
+    n = flat_N.numel()
+    key_N = torch.where(flat_N < 0, torch.full_like(flat_N, num_experts), flat_N)
+    _, order_N = torch.sort(key_N, stable=True)
+    counts = torch.bincount(key_N, minlength=num_experts + 1)[:num_experts]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat_N.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    slots_N = torch.empty_like(order_N)
+    slots_N[order_N] = torch.arange(n, device=flat_N.device)
+    return Schedule(order_N.to(torch.int32), offsets.to(torch.int32), slots_N.to(torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU with the optional clamp (MoK / Megatron activation_func_clamp_value): gate clamped above,
+# up clamped both ways, before the activation. Float32 in, float32 out.
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
+    if limit is not None:
+        g = torch.clamp(g, max=limit)
+        u = torch.clamp(u, min=-limit, max=limit)
+    return torch.nn.functional.silu(g) * u
+
+
+def swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, limit: Optional[float]):
+    """Gradients of swiglu w.r.t. g and u (pre-clamp). The clamp passes no gradient where it clipped;
+    a NaN is not "clipped", so it propagates."""
+    if limit is not None:
+        gc = torch.clamp(g, max=limit)
+        uc = torch.clamp(u, min=-limit, max=limit)
+    else:
+        gc, uc = g, u
+    sig = torch.sigmoid(gc)
+    silu = gc * sig
+    dsilu = sig * (1.0 + gc * (1.0 - sig))
+    dg = dh * uc * dsilu
+    du = dh * silu
+    if limit is not None:
+        dg = torch.where(g > limit, torch.zeros_like(dg), dg)
+        du = torch.where(u.abs() > limit, torch.zeros_like(du), du)
+    return dg, du
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b accumulated in float32."""
+    return a.float() @ b.float()
+
+
+def _offsets_list(schedule: Schedule) -> list[int]:
+    return schedule.expert_offsets_E1.tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+
+
+class ForwardResult(NamedTuple):
+    y_TH: torch.Tensor  # x.dtype
+    h_NI: torch.Tensor  # x.dtype, sorted slot order; rows of `-1` routes are zero
+    h_shared_TIs: torch.Tensor  # x.dtype; [0, 0] without a shared expert
+
+
+def _shared_forward(x_TH, s_gate, s_up, s_down, limit):
+    h = swiglu(_mm(x_TH, s_gate.t()), _mm(x_TH, s_up.t()), limit).to(x_TH.dtype)
+    s = _mm(h, s_down.t()).to(x_TH.dtype)
+    return h, s
+
+
+def moe_forward(
+    x_TH: torch.Tensor,
+    router_weights_TK: torch.Tensor,
+    top_experts_TK: torch.Tensor,
+    schedule: Schedule,
+    w_gate: Weight,  # [E, I, H] or E x [I, H]
+    w_up: Weight,  # [E, I, H] or E x [I, H]
+    w_down: Weight,  # [E, H, I] or E x [H, I]
+    s_gate: Optional[torch.Tensor] = None,  # [Is, H]
+    s_up: Optional[torch.Tensor] = None,  # [Is, H]
+    s_down: Optional[torch.Tensor] = None,  # [H, Is]
+    s_out_gate_1H: Optional[torch.Tensor] = None,  # [1, H]
+    swiglu_limit: Optional[float] = None,
+) -> ForwardResult:
+    T, H = x_TH.shape
+    K = top_experts_TK.shape[1]
+    N = T * K
+    E = len(w_gate)
+    dtype = x_TH.dtype
+    I = w_down[0].shape[-1] if E > 0 else 0
+    offsets = _offsets_list(schedule)
+    n_valid = offsets[E]
+
+    tokens_N = schedule.sorted_routes_N.to(torch.int64) // max(K, 1)
+    xs = x_TH[tokens_N[:n_valid]]
+    h_NI = torch.zeros(N, I, dtype=dtype, device=x_TH.device)
+    y_NH = torch.zeros(N, H, dtype=torch.float32, device=x_TH.device)
+    for e in range(E):
+        a, b = offsets[e], offsets[e + 1]
+        if a == b:
+            continue
+        xe = xs[a:b]
+        h = swiglu(_mm(xe, w_gate[e].t()), _mm(xe, w_up[e].t()), swiglu_limit).to(dtype)
+        h_NI[a:b] = h
+        y_NH[a:b] = _mm(h, w_down[e].t()).to(dtype).float()
+
+    acc_TH = torch.zeros(T, H, dtype=torch.float32, device=x_TH.device)
+    if s_gate is not None:
+        h_shared, s_TH = _shared_forward(x_TH, s_gate, s_up, s_down, swiglu_limit)
+        if s_out_gate_1H is not None:
+            acc_TH = s_TH.float() * torch.sigmoid(_mm(x_TH, s_out_gate_1H.t()))
+        else:
+            acc_TH = s_TH.float()
+    else:
+        h_shared = x_TH.new_empty(0, 0)
+
+    valid_TK = top_experts_TK >= 0
+    rw_TK = router_weights_TK.float()
+    y_TKH = y_NH[schedule.route_slots_N.to(torch.int64)].view(T, K, H)
+    for k in range(K):
+        contrib = rw_TK[:, k, None] * y_TKH[:, k]
+        acc_TH = acc_TH + torch.where(valid_TK[:, k, None], contrib, torch.zeros_like(contrib))
+    return ForwardResult(acc_TH.to(dtype), h_NI, h_shared)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+class BackwardResult(NamedTuple):
+    dx_TH: torch.Tensor  # x.dtype
+    d_router_weights_TK: torch.Tensor  # float32
+    d_gate: list  # E x [I, H] float32
+    d_up: list  # E x [I, H] float32
+    d_down: list  # E x [H, I] float32
+    d_s_gate: Optional[torch.Tensor]  # [Is, H] float32
+    d_s_up: Optional[torch.Tensor]
+    d_s_down: Optional[torch.Tensor]  # [H, Is] float32
+    d_s_out_gate: Optional[torch.Tensor]  # [1, H] float32
+
+
+def moe_backward(
+    dy_TH: torch.Tensor,
+    x_TH: torch.Tensor,
+    router_weights_TK: torch.Tensor,
+    top_experts_TK: torch.Tensor,
+    schedule: Schedule,
+    w_gate: Weight,
+    w_up: Weight,
+    w_down: Weight,
+    h_NI: torch.Tensor,
+    s_gate: Optional[torch.Tensor] = None,
+    s_up: Optional[torch.Tensor] = None,
+    s_down: Optional[torch.Tensor] = None,
+    s_out_gate_1H: Optional[torch.Tensor] = None,
+    h_shared_TIs: Optional[torch.Tensor] = None,
+    swiglu_limit: Optional[float] = None,
+) -> BackwardResult:
+    """Gradients of every input, in float32 (dx in x.dtype). `h_NI`, `h_shared_TIs` are the saved
+    forward activations; g and u are recomputed."""
+    T, H = x_TH.shape
+    K = top_experts_TK.shape[1]
+    N = T * K
+    E = len(w_gate)
+    dtype = x_TH.dtype
+    offsets = _offsets_list(schedule)
+    n_valid = offsets[E]
+    dyf = dy_TH.float()
+
+    sorted_N = schedule.sorted_routes_N.to(torch.int64)
+    tokens_N = sorted_N // max(K, 1)
+    rw_N = router_weights_TK.float().reshape(-1)[sorted_N]
+    xs = x_TH[tokens_N[:n_valid]]
+    dys = dyf[tokens_N[:n_valid]]
+
+    dx_N = torch.zeros(N, H, dtype=torch.float32, device=x_TH.device)
+    drw_N = torch.zeros(N, dtype=torch.float32, device=x_TH.device)
+    d_gate, d_up, d_down = [], [], []
+    for e in range(E):
+        a, b = offsets[e], offsets[e + 1]
+        wg, wu, wd = w_gate[e], w_up[e], w_down[e]
+        if a == b:
+            d_gate.append(torch.zeros(wg.shape, dtype=torch.float32, device=x_TH.device))
+            d_up.append(torch.zeros(wu.shape, dtype=torch.float32, device=x_TH.device))
+            d_down.append(torch.zeros(wd.shape, dtype=torch.float32, device=x_TH.device))
+            continue
+        xe, dye, he = xs[a:b], dys[a:b], h_NI[a:b]
+        q = _mm(dye, wd)  # dy_t @ down[e]: [rows, I]
+        drw_N[a:b] = (q * he.float()).sum(-1)
+        dye_w = (dye * rw_N[a:b, None]).to(dtype)  # the down GEMM's scaled input, as a kernel stores it
+        dh = _mm(dye_w, wd)
+        g, u = _mm(xe, wg.t()), _mm(xe, wu.t())
+        dg, du = swiglu_backward(dh, g, u, swiglu_limit)
+        dg, du = dg.to(dtype), du.to(dtype)
+        d_down.append(_mm(dye_w.t(), he))
+        d_gate.append(_mm(dg.t(), xe))
+        d_up.append(_mm(du.t(), xe))
+        dx_N[a:b] = _mm(dg, wg) + _mm(du, wu)
+
+    valid_TK = top_experts_TK >= 0
+    slots_TK = schedule.route_slots_N.to(torch.int64).view(T, K)
+    dx_TKH = dx_N[slots_TK]
+    dx_TH = torch.zeros(T, H, dtype=torch.float32, device=x_TH.device)
+    for k in range(K):
+        dx_TH = dx_TH + torch.where(valid_TK[:, k, None], dx_TKH[:, k], torch.zeros_like(dx_TKH[:, k]))
+    drw_TK = torch.where(valid_TK, drw_N[slots_TK], torch.zeros_like(drw_N[slots_TK]))
+
+    d_s_gate = d_s_up = d_s_down = d_s_out_gate = None
+    if s_gate is not None:
+        q = _mm(dy_TH, s_down)  # [T, Is]
+        hs = h_shared_TIs.float()
+        if s_out_gate_1H is not None:
+            gate_T1 = torch.sigmoid(_mm(x_TH, s_out_gate_1H.t()))
+            d_gate_T1 = (q * hs).sum(-1, keepdim=True)  # <dy_t, s_t>
+            d_logit_T1 = d_gate_T1 * gate_T1 * (1.0 - gate_T1)
+            d_s_out_gate = d_logit_T1.t() @ x_TH.float()
+            dx_TH = dx_TH + d_logit_T1 * s_out_gate_1H.float()
+            dy_s = (dyf * gate_T1).to(dtype)
+        else:
+            dy_s = dy_TH.to(dtype)
+        dh = _mm(dy_s, s_down)
+        g, u = _mm(x_TH, s_gate.t()), _mm(x_TH, s_up.t())
+        dg, du = swiglu_backward(dh, g, u, swiglu_limit)
+        dg, du = dg.to(dtype), du.to(dtype)
+        d_s_down = _mm(dy_s.t(), h_shared_TIs)
+        d_s_gate = _mm(dg.t(), x_TH)
+        d_s_up = _mm(du.t(), x_TH)
+        dx_TH = dx_TH + _mm(dg, s_gate) + _mm(du, s_up)
+
+    return BackwardResult(
+        dx_TH.to(dtype), drw_TK, d_gate, d_up, d_down, d_s_gate, d_s_up, d_s_down, d_s_out_gate
+    )

@@ -1,0 +1,47 @@
+"""An independent float64 oracle for the MoK computation, written plainly (a loop over experts).
+
+It shares no code with `mok_inductor`: it follows shared/SPEC.md section 1 line by line and gets
+every gradient from torch.autograd on float64 tensors, so it checks the package's hand-written
+backward too.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def oracle_moe(x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj=None,
+               shared_down_proj=None, shared_output_gate=None, swiglu_limit=None):
+    """Float64 forward of SPEC section 1 on [T, H] inputs; differentiable by autograd."""
+    x = x.double()
+    rw = router_weights.double()
+    w1 = gate_up_proj.double()
+    w2 = down_proj.double()
+    T, H = x.shape
+    E, two_i, _ = w1.shape
+    I = two_i // 2
+
+    def act(g, u):
+        if swiglu_limit is not None:
+            g = torch.clamp(g, max=swiglu_limit)
+            u = torch.clamp(u, min=-swiglu_limit, max=swiglu_limit)
+        return F.silu(g) * u
+
+    y = torch.zeros(T, H, dtype=torch.float64)
+    for e in range(E):
+        token_idx, k_idx = torch.where(top_experts == e)
+        if token_idx.numel() == 0:
+            continue
+        xe = x[token_idx]
+        g = xe @ w1[e, :I].T
+        u = xe @ w1[e, I:].T
+        out = act(g, u) @ w2[e].T
+        y = y.index_add(0, token_idx, out * rw[token_idx, k_idx][:, None])
+    if shared_gate_up_proj is not None:
+        s1 = shared_gate_up_proj.double()
+        s2 = shared_down_proj.double()
+        i_s = s1.shape[0] // 2
+        s = act(x @ s1[:i_s].T, x @ s1[i_s:].T) @ s2.T
+        if shared_output_gate is not None:
+            s = s * torch.sigmoid(x @ shared_output_gate.double().T)
+        y = y + s
+    return y
