@@ -74,6 +74,12 @@ def path_name(t: Tensor) -> str:
     return "triton" if use_triton(t) else "reference"
 
 
+def impl_module(t: Tensor):
+    """The implementation for tensors like `t`: `mok_inductor.kernels` or `mok_inductor.reference`.
+    Both expose build_schedule / moe_forward / moe_backward with the same signatures."""
+    return _triton_backend() if use_triton(t) else reference
+
+
 def _register_functional_rule(op, triton_fn) -> None:
     """Decompose `op` into `triton_fn` (its Triton launches) while AOTAutograd functionalizes CUDA
     tensors, so Inductor sees user-defined Triton kernels; leave it opaque otherwise."""
@@ -97,14 +103,15 @@ def _register_functional_rule(op, triton_fn) -> None:
 # mok::schedule
 
 
-def _schedule_impl(top_experts: Tensor, num_experts: int):
-    if use_triton(top_experts):
-        return _triton_backend().schedule(top_experts, num_experts)
-    if top_experts.device.type == "cpu":
-        _checks.check_expert_ids_eager(top_experts, num_experts)
-    else:
-        _assert_expert_ids_on_device(top_experts, num_experts)
-    return tuple(reference.build_schedule(top_experts, num_experts))
+def _schedule_impl(top_experts: Tensor, num_experts: int, impl=None):
+    impl = impl or impl_module(top_experts)
+    if impl is reference:
+        if top_experts.device.type == "cpu":
+            _checks.check_expert_ids_eager(top_experts, num_experts)
+        else:
+            _assert_expert_ids_on_device(top_experts, num_experts)
+    # the Triton schedule checks the ids itself, on the device
+    return tuple(impl.build_schedule(top_experts, num_experts))
 
 
 def _assert_expert_ids_on_device(top_experts: Tensor, num_experts: int) -> None:
@@ -146,15 +153,15 @@ def split_gate_up(w_E2IH: Tensor):
     return w_E2IH.narrow(-2, 0, i), w_E2IH.narrow(-2, i, i)
 
 
-def _moe_fwd_reference(
-    x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+def _moe_fwd_impl(
+    impl, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
     shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit,
 ):
     w_gate, w_up = split_gate_up(gate_up_proj)
     s_gate = s_up = None
     if shared_gate_up_proj is not None:
         s_gate, s_up = split_gate_up(shared_gate_up_proj)
-    out = reference.moe_forward(
+    out = impl.moe_forward(
         x, router_weights, top_experts, reference.Schedule(sorted_routes, expert_offsets, route_slots),
         w_gate, w_up, down_proj, s_gate, s_up, shared_down_proj, shared_output_gate, swiglu_limit,
     )
@@ -162,7 +169,7 @@ def _moe_fwd_reference(
 
 
 def _moe_fwd_triton(*args):
-    return _triton_backend().moe_fwd(*args)
+    return _moe_fwd_impl(_triton_backend(), *args)
 
 
 @torch.library.custom_op("mok::moe_fwd", mutates_args=())
@@ -182,9 +189,7 @@ def moe_fwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     args = (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj,
             down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit)
-    if use_triton(x):
-        return _moe_fwd_triton(*args)
-    return _moe_fwd_reference(*args)
+    return _moe_fwd_impl(impl_module(x), *args)
 
 
 @moe_fwd.register_fake
@@ -249,30 +254,41 @@ def bwd_output_shapes(x, router_weights, gate_up_proj, down_proj, shared_gate_up
     )
 
 
-def _moe_bwd_reference(
-    dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+def _moe_bwd_impl(
+    impl, dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
     shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared, swiglu_limit,
 ):
     w_gate, w_up = split_gate_up(gate_up_proj)
     s_gate = s_up = None
     if shared_gate_up_proj is not None:
         s_gate, s_up = split_gate_up(shared_gate_up_proj)
-    g = reference.moe_backward(
+    wdt = gate_up_proj.dtype
+    d_gate_up = torch.empty(gate_up_proj.shape, dtype=wdt, device=x.device)
+    d_down = torch.empty(down_proj.shape, dtype=wdt, device=x.device)
+    empty = x.new_empty(0)
+    d_sgu, d_sd, d_sg = empty, empty, empty
+    if shared_gate_up_proj is not None:
+        d_sgu = torch.empty(shared_gate_up_proj.shape, dtype=wdt, device=x.device)
+        d_sd = torch.empty(shared_down_proj.shape, dtype=wdt, device=x.device)
+    if shared_output_gate is not None:
+        d_sg = torch.empty(shared_output_gate.shape, dtype=shared_output_gate.dtype, device=x.device)
+    d_gate, d_up = split_gate_up(d_gate_up)
+    d_s_gate, d_s_up = split_gate_up(d_sgu) if shared_gate_up_proj is not None else (None, None)
+    grads = reference.GradBuffers(
+        d_gate, d_up, d_down, d_s_gate, d_s_up,
+        d_sd if shared_gate_up_proj is not None else None,
+        d_sg if shared_output_gate is not None else None,
+    )
+    out = impl.moe_backward(
         dy, x, router_weights, top_experts, reference.Schedule(sorted_routes, expert_offsets, route_slots),
         w_gate, w_up, down_proj, h, s_gate, s_up, shared_down_proj, shared_output_gate, h_shared, swiglu_limit,
+        grads=grads,
     )
-    wdt = gate_up_proj.dtype
-    d_gate_up = torch.cat([torch.stack(g.d_gate), torch.stack(g.d_up)], dim=1).to(wdt)
-    d_down = torch.stack(g.d_down).to(wdt)
-    empty = x.new_empty(0)
-    d_sgu = torch.cat([g.d_s_gate, g.d_s_up]).to(wdt) if g.d_s_gate is not None else empty
-    d_sd = g.d_s_down.to(wdt) if g.d_s_down is not None else empty
-    d_sg = g.d_s_out_gate.to(shared_output_gate.dtype) if g.d_s_out_gate is not None else empty
-    return g.dx_TH, g.d_router_weights_TK.to(router_weights.dtype), d_gate_up, d_down, d_sgu, d_sd, d_sg
+    return out.dx_TH, out.d_router_weights_TK.to(router_weights.dtype), d_gate_up, d_down, d_sgu, d_sd, d_sg
 
 
 def _moe_bwd_triton(*args):
-    return _triton_backend().moe_bwd(*args)
+    return _moe_bwd_impl(_triton_backend(), *args)
 
 
 @torch.library.custom_op("mok::moe_bwd", mutates_args=())
@@ -295,9 +311,7 @@ def moe_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     args = (dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj,
             down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared, swiglu_limit)
-    if use_triton(x):
-        return _moe_bwd_triton(*args)
-    return _moe_bwd_reference(*args)
+    return _moe_bwd_impl(impl_module(x), *args)
 
 
 @moe_bwd.register_fake
@@ -337,6 +351,6 @@ def _moe_composite(x, router_weights, top_experts, gate_up_proj, down_proj, shar
 
 _lib.impl("moe", _moe_composite, "CompositeImplicitAutograd")
 
-_register_functional_rule(schedule, lambda *a: _triton_backend().schedule(*a))
+_register_functional_rule(schedule, lambda te, e: _schedule_impl(te, e, _triton_backend()))
 _register_functional_rule(moe_fwd, _moe_fwd_triton)
 _register_functional_rule(moe_bwd, _moe_bwd_triton)

@@ -180,16 +180,46 @@ def moe_forward(
 # Backward
 
 
+class GradBuffers(NamedTuple):
+    """Destinations of the weight gradients. Routed entries: a 3-D tensor or a sequence of E 2-D
+    tensors (views of a combined buffer are fine); shared entries: 2-D tensors or None when absent."""
+
+    d_gate: Weight  # [E, I, H]
+    d_up: Weight  # [E, I, H]
+    d_down: Weight  # [E, H, I]
+    d_s_gate: Optional[torch.Tensor] = None  # [Is, H]
+    d_s_up: Optional[torch.Tensor] = None  # [Is, H]
+    d_s_down: Optional[torch.Tensor] = None  # [H, Is]
+    d_s_out_gate: Optional[torch.Tensor] = None  # [1, H]
+
+    @staticmethod
+    def allocate(grads, w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate) -> "GradBuffers":
+        """Fill the None entries of `grads` (or all, when `grads` is None) with fresh tensors shaped
+        and typed like the weights they are the gradients of."""
+        given = grads if grads is not None else GradBuffers(None, None, None)
+
+        def fresh(w):
+            if w is None:
+                return None
+            if isinstance(w, torch.Tensor):
+                return torch.empty_like(w, memory_format=torch.contiguous_format)
+            return [torch.empty_like(p, memory_format=torch.contiguous_format) for p in w]
+
+        weights = (w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate)
+        return GradBuffers(*(b if b is not None else fresh(w) for b, w in zip(given, weights)))
+
+
+def _store(dst: torch.Tensor, value_fp32: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        dst.add_(value_fp32)  # one rounding into dst.dtype
+    else:
+        dst.copy_(value_fp32)
+
+
 class BackwardResult(NamedTuple):
     dx_TH: torch.Tensor  # x.dtype
     d_router_weights_TK: torch.Tensor  # float32
-    d_gate: list  # E x [I, H] float32
-    d_up: list  # E x [I, H] float32
-    d_down: list  # E x [H, I] float32
-    d_s_gate: Optional[torch.Tensor]  # [Is, H] float32
-    d_s_up: Optional[torch.Tensor]
-    d_s_down: Optional[torch.Tensor]  # [H, Is] float32
-    d_s_out_gate: Optional[torch.Tensor]  # [1, H] float32
+    grads: GradBuffers  # the weight gradients, as written into the destinations
 
 
 def moe_backward(
@@ -208,9 +238,17 @@ def moe_backward(
     s_out_gate_1H: Optional[torch.Tensor] = None,
     h_shared_TIs: Optional[torch.Tensor] = None,
     swiglu_limit: Optional[float] = None,
+    *,
+    grads: Optional["GradBuffers"] = None,
+    accumulate: bool = False,
 ) -> BackwardResult:
-    """Gradients of every input, in float32 (dx in x.dtype). `h_NI`, `h_shared_TIs` are the saved
-    forward activations; g and u are recomputed."""
+    """Gradients of every input. `h_NI`, `h_shared_TIs` are the saved forward activations; g and u are
+    recomputed. dx comes back in x.dtype, d_router_weights in float32.
+
+    Weight gradients go into `grads` (each entry a 3-D tensor or a sequence of E 2-D tensors, any
+    float dtype; None entries are allocated in the weight's dtype): written, or ADDED when
+    `accumulate` (Megatron's main_grad accumulation). They are computed in float32 and rounded once.
+    """
     T, H = x_TH.shape
     K = top_experts_TK.shape[1]
     N = T * K
@@ -226,16 +264,18 @@ def moe_backward(
     xs = x_TH[tokens_N[:n_valid]]
     dys = dyf[tokens_N[:n_valid]]
 
+    grads = GradBuffers.allocate(
+        grads, w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate_1H
+    )
     dx_N = torch.zeros(N, H, dtype=torch.float32, device=x_TH.device)
     drw_N = torch.zeros(N, dtype=torch.float32, device=x_TH.device)
-    d_gate, d_up, d_down = [], [], []
     for e in range(E):
         a, b = offsets[e], offsets[e + 1]
         wg, wu, wd = w_gate[e], w_up[e], w_down[e]
         if a == b:
-            d_gate.append(torch.zeros(wg.shape, dtype=torch.float32, device=x_TH.device))
-            d_up.append(torch.zeros(wu.shape, dtype=torch.float32, device=x_TH.device))
-            d_down.append(torch.zeros(wd.shape, dtype=torch.float32, device=x_TH.device))
+            if not accumulate:  # an expert with no routes has zero weight gradients
+                for buf in (grads.d_gate[e], grads.d_up[e], grads.d_down[e]):
+                    buf.zero_()
             continue
         xe, dye, he = xs[a:b], dys[a:b], h_NI[a:b]
         q = _mm(dye, wd)  # dy_t @ down[e]: [rows, I]
@@ -245,9 +285,9 @@ def moe_backward(
         g, u = _mm(xe, wg.t()), _mm(xe, wu.t())
         dg, du = swiglu_backward(dh, g, u, swiglu_limit)
         dg, du = dg.to(dtype), du.to(dtype)
-        d_down.append(_mm(dye_w.t(), he))
-        d_gate.append(_mm(dg.t(), xe))
-        d_up.append(_mm(du.t(), xe))
+        _store(grads.d_down[e], _mm(dye_w.t(), he), accumulate)
+        _store(grads.d_gate[e], _mm(dg.t(), xe), accumulate)
+        _store(grads.d_up[e], _mm(du.t(), xe), accumulate)
         dx_N[a:b] = _mm(dg, wg) + _mm(du, wu)
 
     valid_TK = top_experts_TK >= 0
@@ -258,7 +298,6 @@ def moe_backward(
         dx_TH = dx_TH + torch.where(valid_TK[:, k, None], dx_TKH[:, k], torch.zeros_like(dx_TKH[:, k]))
     drw_TK = torch.where(valid_TK, drw_N[slots_TK], torch.zeros_like(drw_N[slots_TK]))
 
-    d_s_gate = d_s_up = d_s_down = d_s_out_gate = None
     if s_gate is not None:
         q = _mm(dy_TH, s_down)  # [T, Is]
         hs = h_shared_TIs.float()
@@ -266,7 +305,7 @@ def moe_backward(
             gate_T1 = torch.sigmoid(_mm(x_TH, s_out_gate_1H.t()))
             d_gate_T1 = (q * hs).sum(-1, keepdim=True)  # <dy_t, s_t>
             d_logit_T1 = d_gate_T1 * gate_T1 * (1.0 - gate_T1)
-            d_s_out_gate = d_logit_T1.t() @ x_TH.float()
+            _store(grads.d_s_out_gate, d_logit_T1.t() @ x_TH.float(), accumulate)
             dx_TH = dx_TH + d_logit_T1 * s_out_gate_1H.float()
             dy_s = (dyf * gate_T1).to(dtype)
         else:
@@ -275,11 +314,9 @@ def moe_backward(
         g, u = _mm(x_TH, s_gate.t()), _mm(x_TH, s_up.t())
         dg, du = swiglu_backward(dh, g, u, swiglu_limit)
         dg, du = dg.to(dtype), du.to(dtype)
-        d_s_down = _mm(dy_s.t(), h_shared_TIs)
-        d_s_gate = _mm(dg.t(), x_TH)
-        d_s_up = _mm(du.t(), x_TH)
+        _store(grads.d_s_down, _mm(dy_s.t(), h_shared_TIs), accumulate)
+        _store(grads.d_s_gate, _mm(dg.t(), x_TH), accumulate)
+        _store(grads.d_s_up, _mm(du.t(), x_TH), accumulate)
         dx_TH = dx_TH + _mm(dg, s_gate) + _mm(du, s_up)
 
-    return BackwardResult(
-        dx_TH.to(dtype), drw_TK, d_gate, d_up, d_down, d_s_gate, d_s_up, d_s_down, d_s_out_gate
-    )
+    return BackwardResult(dx_TH.to(dtype), drw_TK, grads)
