@@ -62,7 +62,7 @@ def moe(
         )
     H = x.shape[-1]
     K = router_weights.shape[-1]
-    y = torch.ops.mok.moe(
+    y = _ops.call_moe(
         x.reshape(-1, H),
         router_weights.reshape(-1, K),
         top_experts.reshape(-1, K),

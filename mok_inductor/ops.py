@@ -40,6 +40,8 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from . import _checks, reference
 
+_lib = torch.library.Library("mok", "DEF")
+
 # ---------------------------------------------------------------------------------------------
 # Backend choice
 
@@ -80,7 +82,7 @@ def impl_module(t: Tensor):
     return _triton_backend() if use_triton(t) else reference
 
 
-def _register_functional_rule(op, triton_fn) -> None:
+def _register_functional_rule(op_name: str, triton_fn) -> None:
     """Decompose `op` into `triton_fn` (its Triton launches) while AOTAutograd functionalizes CUDA
     tensors, so Inductor sees user-defined Triton kernels; leave it opaque otherwise."""
 
@@ -96,7 +98,7 @@ def _register_functional_rule(op, triton_fn) -> None:
                 return triton_fn(*args, **kwargs)
         return mode.__torch_dispatch__(func, types, args, kwargs)
 
-    op.register_torch_dispatch(FunctionalTensorMode, rule)
+    torch.library.register_torch_dispatch(op_name, FunctionalTensorMode, rule, lib=_lib)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,12 +121,12 @@ def _assert_expert_ids_on_device(top_experts: Tensor, num_experts: int) -> None:
     torch._assert_async(ok, f"top_experts: expected expert indices in [-1, {num_experts})")
 
 
-@torch.library.custom_op("mok::schedule", mutates_args=())
-def schedule(top_experts: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    return _schedule_impl(top_experts, num_experts)
+_lib.define("schedule(Tensor top_experts, int num_experts) -> (Tensor, Tensor, Tensor)")
+_lib.impl("schedule", lambda top_experts, num_experts: _schedule_impl(top_experts, num_experts),
+          "CompositeExplicitAutograd")
 
 
-@schedule.register_fake
+@torch.library.register_fake("mok::schedule", lib=_lib)
 def _(top_experts, num_experts):
     n = top_experts.numel()
     return (
@@ -172,67 +174,65 @@ def _moe_fwd_triton(*args):
     return _moe_fwd_impl(_triton_backend(), *args)
 
 
-@torch.library.custom_op("mok::moe_fwd", mutates_args=())
-def moe_fwd(
-    x: Tensor,
-    router_weights: Tensor,
-    top_experts: Tensor,
-    sorted_routes: Tensor,
-    expert_offsets: Tensor,
-    route_slots: Tensor,
-    gate_up_proj: Tensor,
-    down_proj: Tensor,
-    shared_gate_up_proj: Optional[Tensor],
-    shared_down_proj: Optional[Tensor],
-    shared_output_gate: Optional[Tensor],
-    swiglu_limit: Optional[float],
-) -> tuple[Tensor, Tensor, Tensor]:
-    args = (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj,
-            down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit)
-    return _moe_fwd_impl(impl_module(x), *args)
+_lib.define(
+    "moe_fwd(Tensor x, Tensor router_weights, Tensor top_experts, Tensor sorted_routes, Tensor expert_offsets, "
+    "Tensor route_slots, Tensor gate_up_proj, Tensor down_proj, Tensor? shared_gate_up_proj, "
+    "Tensor? shared_down_proj, Tensor? shared_output_gate, float? swiglu_limit) -> (Tensor, Tensor, Tensor)"
+)
+_lib.impl("moe_fwd", lambda *args: _moe_fwd_impl(impl_module(args[0]), *args), "CompositeExplicitAutograd")
 
 
-@moe_fwd.register_fake
+@torch.library.register_fake("mok::moe_fwd", lib=_lib)
 def _(x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
       shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit):
     y, h, hs = fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj)
     return x.new_empty(y), x.new_empty(h), x.new_empty(hs)
 
 
-def _moe_fwd_setup_context(ctx, inputs, output):
-    (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-     shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit) = inputs
-    _, h, h_shared = output
-    ctx.mark_non_differentiable(h, h_shared)
-    ctx.set_materialize_grads(False)
-    ctx.swiglu_limit = swiglu_limit
-    ctx.has_shared = shared_gate_up_proj is not None
-    ctx.has_gate = shared_output_gate is not None
-    ctx.save_for_backward(
-        x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-        shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared,
-    )
+class _MoeFwdFunction(torch.autograd.Function):
+    """The autograd formula of mok::moe_fwd (registered at its Autograd key). A Function with a
+    separate setup_context, so torch.func transforms (grad, vjp) work through it."""
+
+    @staticmethod
+    def forward(*args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.mok.moe_fwd(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+         shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit) = inputs
+        _, h, h_shared = output
+        ctx.mark_non_differentiable(h, h_shared)
+        ctx.set_materialize_grads(False)
+        ctx.swiglu_limit = swiglu_limit
+        ctx.has_shared = shared_gate_up_proj is not None
+        ctx.has_gate = shared_output_gate is not None
+        ctx.save_for_backward(
+            x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+            shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared,
+        )
+
+    @staticmethod
+    def backward(ctx, dy, _dh, _dh_shared):
+        (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+         shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared) = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(x)
+        dx, drw, dgu, dd, dsgu, dsd, dsg = torch.ops.mok.moe_bwd(
+            dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj,
+            down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared, ctx.swiglu_limit,
+        )
+        return (
+            dx, drw, None, None, None, None, dgu, dd,
+            dsgu if ctx.has_shared else None,
+            dsd if ctx.has_shared else None,
+            dsg if ctx.has_gate else None,
+            None,
+        )
 
 
-def _moe_fwd_backward(ctx, dy, _dh, _dh_shared):
-    (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-     shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared) = ctx.saved_tensors
-    if dy is None:
-        dy = torch.zeros_like(x)
-    dx, drw, dgu, dd, dsgu, dsd, dsg = torch.ops.mok.moe_bwd(
-        dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-        shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared, ctx.swiglu_limit,
-    )
-    return (
-        dx, drw, None, None, None, None, dgu, dd,
-        dsgu if ctx.has_shared else None,
-        dsd if ctx.has_shared else None,
-        dsg if ctx.has_gate else None,
-        None,
-    )
-
-
-moe_fwd.register_autograd(_moe_fwd_backward, setup_context=_moe_fwd_setup_context)
+_lib.impl("moe_fwd", _MoeFwdFunction.apply, "Autograd")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,30 +291,16 @@ def _moe_bwd_triton(*args):
     return _moe_bwd_impl(_triton_backend(), *args)
 
 
-@torch.library.custom_op("mok::moe_bwd", mutates_args=())
-def moe_bwd(
-    dy: Tensor,
-    x: Tensor,
-    router_weights: Tensor,
-    top_experts: Tensor,
-    sorted_routes: Tensor,
-    expert_offsets: Tensor,
-    route_slots: Tensor,
-    gate_up_proj: Tensor,
-    down_proj: Tensor,
-    shared_gate_up_proj: Optional[Tensor],
-    shared_down_proj: Optional[Tensor],
-    shared_output_gate: Optional[Tensor],
-    h: Tensor,
-    h_shared: Tensor,
-    swiglu_limit: Optional[float],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    args = (dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj,
-            down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared, swiglu_limit)
-    return _moe_bwd_impl(impl_module(x), *args)
+_lib.define(
+    "moe_bwd(Tensor dy, Tensor x, Tensor router_weights, Tensor top_experts, Tensor sorted_routes, "
+    "Tensor expert_offsets, Tensor route_slots, Tensor gate_up_proj, Tensor down_proj, Tensor? shared_gate_up_proj, "
+    "Tensor? shared_down_proj, Tensor? shared_output_gate, Tensor h, Tensor h_shared, float? swiglu_limit) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_lib.impl("moe_bwd", lambda *args: _moe_bwd_impl(impl_module(args[1]), *args), "CompositeExplicitAutograd")
 
 
-@moe_bwd.register_fake
+@torch.library.register_fake("mok::moe_bwd", lib=_lib)
 def _(dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
       shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared, swiglu_limit):
     shapes = bwd_output_shapes(x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj,
@@ -327,7 +313,6 @@ def _(dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_s
 # ---------------------------------------------------------------------------------------------
 # mok::moe (user-facing, composite)
 
-_lib = torch.library.Library("mok", "FRAGMENT")
 _lib.define(
     "moe(Tensor x, Tensor router_weights, Tensor top_experts, Tensor gate_up_proj, Tensor down_proj, "
     "Tensor? shared_gate_up_proj=None, Tensor? shared_down_proj=None, Tensor? shared_output_gate=None, "
@@ -341,7 +326,7 @@ def _moe_composite(x, router_weights, top_experts, gate_up_proj, down_proj, shar
                            shared_down_proj, shared_output_gate, swiglu_limit)
     num_experts = gate_up_proj.shape[0]
     sorted_routes, expert_offsets, route_slots = torch.ops.mok.schedule(top_experts, num_experts)
-    y, _, _ = torch.ops.mok.moe_fwd(
+    y, _, _ = _MoeFwdFunction.apply(
         x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
         shared_gate_up_proj, shared_down_proj, shared_output_gate,
         None if swiglu_limit is None else float(swiglu_limit),
@@ -349,8 +334,63 @@ def _moe_composite(x, router_weights, top_experts, gate_up_proj, down_proj, shar
     return y
 
 
+def _under_functorch_autodiff() -> bool:
+    """Whether the innermost torch.func transform is grad/vjp/jvp. Autograd Functions must then be
+    applied from Python rather than from inside a dispatcher kernel."""
+    if torch.compiler.is_compiling():
+        return False
+    functorch = torch._C._functorch
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    top = peek() if peek is not None else None
+    return top is not None and top.key() in (functorch.TransformType.Grad, functorch.TransformType.Jvp)
+
+
+def call_moe(*args):
+    """Run mok::moe on flattened arguments: through the op (what Dynamo records and vmap batches),
+    or, under torch.func.grad / vjp, through the same composite body called from Python."""
+    if _under_functorch_autodiff():
+        return _moe_composite(*args)
+    return torch.ops.mok.moe(*args)
+
+
 _lib.impl("moe", _moe_composite, "CompositeImplicitAutograd")
 
-_register_functional_rule(schedule, lambda te, e: _schedule_impl(te, e, _triton_backend()))
-_register_functional_rule(moe_fwd, _moe_fwd_triton)
-_register_functional_rule(moe_bwd, _moe_bwd_triton)
+_register_functional_rule("mok::schedule", lambda te, e: _schedule_impl(te, e, _triton_backend()))
+_register_functional_rule("mok::moe_fwd", _moe_fwd_triton)
+_register_functional_rule("mok::moe_bwd", _moe_bwd_triton)
+
+
+# ---------------------------------------------------------------------------------------------
+# vmap over mok::moe: tokens are independent, so a batch of token sets with shared weights is one
+# call on the flattened tokens. Batching the weights (a different expert set per batch entry) is not
+# supported and says so.
+
+_BATCHABLE = ("x", "router_weights", "top_experts")
+_MOE_ARG_NAMES = ("x", "router_weights", "top_experts", "gate_up_proj", "down_proj", "shared_gate_up_proj",
+                  "shared_down_proj", "shared_output_gate", "swiglu_limit")
+
+
+def _moe_vmap(info, in_dims, *args):
+    for name, dim in zip(_MOE_ARG_NAMES, in_dims):
+        if dim is not None and name not in _BATCHABLE:
+            raise ValueError(
+                f"{name}: torch.vmap over mok::moe batches only x, router_weights and top_experts (the tokens); "
+                f"got a batched {name}. Call mok_inductor.moe once per weight set instead."
+            )
+    if _under_functorch_autodiff():
+        raise NotImplementedError(
+            "mok::moe: torch.func.grad/vjp of a torch.vmap over mok_inductor.moe is not supported; vmap is "
+            "supported on its own, and grad/vjp on their own (or flatten the batch into the token dim)"
+        )
+    batch = info.batch_size
+    x, rw, te = (
+        (a.movedim(d, 0) if d is not None else a.unsqueeze(0).expand(batch, *a.shape))
+        for a, d in zip(args[:3], in_dims[:3])
+    )
+    B, T, H = x.shape
+    K = rw.shape[-1]
+    y = call_moe(x.reshape(B * T, H), rw.reshape(B * T, K), te.reshape(B * T, K), *args[3:])
+    return y.view(B, T, H), 0
+
+
+torch.library.register_vmap("mok::moe", _moe_vmap)
