@@ -1,0 +1,228 @@
+"""Shared helpers of the operator tests: random inputs, the float64 oracle's gradients, error metrics.
+
+Shape legend: T tokens, H hidden, I routed intermediate, Is shared intermediate, E experts,
+K routes per token.
+
+Every tensor is drawn fresh from a seeded generator (never zeros). The comparison metric is SPEC
+section 2's relative Frobenius error against the float64 oracle of `tests/oracle.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import pytest
+import torch
+
+import mok_inductor
+from oracle import oracle_moe
+
+# SPEC section 2: relative Frobenius error vs the float64 oracle. float16 has more mantissa bits than
+# bfloat16, so the bfloat16 bound is a safe bound for it too.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+WEIGHT_NAMES = ("gate_up_proj", "down_proj", "shared_gate_up_proj", "shared_down_proj", "shared_output_gate")
+GRAD_NAMES = ("x", "router_weights") + WEIGHT_NAMES
+
+
+@dataclass
+class MoeCase:
+    """The arguments of one `mok_inductor.moe` call (x may have leading dims)."""
+
+    x: torch.Tensor
+    router_weights: torch.Tensor
+    top_experts: torch.Tensor
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    shared_gate_up_proj: Optional[torch.Tensor] = None
+    shared_down_proj: Optional[torch.Tensor] = None
+    shared_output_gate: Optional[torch.Tensor] = None
+    swiglu_limit: Optional[float] = None
+    extra: dict = field(default_factory=dict)
+
+    def tensors(self) -> dict:
+        """The differentiable inputs by name (absent optional ones left out)."""
+        out = {"x": self.x, "router_weights": self.router_weights}
+        for name in WEIGHT_NAMES:
+            t = getattr(self, name)
+            if t is not None:
+                out[name] = t
+        return out
+
+    def kwargs(self) -> dict:
+        return dict(
+            shared_gate_up_proj=self.shared_gate_up_proj,
+            shared_down_proj=self.shared_down_proj,
+            shared_output_gate=self.shared_output_gate,
+            swiglu_limit=self.swiglu_limit,
+        )
+
+    def args(self) -> tuple:
+        return (self.x, self.router_weights, self.top_experts, self.gate_up_proj, self.down_proj)
+
+    def op_args(self) -> tuple:
+        """Positional arguments of torch.ops.mok.moe (x must be [T, H])."""
+        return self.args() + (self.shared_gate_up_proj, self.shared_down_proj, self.shared_output_gate,
+                              self.swiglu_limit)
+
+    def detached(self, requires_grad: bool = True, device=None, dtype=None) -> "MoeCase":
+        """A copy with fresh leaf tensors (optionally moved / cast: dtype applies to x and the weights)."""
+        def leaf(t, is_float_arg):
+            if t is None:
+                return None
+            t = t.detach()
+            if device is not None:
+                t = t.to(device)
+            if dtype is not None and is_float_arg:
+                t = t.to(dtype)
+            t = t.clone()
+            if t.is_floating_point():
+                t.requires_grad_(requires_grad)
+            return t
+
+        return MoeCase(
+            leaf(self.x, True), leaf(self.router_weights, False), leaf(self.top_experts, False),
+            *(leaf(getattr(self, n), True) for n in WEIGHT_NAMES), swiglu_limit=self.swiglu_limit,
+            extra=dict(self.extra),
+        )
+
+
+def routing(T: int, K: int, E: int, kind: str = "random", *, generator: torch.Generator,
+            index_dtype=torch.int64, drop: float = 0.0) -> torch.Tensor:
+    """top_experts [T, K] of one of the kinds:
+    random    K distinct experts per token (needs K <= E), a `drop` share of routes set to -1;
+    repeat    ids drawn with replacement in [-1, E) (the same expert may repeat within a token);
+    one       every route of every token to expert E-1 (every token to one expert; the others empty);
+    none      all routes -1;
+    low_half  distinct experts from the lower half only (the upper half empty).
+    """
+    if kind == "none":
+        return torch.full((T, K), -1, dtype=index_dtype)
+    if kind == "one":
+        return torch.full((T, K), E - 1, dtype=index_dtype)
+    if kind == "repeat":
+        return torch.randint(-1, E, (T, K), generator=generator).to(index_dtype)
+    pool = E if kind == "random" else max(K, E // 2)
+    assert K <= pool, "distinct routes need K <= E"
+    te = torch.stack([torch.randperm(pool, generator=generator)[:K] for _ in range(T)]) if T else \
+        torch.empty(0, K, dtype=torch.int64)
+    te = te.reshape(T, K)
+    if drop:
+        mask = torch.rand(T, K, generator=generator) < drop
+        te = torch.where(mask, torch.full_like(te, -1), te)
+    return te.to(index_dtype)
+
+
+def make_case(T=6, H=16, I=8, E=4, K=2, *, dtype=torch.float32, device="cpu", shared=False, gate=False,
+              limit=None, Is=None, kind="random", drop=0.0, rw_dtype=torch.float32, lead=None,
+              index_dtype=torch.int64, seed=0, requires_grad=True) -> MoeCase:
+    """Random inputs of one moe call. Weights are scaled so that activations are O(1) (the clamp of
+    `limit` then really clips some values); router weights are positive, like softmax outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    Is = I + 4 if Is is None else Is  # the shared intermediate size differs from I by default
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+    x = randn(T, H)
+    rw = (torch.rand(T, K, generator=gen, dtype=torch.float64) + 0.1).to(rw_dtype)
+    te = routing(T, K, E, kind, generator=gen, index_dtype=index_dtype, drop=drop)
+    w1 = randn(E, 2 * I, H, scale=H ** -0.5)
+    w2 = randn(E, H, I, scale=I ** -0.5)
+    s1 = randn(2 * Is, H, scale=H ** -0.5) if shared else None
+    s2 = randn(H, Is, scale=Is ** -0.5) if shared else None
+    sg = randn(1, H, scale=H ** -0.5) if gate else None
+    if lead is not None:
+        x = x.reshape(*lead, H)
+        rw = rw.reshape(*lead, K)
+        te = te.reshape(*lead, K)
+    case = MoeCase(x, rw, te, w1, w2, s1, s2, sg, limit)
+    return case.detached(requires_grad=requires_grad, device=device)
+
+
+def run_moe(case: MoeCase, fn=None) -> torch.Tensor:
+    fn = fn or mok_inductor.moe
+    return fn(*case.args(), **case.kwargs())
+
+
+def random_like(t: torch.Tensor, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(t.shape, generator=gen, dtype=torch.float64).to(device=t.device, dtype=t.dtype)
+
+
+def moe_with_grads(case: MoeCase, dy: torch.Tensor, fn=None):
+    """(y, {name: grad}) of the moe call on `case` (fresh leaves), backward of <y, dy>."""
+    c = case.detached()
+    y = run_moe(c, fn)
+    y.backward(dy)
+    return y.detach(), {n: t.grad for n, t in c.tensors().items()}
+
+
+def oracle_with_grads(case: MoeCase, dy: torch.Tensor):
+    """(y, {name: grad}) of the float64 oracle on the same values (on the CPU), flattened leading dims
+    restored; gradients are float64."""
+    c = case.detached(device="cpu", dtype=torch.float64)
+    c.router_weights = c.router_weights.detach().double().requires_grad_(True)
+    H, K = c.x.shape[-1], c.router_weights.shape[-1]
+    y = oracle_moe(c.x.reshape(-1, H), c.router_weights.reshape(-1, K), c.top_experts.reshape(-1, K),
+                   c.gate_up_proj, c.down_proj, c.shared_gate_up_proj, c.shared_down_proj,
+                   c.shared_output_gate, c.swiglu_limit)
+    y = y.reshape(c.x.shape)
+    if y.requires_grad:  # the oracle's output is a constant zero when no route and no shared expert exist
+        y.backward(dy.detach().cpu().double())
+    grads = {}
+    for n, t in c.tensors().items():
+        # a leaf the oracle never used (e.g. no valid route at all) has no grad: its gradient is zero
+        grads[n] = t.grad if t.grad is not None else torch.zeros_like(t)
+    return y.detach(), grads
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; when ref is exactly zero, ||out|| itself (must be 0 too)."""
+    out = out.detach().cpu().double()
+    ref = ref.detach().cpu().double()
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    if out.numel() == 0:
+        return 0.0
+    den = ref.norm().item()
+    num = (out - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def assert_close_to_oracle(name: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
+                           factor: float = 1.0) -> None:
+    err = rel_err(out, ref)
+    tol = TOLERANCE[dtype] * factor
+    assert err <= tol, f"{name}: relative error {err:.3e} vs the float64 oracle exceeds {tol:.1e}"
+
+
+def check_against_oracle(case: MoeCase, *, dtype=None, seed=123, fn=None, check_grads=True):
+    """Forward and every gradient of `case` against the float64 oracle at SPEC tolerance of x's dtype.
+    Also checks output dtype/shape and that each gradient comes back in its input's dtype."""
+    dtype = dtype or case.x.dtype
+    y_shape = case.x.shape
+    dy = random_like(case.x.detach(), seed)
+    if check_grads:
+        y, grads = moe_with_grads(case, dy, fn)
+    else:
+        with torch.no_grad():
+            y = run_moe(case.detached(requires_grad=False), fn)
+        grads = {}
+    y_ref, grads_ref = oracle_with_grads(case, dy)
+    assert y.dtype == case.x.dtype and y.shape == y_shape and y.device == case.x.device
+    assert_close_to_oracle("y", y, y_ref, dtype)
+    for n, g in grads.items():
+        src = case.tensors()[n]
+        assert g is not None, f"{n}: no gradient"
+        assert g.dtype == src.dtype, f"{n}: gradient dtype {g.dtype}, expected {src.dtype}"
+        assert g.shape == src.shape, f"{n}: gradient shape {tuple(g.shape)}, expected {tuple(src.shape)}"
+        # a gradient returned in a lower precision than x (bf16 router weights) is held to its own dtype's bound
+        g_dtype = g.dtype if TOLERANCE.get(g.dtype, 0.0) > TOLERANCE[dtype] else dtype
+        assert_close_to_oracle(f"d_{n}", g, grads_ref[n], g_dtype)
+    return y, grads, y_ref, grads_ref
