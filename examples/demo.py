@@ -1,0 +1,119 @@
+"""The demo: one MoE layer with a gated shared expert through `mok_inductor.moe`.
+
+Runs the layer eagerly and under torch.compile, forward and backward, prints which implementation ran
+(the Triton kernels on CUDA, the CPU implementation otherwise) and the relative error of the output
+and of every gradient against a float64 run of the package's reference on the CPU.
+"""
+
+import argparse
+import time
+
+import torch
+
+import mok_inductor
+from mok_inductor import reference
+from mok_inductor.ops import split_gate_up
+
+
+def make_layer(T, H, I, Is, E, K, dtype, device, generator):
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype).to(device)
+
+    logits = torch.randn(T, E, generator=generator)
+    router_weights, top_experts = torch.topk(logits.softmax(-1), K)
+    router_weights = router_weights / router_weights.sum(-1, keepdim=True)
+    top_experts[0, -1] = -1  # a missing route: contributes nothing
+    return dict(
+        x=rnd(T, H),
+        router_weights=router_weights.to(device),
+        top_experts=top_experts.to(torch.int32).to(device),
+        gate_up_proj=rnd(E, 2 * I, H, scale=H**-0.5),
+        down_proj=rnd(E, H, I, scale=I**-0.5),
+        shared_gate_up_proj=rnd(2 * Is, H, scale=H**-0.5),
+        shared_down_proj=rnd(H, Is, scale=Is**-0.5),
+        shared_output_gate=rnd(1, H, scale=H**-0.5),
+    )
+
+
+DIFFERENTIABLE = ("x", "router_weights", "gate_up_proj", "down_proj", "shared_gate_up_proj", "shared_down_proj",
+                  "shared_output_gate")
+
+
+def float64_reference(inputs, dy, swiglu_limit):
+    """Output and gradients from the package's reference, run in float64 on the CPU."""
+    d = {k: v.detach().cpu() for k, v in inputs.items()}
+    d = {k: (v.double() if v.is_floating_point() else v) for k, v in d.items()}
+    sched = reference.build_schedule(d["top_experts"], d["gate_up_proj"].shape[0])
+    wg, wu = split_gate_up(d["gate_up_proj"])
+    sg, su = split_gate_up(d["shared_gate_up_proj"])
+    args = (d["x"], d["router_weights"], d["top_experts"], sched, wg, wu, d["down_proj"])
+    shared = (sg, su, d["shared_down_proj"], d["shared_output_gate"])
+    fwd = reference.moe_forward(*args, *shared, swiglu_limit)
+    bwd = reference.moe_backward(dy.detach().cpu().double(), *args, fwd.h_NI, *shared, fwd.h_shared_TIs, swiglu_limit)
+    g = bwd.grads
+    grads = dict(
+        x=bwd.dx_TH, router_weights=bwd.d_router_weights_TK,
+        gate_up_proj=torch.cat([g.d_gate, g.d_up], 1), down_proj=g.d_down,
+        shared_gate_up_proj=torch.cat([g.d_s_gate, g.d_s_up], 0), shared_down_proj=g.d_s_down,
+        shared_output_gate=g.d_s_out_gate,
+    )
+    return fwd.y_TH, grads
+
+
+def rel_err(a, b):
+    a, b = a.detach().double().cpu(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run(fn, inputs, dy, swiglu_limit):
+    leaves = {k: (v.detach().clone().requires_grad_() if k in DIFFERENTIABLE else v) for k, v in inputs.items()}
+    y = fn(**leaves, swiglu_limit=swiglu_limit)
+    y.backward(dy)
+    return y, {k: leaves[k].grad for k in DIFFERENTIABLE}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--intermediate", type=int, default=64)
+    p.add_argument("--shared-intermediate", type=int, default=96)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--swiglu-limit", type=float, default=7.0)
+    a = p.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, a.dtype)
+    gen = torch.Generator().manual_seed(0)
+    inputs = make_layer(a.tokens, a.hidden, a.intermediate, a.shared_intermediate, a.experts, a.topk, dtype,
+                        device, gen)
+    dy = torch.randn(a.tokens, a.hidden, generator=gen).to(dtype).to(device)
+    y_ref, g_ref = float64_reference(inputs, dy, a.swiglu_limit)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+
+    print(f"mok-inductor {mok_inductor.__version__}, torch {torch.__version__}, device {device}, {a.dtype}")
+    print(f"layer: T={a.tokens} H={a.hidden} I={a.intermediate} Is={a.shared_intermediate} E={a.experts} "
+          f"K={a.topk}, gated shared expert, swiglu_limit={a.swiglu_limit}")
+    print(f"path: {mok_inductor.path_name(inputs['x'])} "
+          f"({'Triton kernels' if mok_inductor.path_name(inputs['x']) == 'triton' else 'CPU implementation'})")
+
+    compiled = torch.compile(mok_inductor.moe, fullgraph=True)
+    worst = 0.0
+    for name, fn in (("eager", mok_inductor.moe), ("torch.compile", compiled)):
+        t0 = time.perf_counter()
+        y, grads = run(fn, inputs, dy, a.swiglu_limit)
+        dt = time.perf_counter() - t0
+        errs = {"output": rel_err(y, y_ref)} | {f"d {k}": rel_err(grads[k], g_ref[k]) for k in DIFFERENTIABLE}
+        worst = max(worst, *errs.values())
+        print(f"\n{name} (first call {dt:.1f} s): relative error vs float64 reference (tolerance {tol:g})")
+        for k, v in errs.items():
+            print(f"  {k:<22} {v:.2e}")
+    ok = worst <= tol
+    print(f"\n{'OK' if ok else 'FAILED'}: worst relative error {worst:.2e}")
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
