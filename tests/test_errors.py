@@ -1,0 +1,383 @@
+"""Bad input (SPEC section 5): every violation raises TypeError or ValueError naming the argument.
+
+Each test builds a valid call (T=4 tokens, H=8, I=4, Is=6, E=3 experts, K=2 routes), breaks one
+argument, asserts the exception type, that the message starts with the argument's name, and pins the
+whole message with expecttest (`EXPECTTEST_ACCEPT=1 pytest tests/test_errors.py` rewrites the pins
+after a deliberate change of wording). Meta-device tensors stand in for "a tensor on another device".
+Out-of-range expert ids are checked eagerly and inside torch.compile(fullgraph=True).
+"""
+
+import math
+
+import expecttest
+import torch
+
+import mok_inductor
+from _helpers import make_case
+
+
+def _good(**overrides):
+    """Keyword arguments of a valid mok_inductor.moe call with a shared expert and gate, then overrides."""
+    c = make_case(T=4, H=8, I=4, Is=6, E=3, K=2, shared=True, gate=True, limit=None, requires_grad=False)
+    kw = dict(x=c.x, router_weights=c.router_weights, top_experts=c.top_experts, gate_up_proj=c.gate_up_proj,
+              down_proj=c.down_proj, shared_gate_up_proj=c.shared_gate_up_proj, shared_down_proj=c.shared_down_proj,
+              shared_output_gate=c.shared_output_gate, swiglu_limit=None)
+    kw.update(overrides)
+    return kw
+
+
+def _call(kw):
+    kw = dict(kw)
+    args = [kw.pop(n) for n in ("x", "router_weights", "top_experts", "gate_up_proj", "down_proj")]
+    return mok_inductor.moe(*args, **kw)
+
+
+def _op_call(kw):
+    return torch.ops.mok.moe(kw["x"], kw["router_weights"], kw["top_experts"], kw["gate_up_proj"], kw["down_proj"],
+                             kw["shared_gate_up_proj"], kw["shared_down_proj"], kw["shared_output_gate"],
+                             kw["swiglu_limit"])
+
+
+def _op_schema_accepts(kw) -> bool:
+    """Whether torch.ops.mok.moe's schema takes these arguments (the dispatcher rejects non-tensors and
+    non-floats itself, before the op's checks), with x and router_weights already flat."""
+    tensors = ("x", "router_weights", "top_experts", "gate_up_proj", "down_proj")
+    optional = ("shared_gate_up_proj", "shared_down_proj", "shared_output_gate")
+    if not all(isinstance(kw[n], torch.Tensor) for n in tensors):
+        return False
+    if not all(kw[n] is None or isinstance(kw[n], torch.Tensor) for n in optional):
+        return False
+    limit = kw["swiglu_limit"]
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))):
+        return False
+    return kw["x"].dim() == 2 and kw["router_weights"].dim() == 2
+
+
+def _meta(t):
+    return t.to("meta")
+
+
+class TestBadInput(expecttest.TestCase):
+    def raises(self, exc_type, name, fn, *args) -> str:
+        """Run fn(*args); assert it raises exactly `exc_type` with a message starting with `name`."""
+        with self.assertRaises((TypeError, ValueError)) as cm:
+            fn(*args)
+        self.assertIs(type(cm.exception), exc_type, f"{type(cm.exception).__name__}: {cm.exception}")
+        msg = str(cm.exception)
+        self.assertTrue(msg.startswith(name + ":"), f"the message does not name {name}: {msg}")
+        return msg
+
+    def bad(self, exc_type, name, **overrides) -> str:
+        """The error of the user API with one argument replaced; the op itself raises the same error."""
+        kw = _good(**overrides)
+        msg = self.raises(exc_type, name, _call, kw)
+        if _op_schema_accepts(kw):
+            self.raises(exc_type, name, _op_call, kw)  # the op checks too (its wording may differ)
+        return msg
+
+    def test_good_call_passes(self):
+        # the base call of every test below is valid: the errors come from the one broken argument
+        y = _call(_good())
+        self.assertEqual(y.shape, (4, 8))
+        self.assertTrue(torch.isfinite(y).all())
+
+    # ---- not a tensor
+
+    def test_x_not_a_tensor(self):
+        self.assertExpectedInline(self.bad(TypeError, "x", x=[[1.0] * 8] * 4),
+            """x: expected a torch.Tensor, got list""")
+
+    def test_router_weights_not_a_tensor(self):
+        self.assertExpectedInline(self.bad(TypeError, "router_weights", router_weights=0.5),
+            """router_weights: expected a torch.Tensor, got float""")
+
+    def test_top_experts_not_a_tensor(self):
+        self.assertExpectedInline(self.bad(TypeError, "top_experts", top_experts=[[0, 1]] * 4),
+            """top_experts: expected a torch.Tensor, got list""")
+
+    def test_gate_up_proj_not_a_tensor(self):
+        w = _good()["gate_up_proj"]
+        self.assertExpectedInline(self.bad(TypeError, "gate_up_proj", gate_up_proj=list(w.unbind(0))),
+            """gate_up_proj: expected a torch.Tensor, got list""")
+
+    def test_down_proj_not_a_tensor(self):
+        self.assertExpectedInline(self.bad(TypeError, "down_proj", down_proj="down"),
+            """down_proj: expected a torch.Tensor, got str""")
+
+    def test_shared_output_gate_not_a_tensor(self):
+        self.assertExpectedInline(self.bad(TypeError, "shared_output_gate", shared_output_gate=1.0),
+            """shared_output_gate: expected a torch.Tensor, got float""")
+
+    # ---- dtype
+
+    def test_x_float64(self):
+        self.assertExpectedInline(self.bad(TypeError, "x", x=_good()["x"].double()),
+            """x: expected dtype float32 or bfloat16 or float16, got float64""")
+
+    def test_x_integer(self):
+        self.assertExpectedInline(self.bad(TypeError, "x", x=torch.ones(4, 8, dtype=torch.int32)),
+            """x: expected dtype float32 or bfloat16 or float16, got int32""")
+
+    def test_router_weights_integer(self):
+        self.assertExpectedInline(
+            self.bad(TypeError, "router_weights", router_weights=torch.ones(4, 2, dtype=torch.int64)),
+            """router_weights: expected a floating-point dtype (float32 preferred), got int64""")
+
+    def test_top_experts_float(self):
+        self.assertExpectedInline(self.bad(TypeError, "top_experts", top_experts=_good()["top_experts"].float()),
+            """top_experts: expected dtype int32 or int64, got float32""")
+
+    def test_top_experts_int16(self):
+        self.assertExpectedInline(
+            self.bad(TypeError, "top_experts", top_experts=_good()["top_experts"].to(torch.int16)),
+            """top_experts: expected dtype int32 or int64, got int16""")
+
+    def test_gate_up_proj_dtype_differs_from_x(self):
+        self.assertExpectedInline(
+            self.bad(TypeError, "gate_up_proj", gate_up_proj=_good()["gate_up_proj"].bfloat16()),
+            """gate_up_proj: expected dtype float32, got bfloat16""")
+
+    def test_down_proj_dtype_differs_from_x(self):
+        self.assertExpectedInline(self.bad(TypeError, "down_proj", down_proj=_good()["down_proj"].half()),
+            """down_proj: expected dtype float32, got float16""")
+
+    def test_shared_gate_up_proj_dtype(self):
+        self.assertExpectedInline(
+            self.bad(TypeError, "shared_gate_up_proj", shared_gate_up_proj=_good()["shared_gate_up_proj"].bfloat16()),
+            """shared_gate_up_proj: expected dtype float32, got bfloat16""")
+
+    def test_shared_down_proj_dtype(self):
+        self.assertExpectedInline(
+            self.bad(TypeError, "shared_down_proj", shared_down_proj=_good()["shared_down_proj"].bfloat16()),
+            """shared_down_proj: expected dtype float32, got bfloat16""")
+
+    def test_shared_output_gate_dtype(self):
+        self.assertExpectedInline(
+            self.bad(TypeError, "shared_output_gate", shared_output_gate=_good()["shared_output_gate"].bfloat16()),
+            """shared_output_gate: expected dtype float32, got bfloat16""")
+
+    # ---- rank and shape
+
+    def test_x_one_dim(self):
+        self.assertExpectedInline(self.bad(ValueError, "x", x=_good()["x"][0]),
+            """x: expected shape [..., H] with at least one token dim, got [8]""")
+
+    def test_router_weights_rows(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "router_weights", router_weights=_good()["router_weights"][:3]),
+            """router_weights: expected shape [4] + [K] (the leading dims of x), got [3, 2]""")
+
+    def test_router_weights_rank(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "router_weights", router_weights=_good()["router_weights"].reshape(-1)),
+            """router_weights: expected shape [4] + [K] (the leading dims of x), got [8]""")
+
+    def test_top_experts_shape(self):
+        self.assertExpectedInline(self.bad(ValueError, "top_experts", top_experts=_good()["top_experts"][:, :1]),
+            """top_experts: expected shape [4, 2] (the shape of router_weights), got [4, 1]""")
+
+    def test_gate_up_proj_rank(self):
+        self.assertExpectedInline(self.bad(ValueError, "gate_up_proj", gate_up_proj=_good()["gate_up_proj"][0]),
+            """gate_up_proj: expected a 3-D tensor [E, 2*I, H], got shape [8, 8]""")
+
+    def test_gate_up_proj_hidden_size(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "gate_up_proj", gate_up_proj=_good()["gate_up_proj"][:, :, :7]),
+            """gate_up_proj: expected shape [E, 2*I, 8] (H of x), got [3, 8, 7]""")
+
+    def test_gate_up_proj_odd_rows(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "gate_up_proj", gate_up_proj=_good()["gate_up_proj"][:, :7]),
+            """gate_up_proj: expected an even second dim (gate rows then up rows), got [3, 7, 8]""")
+
+    def test_gate_up_proj_no_experts(self):
+        kw = _good()
+        self.assertExpectedInline(
+            self.bad(ValueError, "gate_up_proj", gate_up_proj=kw["gate_up_proj"][:0], down_proj=kw["down_proj"][:0],
+                     top_experts=torch.full_like(kw["top_experts"], -1)),
+            """gate_up_proj: expected at least one expert, got shape [0, 8, 8]""")
+
+    def test_down_proj_expert_count(self):
+        self.assertExpectedInline(self.bad(ValueError, "down_proj", down_proj=_good()["down_proj"][:2]),
+            """down_proj: expected shape [3, 8, 4] [E, H, I] (matching gate_up_proj [E, 2*I, H]), got [2, 8, 4]""")
+
+    def test_down_proj_intermediate_size(self):
+        # gate_up_proj [3, 8, 8] says I=4; a down_proj [3, 8, 3] does not match
+        self.assertExpectedInline(self.bad(ValueError, "down_proj", down_proj=_good()["down_proj"][:, :, :3]),
+            """down_proj: expected shape [3, 8, 4] [E, H, I] (matching gate_up_proj [E, 2*I, H]), got [3, 8, 3]""")
+
+    def test_down_proj_transposed(self):
+        # [E, I, H] instead of [E, H, I]
+        self.assertExpectedInline(
+            self.bad(ValueError, "down_proj", down_proj=_good()["down_proj"].transpose(1, 2)),
+            """down_proj: expected shape [3, 8, 4] [E, H, I] (matching gate_up_proj [E, 2*I, H]), got [3, 4, 8]""")
+
+    def test_down_proj_rank(self):
+        self.assertExpectedInline(self.bad(ValueError, "down_proj", down_proj=_good()["down_proj"][0]),
+            """down_proj: expected shape [3, 8, 4] [E, H, I] (matching gate_up_proj [E, 2*I, H]), got [8, 4]""")
+
+    def test_shared_gate_up_proj_rank(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "shared_gate_up_proj", shared_gate_up_proj=_good()["shared_gate_up_proj"][None]),
+            """shared_gate_up_proj: expected a 2-D tensor [2*Is, H], got shape [1, 12, 8]""")
+
+    def test_shared_gate_up_proj_hidden_size(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "shared_gate_up_proj", shared_gate_up_proj=_good()["shared_gate_up_proj"][:, :7]),
+            """shared_gate_up_proj: expected shape [2*Is, 8] with an even first dim, got [12, 7]""")
+
+    def test_shared_gate_up_proj_odd_rows(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "shared_gate_up_proj", shared_gate_up_proj=_good()["shared_gate_up_proj"][:11]),
+            """shared_gate_up_proj: expected shape [2*Is, 8] with an even first dim, got [11, 8]""")
+
+    def test_shared_down_proj_size(self):
+        # shared_gate_up_proj [12, 8] says Is=6; shared_down_proj [8, 5] does not match
+        self.assertExpectedInline(
+            self.bad(ValueError, "shared_down_proj", shared_down_proj=_good()["shared_down_proj"][:, :5]),
+            """shared_down_proj: expected shape [8, 6] [H, Is] (matching shared_gate_up_proj [2*Is, H]), got [8, 5]""")
+
+    def test_shared_output_gate_shape(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "shared_output_gate", shared_output_gate=_good()["shared_output_gate"][0]),
+            """shared_output_gate: expected shape [1, 8] [1, H], got [8]""")
+
+    def test_shared_output_gate_hidden_size(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "shared_output_gate", shared_output_gate=_good()["shared_output_gate"][:, :7]),
+            """shared_output_gate: expected shape [1, 8] [1, H], got [1, 7]""")
+
+    # ---- optional arguments given alone
+
+    def test_shared_gate_up_proj_alone(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "shared_down_proj", shared_down_proj=None, shared_output_gate=None),
+            """shared_down_proj: the shared expert needs both shared_gate_up_proj and shared_down_proj""")
+
+    def test_shared_down_proj_alone(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "shared_gate_up_proj", shared_gate_up_proj=None, shared_output_gate=None),
+            """shared_gate_up_proj: the shared expert needs both shared_gate_up_proj and shared_down_proj""")
+
+    def test_shared_output_gate_without_shared_expert(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "shared_output_gate", shared_gate_up_proj=None, shared_down_proj=None),
+            """shared_output_gate: given without a shared expert (shared_gate_up_proj is None)""")
+
+    # ---- swiglu_limit
+
+    def test_swiglu_limit_negative(self):
+        self.assertExpectedInline(self.bad(ValueError, "swiglu_limit", swiglu_limit=-1.0),
+            """swiglu_limit: expected a finite positive float, got -1.0""")
+
+    def test_swiglu_limit_zero(self):
+        self.assertExpectedInline(self.bad(ValueError, "swiglu_limit", swiglu_limit=0.0),
+            """swiglu_limit: expected a finite positive float, got 0.0""")
+
+    def test_swiglu_limit_nan(self):
+        self.assertExpectedInline(self.bad(ValueError, "swiglu_limit", swiglu_limit=math.nan),
+            """swiglu_limit: expected a finite positive float, got nan""")
+
+    def test_swiglu_limit_inf(self):
+        self.assertExpectedInline(self.bad(ValueError, "swiglu_limit", swiglu_limit=math.inf),
+            """swiglu_limit: expected a finite positive float, got inf""")
+
+    def test_swiglu_limit_string(self):
+        self.assertExpectedInline(self.bad(TypeError, "swiglu_limit", swiglu_limit="7"),
+            """swiglu_limit: expected a float or None, got str""")
+
+    def test_swiglu_limit_bool(self):
+        self.assertExpectedInline(self.bad(TypeError, "swiglu_limit", swiglu_limit=True),
+            """swiglu_limit: expected a float or None, got bool""")
+
+    # ---- device (meta tensors stand in for another device than x's)
+
+    def test_router_weights_device(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "router_weights", router_weights=_meta(_good()["router_weights"])),
+            """router_weights: expected a tensor on cpu (the device of x), got one on meta""")
+
+    def test_top_experts_device(self):
+        self.assertExpectedInline(self.bad(ValueError, "top_experts", top_experts=_meta(_good()["top_experts"])),
+            """top_experts: expected a tensor on cpu (the device of x), got one on meta""")
+
+    def test_gate_up_proj_device(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "gate_up_proj", gate_up_proj=_meta(_good()["gate_up_proj"])),
+            """gate_up_proj: expected a tensor on cpu (the device of x), got one on meta""")
+
+    def test_down_proj_device(self):
+        self.assertExpectedInline(self.bad(ValueError, "down_proj", down_proj=_meta(_good()["down_proj"])),
+            """down_proj: expected a tensor on cpu (the device of x), got one on meta""")
+
+    def test_shared_gate_up_proj_device(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "shared_gate_up_proj", shared_gate_up_proj=_meta(_good()["shared_gate_up_proj"])),
+            """shared_gate_up_proj: expected a tensor on cpu (the device of x), got one on meta""")
+
+    def test_shared_down_proj_device(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "shared_down_proj", shared_down_proj=_meta(_good()["shared_down_proj"])),
+            """shared_down_proj: expected a tensor on cpu (the device of x), got one on meta""")
+
+    def test_shared_output_gate_device(self):
+        self.assertExpectedInline(
+            self.bad(ValueError, "shared_output_gate", shared_output_gate=_meta(_good()["shared_output_gate"])),
+            """shared_output_gate: expected a tensor on cpu (the device of x), got one on meta""")
+
+    # ---- expert ids out of [-1, E)
+
+    def test_expert_id_equal_to_E(self):
+        te = _good()["top_experts"].clone()
+        te[1, 0] = 3  # E = 3
+        self.assertExpectedInline(self.bad(ValueError, "top_experts", top_experts=te),
+            """top_experts: expected expert indices in [-1, 3) (-1 means no route), found 3""")
+
+    def test_expert_id_below_minus_one(self):
+        te = _good()["top_experts"].clone()
+        te[2, 1] = -2
+        self.assertExpectedInline(self.bad(ValueError, "top_experts", top_experts=te),
+            """top_experts: expected expert indices in [-1, 3) (-1 means no route), found -2""")
+
+    def test_expert_id_int32_large(self):
+        te = _good()["top_experts"].to(torch.int32)
+        te[0, 0] = 2**31 - 1
+        self.assertExpectedInline(self.bad(ValueError, "top_experts", top_experts=te),
+            """top_experts: expected expert indices in [-1, 3) (-1 means no route), found 2147483647""")
+
+    def test_expert_id_in_schedule_op(self):
+        # mok::schedule checks the ids itself (it is reachable from compiled graphs and the functional ABI)
+        te = torch.tensor([[0, 5]], dtype=torch.int64)
+        self.assertExpectedInline(self.raises(ValueError, "top_experts", torch.ops.mok.schedule, te, 3),
+            """top_experts: expected expert indices in [-1, 3) (-1 means no route), found 5""")
+
+    def test_expert_id_inside_compile(self):
+        # the value check runs inside the op, so torch.compile(fullgraph=True) traces the call and the
+        # compiled function raises the same error at run time (aot_eager: the same graph, no codegen)
+        torch._dynamo.reset()
+        fn = torch.compile(_call, fullgraph=True, backend="aot_eager")
+        good = _good()
+        self.assertEqual(fn(good).shape, (4, 8))  # compiles and runs with valid ids
+        for bad in (3, -2):
+            te = good["top_experts"].clone()
+            te[3, 1] = bad
+            msg = self.raises(ValueError, "top_experts", fn, _good(top_experts=te))
+            self.assertIn(str(bad), msg)
+        self.assertExpectedInline(msg,
+            """top_experts: expected expert indices in [-1, 3) (-1 means no route), found -2""")
+        torch._dynamo.reset()
+
+    def test_rejected_call_leaves_inputs_untouched(self):
+        # nothing is written to the caller's tensors when a call is rejected
+        kw = _good()
+        te = kw["top_experts"].clone()
+        te[0, 0] = 7
+        kw["top_experts"] = te
+        before = {k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor)}
+        self.raises(ValueError, "top_experts", _call, kw)
+        for k, v in before.items():
+            self.assertTrue(torch.equal(kw[k], v), k)
+
+
+if __name__ == "__main__":
+    expecttest.run_tests() if hasattr(expecttest, "run_tests") else __import__("unittest").main()
