@@ -1,0 +1,87 @@
+"""Launch plumbing shared by the kernel families: interpreter detection, autotune configs, launches.
+
+Kernels are launched through `torch.library.wrap_triton` while AOTAutograd traces them (fake or
+functional tensors), so that Inductor emits them as user-defined Triton kernels; in plain eager
+they are launched directly (what `triton_op` does), and always directly under TRITON_INTERPRET=1
+(torch 2.11's wrap_triton rejects interpreted kernels).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def autotune_enabled() -> bool:
+    return not INTERPRET and os.environ.get("MOK_AUTOTUNE", "1") != "0"
+
+
+def pick_configs(configs: list, interpret_config) -> list:
+    """All `configs` when autotuning, the first one when MOK_AUTOTUNE=0, `interpret_config` under the
+    interpreter (one small tile, the interpreter is slow)."""
+    if INTERPRET:
+        return [interpret_config]
+    if not autotune_enabled():
+        return configs[:1]
+    return configs
+
+
+def cfg(bm, bn, bk, warps, stages) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+
+
+def _traced(args) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    key = torch._C._TorchDispatchModeKey
+    if torch._C._get_dispatch_mode(key.FUNCTIONAL) is not None or torch._C._get_dispatch_mode(key.FAKE) is not None:
+        return True
+    return any(isinstance(a, (FakeTensor, FunctionalTensor)) for a in args)
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), through wrap_triton when traced."""
+    if not INTERPRET and _traced(args):
+        torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 GEMMs in full precision (SPEC's 1e-4 rules out tf32); others use the tensor cores.
+    "interp": the interpreter's tl.dot is wrong on bfloat16 operands, so `mma` upcasts them."""
+    if INTERPRET:
+        return "interp"
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+@triton.jit
+def mma(a, b, acc, DOT_PREC: tl.constexpr):
+    """acc + a @ b with float32 accumulation (DOT_PREC from `dot_precision`)."""
+    if DOT_PREC == "interp":
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        out = tl.dot(a, b, acc, input_precision=DOT_PREC)
+    return out
+
+
+@triton.jit
+def to_out(v, dtype: tl.constexpr, DOT_PREC: tl.constexpr):
+    """v.to(dtype), rounding to nearest even; the interpreter truncates float32 -> bfloat16, so there
+    the rounding is done by hand on the bits."""
+    if DOT_PREC == "interp":
+        if dtype == tl.bfloat16:
+            bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            v = bits.to(tl.float32, bitcast=True)
+    return v.to(dtype)

@@ -1,0 +1,105 @@
+"""The expert schedule on the device: a stable counting sort of the routes by expert.
+
+    top_experts_TK --_schedule_count_kernel--> counts_CG [C, G] (routes per key per chunk), bad_C [C]
+    counts_CG --int32 cumsums (torch)--> expert_offsets_E1, base_CG (first slot of key g in chunk c)
+    top_experts_TK, base_CG --_schedule_scatter_kernel--> sorted_routes_N, route_slots_N
+
+Keys: the expert id, with `-1` routes as key E (so they sort last, in route order). Stable because
+chunk c's routes of key g take the slots after those of chunks < c, in route order inside a chunk
+(a one-hot prefix sum). Integer arithmetic only: deterministic. Static shapes, no host
+synchronisation (capturable in a CUDA graph). Ids outside [-1, E) are counted per chunk in bad_C and
+checked with torch._assert_async; they are treated as `-1` so no write goes out of bounds.
+
+Shape legend: T tokens, K routes per token, N = T*K routes, E experts, G = E + 1 keys, C chunks of
+BLOCK routes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _launch
+from ..reference import Schedule
+
+
+@triton.jit
+def _keys(te_ptr, routes, N, E):
+    mask = routes < N
+    ids = tl.load(te_ptr + routes, mask=mask, other=-1).to(tl.int32)
+    bad = mask & ((ids < -1) | (ids >= E))
+    keys = tl.where((ids < 0) | bad, E, ids)
+    return keys, mask, bad
+
+
+@triton.jit
+def _schedule_count_kernel(
+    te_ptr,  # top_experts [N] (flat, int32 or int64)
+    counts_ptr,  # int32 [C, G] out
+    bad_ptr,  # int32 [C] out: ids outside [-1, E) in the chunk
+    N, E,
+    G_POW2: tl.constexpr, BLOCK: tl.constexpr,
+):
+    c = tl.program_id(0)
+    routes = c * BLOCK + tl.arange(0, BLOCK)
+    keys, mask, bad = _keys(te_ptr, routes, N, E)
+    g = tl.arange(0, G_POW2)
+    onehot = ((keys[:, None] == g[None, :]) & mask[:, None]).to(tl.int32)
+    counts = tl.sum(onehot, axis=0)
+    tl.store(counts_ptr + c * (E + 1) + g, counts, mask=g <= E)
+    tl.store(bad_ptr + c, tl.sum(bad.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _schedule_scatter_kernel(
+    te_ptr,  # top_experts [N]
+    base_ptr,  # int32 [C, G]: first slot of key g's routes of chunk c
+    sorted_ptr,  # int32 [N] out: route held by each slot
+    slots_ptr,  # int32 [N] out: slot of each route
+    N, E,
+    G_POW2: tl.constexpr, BLOCK: tl.constexpr,
+):
+    c = tl.program_id(0)
+    routes = c * BLOCK + tl.arange(0, BLOCK)
+    keys, mask, _ = _keys(te_ptr, routes, N, E)
+    g = tl.arange(0, G_POW2)
+    onehot = ((keys[:, None] == g[None, :]) & mask[:, None]).to(tl.int32)
+    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # earlier routes of the same key
+    base = tl.load(base_ptr + c * (E + 1) + keys, mask=mask, other=0)
+    slot = base + rank
+    tl.store(sorted_ptr + slot, routes, mask=mask)
+    tl.store(slots_ptr + routes, slot, mask=mask)
+
+
+def _block(num_keys_pow2: int) -> int:
+    """Routes per chunk: the one-hot tile [BLOCK, G_POW2] stays at most 16K entries."""
+    return max(16, min(1024, 16384 // num_keys_pow2))
+
+
+def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
+    """Device twin of reference.build_schedule: bit-identical, no host sync."""
+    te_N = top_experts_TK.reshape(-1)
+    if not te_N.is_contiguous():
+        te_N = te_N.contiguous()
+    dev = te_N.device
+    N, E = te_N.numel(), int(num_experts)
+    G = E + 1
+    if N == 0:
+        empty = torch.empty(0, dtype=torch.int32, device=dev)
+        return Schedule(empty, torch.zeros(G, dtype=torch.int32, device=dev), empty.clone())
+    g_pow2 = _launch.next_pow2(G)
+    block = _block(g_pow2)
+    C = triton.cdiv(N, block)
+    counts_CG = torch.empty(C, G, dtype=torch.int32, device=dev)
+    bad_C = torch.empty(C, dtype=torch.int32, device=dev)
+    _launch.launch(_schedule_count_kernel, (C,), te_N, counts_CG, bad_C, N, E, G_POW2=g_pow2, BLOCK=block)
+    torch._assert_async(bad_C.sum() == 0, f"top_experts: expected expert indices in [-1, {E})")
+    totals_G = counts_CG.sum(0, dtype=torch.int32)
+    start_G = torch.cumsum(totals_G, 0, dtype=torch.int32) - totals_G  # first slot of each key
+    base_CG = (torch.cumsum(counts_CG, 0, dtype=torch.int32) - counts_CG) + start_G[None, :]
+    sorted_N = torch.empty(N, dtype=torch.int32, device=dev)
+    slots_N = torch.empty(N, dtype=torch.int32, device=dev)
+    _launch.launch(_schedule_scatter_kernel, (C,), te_N, base_CG, sorted_N, slots_N, N, E,
+                   G_POW2=g_pow2, BLOCK=block)
+    return Schedule(sorted_N, start_G, slots_N)
