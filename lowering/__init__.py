@@ -1,3 +1,16 @@
-"""Everything Inductor-facing: the graph pass that swaps MoE blocks for `mok::moe`, the
-`backend="mok"` compile backend and the cache keying. Imports `mok_inductor`, never the reverse at
-import time (`mok_inductor.enable()` imports this package inside the function)."""
+"""Everything Inductor-facing: the graph pass that swaps MoE blocks for `mok::moe` (`patterns`, matchers in
+`match_*`), the `backend="mok"` compile backend (`backend`) and the compile-cache keying (`cache`). Imports
+`mok_inductor`, never the reverse at import time (`mok_inductor.enable()` imports this package inside the
+function).
+
+Importing this package registers the "mok" Dynamo backend and installs the cache-key pass (`cache.install`;
+`MOK_CACHE_KEY=0` skips it). Nothing else changes until `mok_inductor.enable()` / `patterns.enable()`.
+"""
+
+import os as _os
+
+from . import backend, cache, patterns  # noqa: F401
+
+backend.register()
+if _os.environ.get("MOK_CACHE_KEY", "1") not in ("0", "false", "False"):
+    cache.install()

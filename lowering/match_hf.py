@@ -1,0 +1,184 @@
+"""Hugging Face transformers experts backends (transformers/integrations/moe.py), as Dynamo captures them.
+
+"grouped_mm" (bf16: torch._grouped_mm; fp32 under compile: transformers::grouped_mm_fallback):
+
+    ids = top_k_index.reshape(-1); ids_g, perm = sort(ids); xs = x[perm // K]; sw = top_k_weights.reshape(-1)[perm]
+    offs = cumsum(histc(ids_g.float(), bins=E, min=0, max=E-1), dim=0, dtype=int32)
+    gate, up = grouped_mm(xs, gate_up_proj.transpose(-2, -1), offs).chunk(2, dim=-1)
+    y = grouped_mm(silu(gate) * up, down_proj.transpose(-2, -1), offs) * sw.unsqueeze(-1)
+    inv = empty_like(perm); inv[perm] = arange(N); out = y[inv].view(T, K, H).sum(dim=1)
+
+"batched_mm":
+
+    xr = x.repeat_interleave(K, dim=0); ids = top_k_index.reshape(-1)
+    gate, up = bmm(gate_up_proj[ids], xr.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+    y = bmm(down_proj[ids], (silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    out = (y * top_k_weights.reshape(-1).unsqueeze(-1)).view(T, K, H).sum(dim=1)
+
+Biases (`out.add_(bias)`), `is_transposed=True` weights, other activations, custom `_apply_gate` and the
+expert-parallel sentinel masks all differ from these graphs and are rejected with a reason.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ._experts import (GroupedCore, MoEMatch, check_routing_shapes, check_weights, chunk_halves,
+                       router_weights_of, scaled_by, swiglu, unsqueezed_column)
+from ._fx import (Reject, arg, dtype, flat_source, is_fn, is_method, same_shape, shape, strip_noop_casts)
+
+
+def _sum_over_k(r, T, K, H, nodes: set):
+    """r [N, H] -> the node of r.view(T, K, H).sum(dim=1) (an output-dtype cast after it may follow)."""
+    for v in r.users:
+        if is_method(v, "view", "reshape") and same_shape(shape(v), (T, K, H)):
+            for s in v.users:
+                if (is_method(s, "sum") or is_fn(s, torch.sum)) and arg(s, 1, "dim") in (1, -2, (1,), [1]) and \
+                        not s.kwargs.get("keepdim", False) and s.kwargs.get("dtype") is None:
+                    nodes.update((v, s))
+                    return s
+    raise Reject(f"{r.name}: the weighted expert outputs are not summed over K with view(T, K, H).sum(dim=1)")
+
+
+def _output_in_x_dtype(s, x, nodes: set):
+    if dtype(s) == dtype(x):
+        return s
+    for u in s.users:
+        if is_method(u, "to", "type_as") and dtype(u) == dtype(x):
+            nodes.add(s)
+            return u
+    raise Reject(f"{s.name}: the block output has dtype {dtype(s)}, x has {dtype(x)}")
+
+
+def _is_inverse_of(inv, perm, nodes: set) -> bool:
+    """inv = empty_like(perm); inv[perm] = arange(N)   or   inv = perm.argsort()."""
+    if (is_fn(inv, torch.argsort) or is_method(inv, "argsort")) and inv.args[0] is perm:
+        nodes.add(inv)
+        return True
+    if not is_fn(inv, torch.empty_like) or inv.args[0] is not perm:
+        return False
+    sets = [u for u in inv.users if is_fn(u, operator.setitem) and u.args[0] is inv]
+    if len(sets) != 1 or sets[0].args[1] is not perm:
+        return False
+    ar = sets[0].args[2]
+    if not (is_fn(ar, torch.arange) and same_shape(shape(ar), shape(perm))):
+        return False
+    nodes.update((inv, sets[0], ar))
+    return True
+
+
+def combine_grouped(core: GroupedCore) -> MoEMatch:
+    """The HF grouped_mm combine: y * sw.unsqueeze(-1) -> [inv_perm] -> view(T, K, H).sum(1)."""
+    nodes = set(core.nodes)
+    T, H = shape(core.x)
+    K = shape(core.top_experts)[1]
+    for m in core.y_N.users:
+        sw = scaled_by(m, core.y_N)
+        if sw is None:
+            continue
+        rw = router_weights_of(sw, core.perm, core.top_experts, nodes)
+        nodes.update((m, *[a for a in m.args if isinstance(a, fx.Node) and a is not core.y_N]))
+        for r in m.users:
+            if is_fn(r, operator.getitem) and isinstance(r.args[1], fx.Node) and _is_inverse_of(r.args[1], core.perm, nodes):
+                nodes.add(r)
+                s = _sum_over_k(r, T, K, H, nodes)
+                out = _output_in_x_dtype(s, core.x, nodes)
+                name = "hf_grouped_mm_fallback" if core.uses_fallback else "hf_grouped_mm"
+                return MoEMatch(name, out, core.x, rw, core.top_experts, core.gate_up, core.down,
+                                core.swiglu_limit, None, nodes)
+        raise Reject(f"{m.name}: the weighted outputs are not un-permuted with y[inverse(perm)]")
+    raise Reject(f"{core.y_N.name}: the down GEMM output is not scaled by the sorted routing weights")
+
+
+# ---------------------------------------------------------------------------------------------------
+# batched_mm
+
+
+def _gathered_weight(n):
+    """n = W[ids] with W a 3-D tensor and ids a 1-D index node -> (W, ids)."""
+    if is_fn(n, operator.getitem) and isinstance(n.args[1], fx.Node) and len(shape(n.args[0]) or ()) == 3 and \
+            len(shape(n.args[1]) or ()) == 1 and dtype(n.args[1]) in (torch.int32, torch.int64):
+        return n.args[0], n.args[1]
+    return None
+
+
+def bmm_candidates(graph: fx.Graph):
+    """Down-projection bmm nodes of the batched_mm formulation: bmm(W[ids], h.unsqueeze(-1)), h not a bmm input
+    (and, for the near-miss report, bmm(h.unsqueeze(1), W[ids]) transposed ones)."""
+    for n in graph.nodes:
+        if not is_fn(n, torch.bmm, torch.matmul) and not is_method(n, "bmm"):
+            continue
+        a, b = n.args[:2]
+        if _gathered_weight(a) is not None and (is_method(b, "unsqueeze") or is_fn(b, torch.unsqueeze)):
+            src = strip_noop_casts(b.args[0])
+            if not is_method(src, "repeat_interleave"):
+                yield n
+        elif _gathered_weight(b) is not None and is_method(a, "unsqueeze") and arg(a, 1, "dim") == 1:
+            src = strip_noop_casts(a.args[0])
+            if not is_method(src, "repeat_interleave"):
+                yield n
+
+
+def _squeezed(bmm_node, nodes: set):
+    for u in bmm_node.users:
+        if (is_method(u, "squeeze") or is_fn(u, torch.squeeze)) and arg(u, 1, "dim") in (-1, 2):
+            nodes.add(u)
+            return u
+    raise Reject(f"{bmm_node.name}: the bmm output is not squeezed to [N, out]")
+
+
+def match_batched(b2: fx.Node) -> MoEMatch:
+    nodes: set = {b2}
+    a, b = b2.args[:2]
+    if _gathered_weight(a) is None:
+        raise Reject(f"{b2.name}: bmm(h.unsqueeze(1), W[ids]) reads [E, in, out] (transposed) weights; "
+                     "MoK takes [E, out, in]")
+    down, ids = _gathered_weight(a)
+    if arg(b, 1, "dim") not in (-1, 2):
+        raise Reject(f"{b.name}: the down bmm operand is not h.unsqueeze(-1)")
+    nodes.update((a, b))
+    h = b.args[0]
+    gate, up, limit = swiglu(h, nodes)
+    src = chunk_halves(gate, up, nodes)
+    out1 = strip_noop_casts(src)
+    if not (is_method(out1, "squeeze") or is_fn(out1, torch.squeeze)):
+        raise Reject(f"{src.name}: the SwiGLU input is not a squeezed bmm output")
+    b1 = out1.args[0]
+    if not (is_fn(b1, torch.bmm, torch.matmul) or is_method(b1, "bmm")):
+        raise Reject(f"{out1.name}: the SwiGLU input is not a bmm")
+    nodes.update((out1, b1))
+    gw = _gathered_weight(b1.args[0])
+    if gw is None or gw[1] is not ids:
+        raise Reject(f"{b1.name}: the gate_up bmm does not gather its weight with the same expert ids")
+    gate_up = gw[0]
+    xcol = b1.args[1]
+    if not (is_method(xcol, "unsqueeze") and arg(xcol, 1, "dim") in (-1, 2)):
+        raise Reject(f"{b1.name}: the gate_up bmm operand is not x.unsqueeze(-1)")
+    xr = strip_noop_casts(xcol.args[0])
+    if not (is_method(xr, "repeat_interleave") and arg(xr, 2, "dim") == 0):
+        raise Reject(f"{xcol.name}: the expert input is not x.repeat_interleave(K, dim=0)")
+    x, k = xr.args[0], arg(xr, 1, "repeats")
+    nodes.update((b1.args[0], xcol, xr))
+    te = flat_source(ids)
+    if te is None:
+        raise Reject(f"{ids.name}: expert ids are not top_experts.reshape(-1)")
+    nodes.add(ids)
+    num_experts = shape(down)[0]
+    check_routing_shapes(x, te, k, num_experts)
+    check_weights(x, gate_up, down, num_experts)
+    y = _squeezed(b2, nodes)
+    T, H = shape(x)
+    K = shape(te)[1]
+    for m in y.users:
+        sw = scaled_by(m, y)
+        if sw is None:
+            continue
+        rw = router_weights_of(sw, None, te, nodes)
+        nodes.update((m, *[a for a in m.args if isinstance(a, fx.Node) and a is not y]))
+        s = _sum_over_k(m, T, K, H, nodes)
+        out = _output_in_x_dtype(s, x, nodes)
+        return MoEMatch("hf_batched_mm", out, x, rw, te, gate_up, down, limit, None, nodes)
+    raise Reject(f"{y.name}: the down bmm output is not scaled by the routing weights")

@@ -1,0 +1,258 @@
+"""The graph pass: find MoE blocks in Dynamo's torch-level graph and replace each with one `mok::moe` call.
+
+It runs before AOTAutograd (`torch._inductor.config.pre_grad_custom_pass`, or inside `backend="mok"`), so
+the replaced block's backward is MoK's own `mok::moe_bwd`. Each formulation is a hand-written matcher
+(`match_hf`, `match_titan`, `match_megatron`; shared parts in `_experts`, shared-expert fusion in
+`match_shared`) that checks structure, dtypes and shapes (from `node.meta["example_value"]`) and raises
+`Reject` with a reason on anything MoK does not compute. Nothing is rewritten unless the whole block matched.
+
+Observability:
+- `torch._dynamo.utils.counters["mok_inductor"]["moe_replaced"]` (and `["moe_rejected"]`);
+- `TORCH_LOGS="+mok_patterns"` (a registered artifact) or `MOK_PATTERNS_LOG=1` (plain stderr) log each match
+  and each rejection with its reason;
+- `rewrite(graph)` returns the same records as `MatchRecord`s; `MokPatternPass.last_records` keeps the last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.fx as fx
+from torch._dynamo.utils import counters
+
+from . import cache, match_hf, match_megatron, match_shared, match_titan
+from ._experts import MoEMatch, group_by_offs, grouped_core
+from ._fx import Reject, check_not_mutated, is_mutating, val
+
+ARTIFACT = "mok_patterns"
+_log = logging.getLogger(__name__)
+
+
+def _artifact_logger() -> Optional[logging.Logger]:
+    try:
+        import torch._logging as tlog
+
+        if ARTIFACT not in tlog._internal.log_registry.artifact_names:
+            tlog.register_artifact(ARTIFACT, "mok-inductor pattern pass: MoE blocks matched and rejected (and why)",
+                                   off_by_default=True)
+        return tlog.getArtifactLogger(__name__, ARTIFACT)
+    except Exception:  # pragma: no cover - private API moved
+        return None
+
+
+_art = _artifact_logger()
+if os.environ.get("MOK_PATTERNS_LOG", "0") not in ("0", ""):
+    _h = logging.StreamHandler()
+    _h.setFormatter(logging.Formatter("[mok_patterns] %(message)s"))
+    _log.addHandler(_h)
+    _log.setLevel(logging.INFO)
+
+
+def _emit(msg: str) -> None:
+    _log.info(msg)
+    if _art is not None:
+        _art.debug(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatchRecord:
+    formulation: str  # e.g. "hf_grouped_mm", "hf_batched_mm", "titan_grouped_mm", "megatron_sequential"
+    anchor: str  # the node the matcher started from
+    replaced: bool
+    detail: str  # what matched (shapes) or why it was rejected
+
+    def __str__(self) -> str:
+        return f"{'replaced' if self.replaced else 'rejected'} {self.formulation} at {self.anchor}: {self.detail}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# finding
+
+
+def _find(graph: fx.Graph):
+    """-> ([MoEMatch], [MatchRecord of rejections])."""
+    matches, rejected = [], []
+    for offs, gemms in group_by_offs(graph).items():
+        anchor = gemms[-1].name
+        try:
+            core = grouped_core(offs, gemms)
+            errors = []
+            for combine in (match_hf.combine_grouped, match_titan.combine):
+                try:
+                    matches.append(combine(core))
+                    break
+                except Reject as e:
+                    errors.append(str(e))
+            else:
+                raise Reject(" / ".join(errors))
+        except Reject as e:
+            rejected.append(MatchRecord("grouped_mm", anchor, False, str(e)))
+    for b2 in match_hf.bmm_candidates(graph):
+        try:
+            matches.append(match_hf.match_batched(b2))
+        except Reject as e:
+            rejected.append(MatchRecord("hf_batched_mm", b2.name, False, str(e)))
+    for m, rec in match_megatron.find(graph):
+        if m is not None:
+            matches.append(m)
+        else:
+            rejected.append(rec)
+    return matches, rejected
+
+
+# ---------------------------------------------------------------------------------------------------
+# replacing
+
+
+def _fake(fn, *args, **kwargs):
+    try:
+        return fn(*(val(a) if isinstance(a, fx.Node) else a for a in args), **kwargs)
+    except Exception:
+        return None
+
+
+def _cat(graph: fx.Graph, parts, dim: int) -> fx.Node:
+    n = graph.call_function(torch.cat, ([*parts],), {"dim": dim})
+    ev = _fake(lambda *ts: torch.cat(ts, dim=dim), *parts)
+    if ev is not None:
+        n.meta["example_value"] = ev
+    return n
+
+
+def _inputs(m: MoEMatch) -> list:
+    ins = [m.x, m.router_weights, m.top_experts, m.down]
+    ins += list(m.gate_up) if isinstance(m.gate_up, tuple) else [m.gate_up]
+    if m.shared is not None:
+        ins += [w for w in m.shared if w is not None]
+    return ins
+
+
+def _erase_unused(graph: fx.Graph, nodes: set) -> None:
+    for n in reversed(list(graph.nodes)):
+        if n not in nodes or n.users or n.op in ("placeholder", "output", "get_attr"):
+            continue
+        # an in-place write (inv_perm[perm] = arange) may go only when nothing else reads what it wrote
+        target = n.args[0] if n.args and isinstance(n.args[0], fx.Node) and is_mutating(n, n.args[0]) else None
+        if target is not None and any(u is not n and u not in nodes for u in target.users):
+            continue
+        graph.erase_node(n)
+
+
+def _replace(graph: fx.Graph, m: MoEMatch) -> fx.Node:
+    with graph.inserting_before(m.output):
+        gate_up = _cat(graph, m.gate_up, 1) if isinstance(m.gate_up, tuple) else m.gate_up
+        sgu = sd = sog = None
+        if m.shared is not None:
+            wsg, wsu, sd, sog = m.shared
+            sgu = _cat(graph, (wsg, wsu), 0)
+        new = graph.call_function(
+            torch.ops.mok.moe.default,
+            (m.x, m.router_weights, m.top_experts, gate_up, m.down, sgu, sd, sog, m.swiglu_limit),
+        )
+    for k in ("example_value", "stack_trace", "nn_module_stack", "source_fn_stack", "val"):
+        if k in m.output.meta:
+            new.meta[k] = m.output.meta[k]
+    m.output.replace_all_uses_with(new)
+    _erase_unused(graph, m.nodes | {m.output})
+    return new
+
+
+def rewrite(graph: fx.Graph) -> list[MatchRecord]:
+    """Replace every MoE block of `graph` (a Dynamo graph) that matches; return what matched and what not."""
+    import mok_inductor.ops  # noqa: F401  (registers mok::moe)
+
+    matches, records = _find(graph)
+    claimed: set = set()
+    for m in matches:
+        why = match_shared.fuse(m)
+        if why is not None:
+            records.append(MatchRecord(m.formulation + "+shared", m.output.name, False,
+                                       f"shared expert left unfused: {why}"))
+        try:
+            check_not_mutated(m.nodes | set(_inputs(m)), allowed=m.nodes)
+            if m.nodes & claimed:
+                raise Reject("overlaps a block already replaced")
+        except Reject as e:
+            records.append(MatchRecord(m.formulation, m.output.name, False, str(e)))
+            continue
+        claimed |= m.nodes
+        desc = m.describe()
+        new = _replace(graph, m)
+        counters["mok_inductor"]["moe_replaced"] += 1
+        records.append(MatchRecord(m.formulation, new.name, True, desc))
+    for r in records:
+        if not r.replaced:
+            counters["mok_inductor"]["moe_rejected"] += 1
+        _emit(str(r))
+    if any(r.replaced for r in records):
+        graph.lint()
+        if isinstance(graph.owning_module, fx.GraphModule):
+            graph.owning_module.recompile()
+    return records
+
+
+# ---------------------------------------------------------------------------------------------------
+# the Inductor pass and the global switch
+
+
+class MokPatternPass(cache.CustomGraphPass):
+    """`pre_grad_custom_pass` entry: runs whatever pass was in the slot first, then `rewrite`."""
+
+    def __init__(self, chained=None):
+        self.chained = chained
+        self.active = True
+        self.last_records: list[MatchRecord] = []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for p in cache.as_tuple(self.chained):
+            p(graph)
+        if self.active:
+            self.last_records = rewrite(graph)
+
+    def uuid(self) -> Optional[str]:
+        mine = f"mok-patterns:{'on' if self.active else 'off'}:{cache.fingerprint()}"
+        return cache.chained_uuid(mine, cache.as_tuple(self.chained))
+
+
+def _find_ours(p) -> Optional[MokPatternPass]:
+    while p is not None:
+        if isinstance(p, MokPatternPass):
+            return p
+        p = getattr(p, "chained", None) if not isinstance(p, (list, tuple)) else None
+    return None
+
+
+def enable() -> None:
+    """Install the pass in `torch._inductor.config.pre_grad_custom_pass` (idempotent, chains what is there)."""
+    from torch._inductor import config
+
+    cache.install()
+    ours = _find_ours(config.pre_grad_custom_pass)
+    if ours is not None:
+        ours.active = True
+        return
+    config.pre_grad_custom_pass = MokPatternPass(config.pre_grad_custom_pass)
+
+
+def disable() -> None:
+    """Remove the pass (restoring the chained one); if another pass was chained on top of ours, only deactivate."""
+    from torch._inductor import config
+
+    cur = config.pre_grad_custom_pass
+    if isinstance(cur, MokPatternPass):
+        config.pre_grad_custom_pass = cur.chained
+        return
+    ours = _find_ours(cur)
+    if ours is not None:
+        ours.active = False
+
+
+def is_enabled() -> bool:
+    from torch._inductor import config
+
+    ours = _find_ours(config.pre_grad_custom_pass)
+    return ours is not None and ours.active
