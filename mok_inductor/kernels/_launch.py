@@ -76,9 +76,10 @@ def mma(a, b, acc, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def to_out(v, dtype: tl.constexpr, DOT_PREC: tl.constexpr):
-    """v.to(dtype), rounding to nearest even; the interpreter truncates float32 -> bfloat16, so there
-    the rounding is done by hand on the bits."""
+def to_out(v, like_ptr, DOT_PREC: tl.constexpr):
+    """v in the element type of `like_ptr`, rounded to nearest even; the interpreter truncates
+    float32 -> bfloat16, so there the rounding is done by hand on the bits."""
+    dtype = like_ptr.dtype.element_ty
     if DOT_PREC == "interp":
         if dtype == tl.bfloat16:
             bits = v.to(tl.float32).to(tl.uint32, bitcast=True)

@@ -117,8 +117,8 @@ def _bwd_act_kernel(
         dg = tl.where(acc_g > limit, 0.0, dg)
         du = tl.where((acc_u > limit) | (acc_u < -limit), 0.0, du)
     o_ptrs = dgu_ptr + rows[:, None].to(tl.int64) * stride_gm + cols[None, :] * stride_gn
-    tl.store(o_ptrs, to_out(dg, dgu_ptr.dtype.element_ty, DOT_PREC), mask=omask)
-    tl.store(o_ptrs + I * stride_gn, to_out(du, dgu_ptr.dtype.element_ty, DOT_PREC), mask=omask)
+    tl.store(o_ptrs, to_out(dg, dgu_ptr, DOT_PREC), mask=omask)
+    tl.store(o_ptrs + I * stride_gn, to_out(du, dgu_ptr, DOT_PREC), mask=omask)
 
 
 def bwd_act(x_TH, dy_TH, w_gate, w_up, w_down, h_MI, scale, routes_N, offsets_E1, topk, limit, *,
@@ -211,7 +211,7 @@ def _wgrad_kernel(
                     mask=rmask[:, None] & nmask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if A_SCALE:
             s = tl.load(scale_ptr + route, mask=rmask, other=0.0)
-            a = to_out(a.to(tl.float32) * s[None, :], b.dtype, DOT_PREC)
+            a = to_out(a.to(tl.float32) * s[None, :], b_ptr, DOT_PREC)
         else:
             a = a.to(b.dtype)
         acc = mma(a, b, acc, DOT_PREC)
@@ -219,7 +219,7 @@ def _wgrad_kernel(
     dmask = mmask[:, None] & nmask[None, :]
     if ACCUMULATE:  # Megatron main_grad fusion: one rounding of (dst + grad) into dst's dtype
         acc += tl.load(d_ptrs, mask=dmask, other=0.0).to(tl.float32)
-    tl.store(d_ptrs, to_out(acc, dst_ptr.dtype.element_ty, DOT_PREC), mask=dmask)
+    tl.store(d_ptrs, to_out(acc, dst_ptr, DOT_PREC), mask=dmask)
 
 
 def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, scale=None, accumulate=False,

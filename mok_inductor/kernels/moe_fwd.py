@@ -126,7 +126,7 @@ def _gate_up_kernel(
         acc_g = tl.where(acc_g > limit, limit, acc_g)
         acc_u = tl.where(acc_u > limit, limit, tl.where(acc_u < -limit, -limit, acc_u))
     h = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(h_ptrs, to_out(h, h_ptr.dtype.element_ty, DOT_PREC), mask=omask)
+    tl.store(h_ptrs, to_out(h, h_ptr, DOT_PREC), mask=omask)
 
 
 def gate_up(x_TH, w_gate, w_up, h_out, routes_N, offsets_E1, topk, limit, *, single=False):
@@ -212,7 +212,7 @@ def _grouped_rows_kernel(
     else:
         dest = rows
     o_ptrs = out_ptr + dest[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
-    tl.store(o_ptrs, to_out(acc, out_ptr.dtype.element_ty, DOT_PREC), mask=rmask[:, None] & cmask[None, :])
+    tl.store(o_ptrs, to_out(acc, out_ptr, DOT_PREC), mask=rmask[:, None] & cmask[None, :])
 
 
 def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w1_nk_strides, w2=None, w2_nk_strides=None,
@@ -278,7 +278,7 @@ def _combine_kernel(
         if HAS_RW:
             y = y * tl.load(rw_ptr + r)
         acc += tl.where(valid, y, 0.0)
-    out = to_out(acc, out_ptr.dtype.element_ty, DOT_PREC)
+    out = to_out(acc, out_ptr, DOT_PREC)
     tl.store(out_ptr + t64 * stride_ot + cols * stride_oh, out, mask=cmask)
 
 

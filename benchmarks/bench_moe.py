@@ -1,0 +1,317 @@
+"""MoK vs the contenders of shared/BENCH.md, fwd and fwd+bwd, on one GPU, in one process.
+
+    python benchmarks/bench_moe.py --out DIR [--shapes qwen3,mixtral,...] [--routing balanced,skewed]
+
+Contenders: mok (mok_inductor.moe, Triton kernels), eager (the Hugging Face loop over hit experts),
+grouped_mm (sort + gather + torch._grouped_mm, HF's "grouped_mm" experts backend formulation),
+grouped_mm_compiled (the same under torch.compile(fullgraph=True)), dense (one [T*K, H] x [H, 3I]
+bf16 GEMM of the same forward FLOPs: the ceiling; fwd+bwd = it and its two backward GEMMs) and, for
+decode, the floor (bytes of the touched experts' weights / measured copy bandwidth).
+
+FLOPs: forward 6*T*K*H*I, fwd+bwd 18*T*K*H*I (shared/BENCH.md). Times: median of
+triton.testing.do_bench (p20/p80 kept). Peak forward memory: max_memory_allocated during one
+forward (outputs and saved activations alive) minus what was allocated before. Every contender is
+checked against mok's output before it is timed. Results: a table last, bench.json (+ bench.png).
+Shape legend: T tokens, H hidden, I intermediate, E experts, K routes per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+SHAPES = {  # name: (T, H, I, E, K)
+    "qwen3-30b-a3b": (16384, 2048, 768, 128, 8),
+    "mixtral-8x7b": (8192, 4096, 14336, 8, 2),
+    "gpt-oss-20b": (8192, 2880, 2880, 32, 4),
+    "deepseek-v3-slice": (8192, 7168, 2048, 32, 8),
+    "qwen3-decode": (64, 2048, 768, 128, 8),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    shape: str
+    routing: str
+    contender: str
+    mode: str  # fwd | fwd+bwd
+    ms: float
+    ms_p20: float
+    ms_p80: float
+    tflops: float
+    peak_fwd_mib: float
+    rel_err_vs_mok: float
+    note: str = ""
+
+
+def routing_tensors(T, E, K, kind, gen, device):
+    logits = torch.randn(T, E, generator=gen, device=device)
+    if kind == "skewed":  # ~half of the routes to 10% of the experts
+        hot = max(1, E // 10)
+        logits[:, :hot] += 2.0 if E > 16 else 1.0
+    probs = logits.softmax(-1)
+    rw, te = probs.topk(K, dim=-1)
+    rw = rw / rw.sum(-1, keepdim=True)
+    return rw.float(), te
+
+
+def make_inputs(T, H, I, E, K, kind, device="cuda", dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, H, generator=gen, device=device, dtype=dtype)
+    rw, te = routing_tensors(T, E, K, kind, gen, device)
+    w_gu = (torch.randn(E, 2 * I, H, generator=gen, device=device, dtype=dtype) * H ** -0.5)
+    w_d = (torch.randn(E, H, I, generator=gen, device=device, dtype=dtype) * I ** -0.5)
+    return x, rw, te, w_gu, w_d
+
+
+# ---------------------------------------------------------------------------------------------
+# Contenders: f(x, rw, te, w_gu, w_d) -> y [T, H]
+
+
+def moe_mok(x, rw, te, w_gu, w_d):
+    import mok_inductor
+
+    return mok_inductor.moe(x, rw, te, w_gu, w_d)
+
+
+def moe_eager(x, rw, te, w_gu, w_d):
+    """The Hugging Face eager experts loop."""
+    y = torch.zeros_like(x)
+    I = w_d.shape[-1]
+    mask = F.one_hot(te, num_classes=w_gu.shape[0]).permute(2, 1, 0)
+    hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit.flatten().tolist():
+        pos, tok = torch.where(mask[e])
+        xe = x[tok]
+        gu = xe @ w_gu[e].t()
+        h = F.silu(gu[:, :I]) * gu[:, I:]
+        out = (h @ w_d[e].t()) * rw[tok, pos, None].to(x.dtype)
+        y.index_add_(0, tok, out.to(x.dtype))
+    return y
+
+
+def moe_grouped_mm(x, rw, te, w_gu, w_d):
+    """Sort by expert, gather, grouped GEMM, SwiGLU, grouped GEMM, weight, index_add_."""
+    T, K = te.shape
+    E, two_i, _ = w_gu.shape
+    I = two_i // 2
+    flat = te.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tok = order // K
+    counts = torch.bincount(flat, minlength=E)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    xs = x[tok]
+    gu = torch._grouped_mm(xs, w_gu.transpose(-2, -1), offs=offs)
+    h = F.silu(gu[:, :I]) * gu[:, I:]
+    out = torch._grouped_mm(h, w_d.transpose(-2, -1), offs=offs)
+    out = out * rw.reshape(-1)[order, None].to(out.dtype)
+    return torch.zeros_like(x).index_add_(0, tok, out)
+
+
+_compiled = {}
+
+
+def moe_grouped_mm_compiled(x, rw, te, w_gu, w_d):
+    if "f" not in _compiled:
+        _compiled["f"] = torch.compile(moe_grouped_mm, fullgraph=True)
+    return _compiled["f"](x, rw, te, w_gu, w_d)
+
+
+CONTENDERS = {"mok": moe_mok, "grouped_mm": moe_grouped_mm, "grouped_mm_compiled": moe_grouped_mm_compiled,
+              "eager": moe_eager}
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def bench(fn, warmup=25, rep=100):
+    import triton
+
+    q = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="all")
+    q = torch.tensor(q)
+    return q.median().item(), q.quantile(0.2).item(), q.quantile(0.8).item()
+
+
+def peak_fwd_mib(f, args):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    y = f(*args)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del y
+    return peak / 2**20
+
+
+def copy_bandwidth():
+    a = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms, _, _ = bench(lambda: b.copy_(a), warmup=5, rep=30)
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+def run_shape(name, kind, contenders, results, log):
+    T, H, I, E, K = SHAPES[name]
+    decode = T <= 256
+    fwd_flops, all_flops = 6 * T * K * H * I, 18 * T * K * H * I
+    x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, kind)
+    hot_share = (te < max(1, E // 10)).float().mean().item()
+    log(f"== {name} T={T} H={H} I={I} E={E} K={K} routing={kind} (share of routes to the top 10% experts "
+        f"{hot_share:.2f})")
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, rw, w_gu, w_d)]
+    dy = torch.randn_like(x)
+    with torch.no_grad():
+        y_mok = moe_mok(x, rw, te, w_gu, w_d).float()
+
+    def add(contender, mode, ms, p20, p80, flops, peak=float("nan"), err=float("nan"), note=""):
+        r = Result(name, kind, contender, mode, ms, p20, p80, flops / (ms * 1e-3) / 1e12 if flops else 0.0, peak,
+                   err, note)
+        results.append(r)
+        log(f"   {contender:>20} {mode:>7}: {ms:8.3f} ms  {r.tflops:7.1f} TFLOP/s  peak fwd {peak:8.1f} MiB"
+            f"  err {err:.1e} {note}")
+
+    # the ceiling / floor
+    A = torch.randn(T * K, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    B = torch.randn(H, 3 * I, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ms = bench(lambda: A @ B)
+    add("dense", "fwd", *ms, fwd_flops)
+    dC = torch.randn(T * K, 3 * I, device="cuda", dtype=torch.bfloat16)
+    ms = bench(lambda: torch.autograd.grad(A @ B, (A, B), dC))
+    add("dense", "fwd+bwd", *ms, all_flops)
+    del A, B, dC
+    if decode:
+        touched = torch.unique(te).numel()
+        floor_ms = touched * 3 * H * I * 2 / copy_bandwidth() * 1e3
+        add("floor", "fwd", floor_ms, floor_ms, floor_ms, fwd_flops, note=f"{touched} experts touched")
+
+    for c in contenders:
+        if c == "eager" and not decode and name != "gpt-oss-20b" and name != "mixtral-8x7b":
+            pass
+        f = CONTENDERS[c]
+        args = (x, rw, te, w_gu, w_d)
+        try:
+            t0 = time.time()
+            with torch.no_grad():
+                y = f(*args).float()
+            err = ((y - y_mok).norm() / y_mok.norm()).item()
+            quick = c == "eager"
+            wu, rp = (2, 10) if quick else (25, 100)
+            with torch.no_grad():
+                ms = bench(lambda: f(*args), wu, rp)
+            peak = peak_fwd_mib(lambda *a: f(*a), (leaves[0], leaves[1], te, leaves[2], leaves[3]))
+            add(c, "fwd", *ms, fwd_flops, peak, err, f"(first call + warmup {time.time() - t0:.0f}s)")
+            if decode:
+                continue
+
+            def step():
+                yy = f(leaves[0], leaves[1], te, leaves[2], leaves[3])
+                return torch.autograd.grad(yy, leaves, dy)
+
+            step()
+            ms = bench(step, wu, rp)
+            add(c, "fwd+bwd", *ms, all_flops, peak, err)
+        except Exception as exc:  # a contender that fails is recorded, the others still run
+            log(f"   {c}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+            results.append(Result(name, kind, c, "fwd", float("nan"), float("nan"), float("nan"), 0.0,
+                                  float("nan"), float("nan"), f"failed: {type(exc).__name__}: {str(exc)[:200]}"))
+        torch.cuda.empty_cache()
+
+
+def table(results):
+    rows = {}
+    for r in results:
+        rows.setdefault((r.shape, r.routing), {})[(r.contender, r.mode)] = r
+    names = ["dense", "mok", "grouped_mm", "grouped_mm_compiled", "eager", "floor"]
+    out = ["| shape | routing | " + " | ".join(f"{n} fwd / fwd+bwd" for n in names) + " | mok vs compiled fwd+bwd |",
+           "|" + " --- |" * (len(names) + 3)]
+    for (shape, routing), d in rows.items():
+        cells = []
+        for n in names:
+            f, b = d.get((n, "fwd")), d.get((n, "fwd+bwd"))
+            if shape.endswith("decode") or n == "floor":
+                cells.append(f"{f.ms:.3f} ms" if f and f.ms == f.ms else "—")
+            else:
+                cells.append(f"{f.tflops:.0f} / {b.tflops:.0f}" if f and b else (f"{f.tflops:.0f} / —" if f else "—"))
+        m, c = d.get(("mok", "fwd+bwd")), d.get(("grouped_mm_compiled", "fwd+bwd"))
+        ratio = f"{c.ms / m.ms:.2f}x" if m and c and m.ms == m.ms and c.ms == c.ms else "—"
+        out.append(f"| {shape} | {routing} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(out)
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    keys = sorted({(r.shape, r.routing) for r in results if not r.shape.endswith("decode")})
+    names = ["dense", "mok", "grouped_mm", "grouped_mm_compiled", "eager"]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    for ax, mode in zip(axes, ["fwd", "fwd+bwd"]):
+        w = 0.8 / len(names)
+        for i, n in enumerate(names):
+            vals = []
+            for k in keys:
+                m = [r.tflops for r in results if (r.shape, r.routing) == k and r.contender == n and r.mode == mode]
+                vals.append(m[0] if m else 0.0)
+            ax.bar([j + i * w for j in range(len(keys))], vals, w, label=n)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(keys))])
+        ax.set_xticklabels([f"{s}\n{r}" for s, r in keys], fontsize=7)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"{mode}, bf16, H200")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--routing", default="balanced")
+    p.add_argument("--skewed-shapes", default="qwen3-30b-a3b")
+    p.add_argument("--contenders", default="mok,grouped_mm,grouped_mm_compiled,eager")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    logf = open(os.path.join(args.out, "bench.log"), "a")
+
+    def log(s):
+        print(s, flush=True)
+        logf.write(s + "\n")
+        logf.flush()
+
+    import triton
+
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, git=sha,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    log(f"{meta}")
+    results = []
+    plan = [(s, r) for s in args.shapes.split(",") for r in args.routing.split(",")]
+    plan += [(s, "skewed") for s in args.skewed_shapes.split(",") if s and (s, "skewed") not in plan]
+    for i, (s, r) in enumerate(plan):
+        log(f"[{i + 1}/{len(plan)}] {s} {r}")
+        contenders = [c for c in args.contenders.split(",") if c != "eager" or s in ("qwen3-decode", "gpt-oss-20b")]
+        run_shape(s, r, contenders, results, log)
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump(dict(meta=meta, results=[dataclasses.asdict(x) for x in results]), f, indent=1)
+    log(table(results))
+    plot(results, os.path.join(args.out, "bench.png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+#!/bin/bash
+# One device call: kernel tests on CUDA, compile report (regs/spills/wgmma), then the benchmark.
+# Usage (device tool): bash benchmarks/device_run.sh [TEST_SECONDS] [BENCH_SECONDS] [bench args...]
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TORCHINDUCTOR_CACHE_DIR=/tmp/mok-ind-$$ TRITON_CACHE_DIR=/tmp/mok-tri-$$
+T_TESTS=${1:-150}; T_BENCH=${2:-330}; shift 2
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee $OUT/env.txt
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee -a $OUT/env.txt
+if [ "$T_TESTS" != 0 ]; then
+  timeout $T_TESTS python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tee $OUT/tests.log | tail -25
+  timeout 90 python3 benchmarks/kernel_report.py 2>&1 | tee $OUT/kernel_report.md | tail -30
+fi
+timeout $T_BENCH python3 benchmarks/bench_moe.py --out $OUT "$@" 2>&1 | grep -v Warning | tail -60
