@@ -1,0 +1,413 @@
+"""The MoK functional ABI (mok_inductor.functional) against the float64 oracle.
+
+Shapes are tiny (T=24, H=32, I=16, Is=24 so the shared size differs, E=5 prime, K=2); every case
+uses fresh random inputs. Layouts: dense separate gate/up, combined FC1 passed twice (aliasing),
+per-expert lists (split), the SplitRoutedWeight descriptor. Gradient destinations: fresh,
+main_grads (added in place, returned by identity), split storage tables, the gate's main-grad.
+"""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mok_inductor import functional as mf
+from mok_inductor import reference
+from oracle import oracle_moe
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4, torch.float16: 1e-2}
+T, H, I, IS, E, K = 24, 32, 16, 24, 5, 2
+
+
+def rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(scope="module")
+def gloo_group():
+    """A one-rank gloo process group on a free port, destroyed at the end of the module."""
+    owned = not dist.is_initialized()
+    if owned:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    if owned:
+        dist.destroy_process_group()
+
+
+def make_problem(device, dtype, *, T=T, gated=True, shared=True, limit=None, minus_one=True):
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    scores = torch.randn(T, E, generator=g)
+    te = scores.topk(K, dim=1).indices.to(torch.int32)
+    if minus_one and T > 2:
+        te[1, 1] = -1  # a "no route"
+        te[2, :] = -1  # a token with no routes at all
+    rw = torch.softmax(torch.randn(T, K, generator=g), -1)
+    p = dict(
+        x=x,
+        rw=rw.to(device),
+        te=te.to(device),
+        gate_up=(torch.randn(E, 2 * I, H, generator=g) * 0.3).to(device, dtype),
+        down=(torch.randn(E, H, I, generator=g) * 0.3).to(device, dtype),
+        sgu=(torch.randn(2 * IS, H, generator=g) * 0.3).to(device, dtype) if shared else None,
+        sd=(torch.randn(H, IS, generator=g) * 0.3).to(device, dtype) if shared else None,
+        sog=(torch.randn(1, H, generator=g) * 0.3).to(device, dtype) if (shared and gated) else None,
+        limit=limit,
+        dy=torch.randn(T, H, generator=g).to(device, dtype),
+    )
+    return p
+
+
+def oracle(p):
+    """Float64 forward and gradients of every input (autograd on float64 leaves)."""
+    leaves = {k: (p[k].detach().double().cpu().requires_grad_() if isinstance(p[k], torch.Tensor) and
+                  k not in ("te", "dy") else p[k]) for k in p}
+    y = oracle_moe(leaves["x"], leaves["rw"], p["te"].cpu().long(), leaves["gate_up"], leaves["down"],
+                   leaves["sgu"], leaves["sd"], leaves["sog"], p["limit"])
+    y.backward(p["dy"].double().cpu())
+    grads = {k: v.grad for k, v in leaves.items() if isinstance(v, torch.Tensor) and v.grad is not None}
+    return y.detach(), grads
+
+
+def routed_args(p, layout):
+    """(routed_gate, routed_up, routed_down) in one of the accepted layouts (zero-copy where possible)."""
+    gu, d = p["gate_up"], p["down"]
+    if layout == "combined":
+        return gu, gu, d
+    if layout == "separate":
+        return gu[:, :I], gu[:, I:], d
+    if layout == "split_combined":
+        fc1 = [gu[e].clone() for e in range(E)]  # per-expert allocations, as Megatron holds them
+        return fc1, fc1, [d[e].clone() for e in range(E)]
+    if layout == "split_separate":
+        return [gu[e, :I] for e in range(E)], [gu[e, I:] for e in range(E)], tuple(d[e] for e in range(E))
+    if layout == "descriptor":
+        fc1 = mf.SplitRoutedWeight(tuple(gu[e].clone() for e in range(E)))
+        return fc1, fc1, mf.SplitRoutedWeight(tuple(d[e].clone() for e in range(E)))
+    raise AssertionError(layout)
+
+
+def shared_args(p):
+    if p["sgu"] is None:
+        return None, None, None
+    return p["sgu"][:IS], p["sgu"][IS:], p["sd"]
+
+
+def setup(p, cfg=None):
+    cfg = cfg or mf.MoKConfig()
+    x = p["x"]
+    ws = mf.get_workspace(cfg, None, device=x.device, num_local_tokens=x.shape[0], hidden_size=H, topk=K)
+    sch = mf.build_schedule(ws, cfg, p["te"], num_local_experts=E)
+    return cfg, ws, sch
+
+
+def run(p, layout="combined", **bwd_kwargs):
+    cfg, ws, sch = setup(p)
+    routed = routed_args(p, layout)
+    shared = shared_args(p)
+    gate_kw = {} if p["sog"] is None else {"shared_output_gate_weight": p["sog"]}
+    y, fctx = mf.forward(cfg, ws, sch, p["x"], p["rw"], *shared, *routed, swiglu_limit=p["limit"], **gate_kw)
+    out = mf.backward(cfg, ws, sch, fctx, p["dy"], p["x"], p["rw"], *shared, *routed, swiglu_limit=p["limit"],
+                      **gate_kw, **bwd_kwargs)
+    return y, out, routed
+
+
+def stack(obj):
+    """A weight gradient in any layout -> one [E, rows, cols] tensor."""
+    if isinstance(obj, mf.SplitRoutedWeight):
+        obj = obj.data
+    if isinstance(obj, (list, tuple)):
+        return torch.stack([t.float() for t in obj])
+    return obj.float()
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def test_config_defaults_are_moks():
+    c = mf.MoKConfig()
+    assert (c.fwd_num_comm_sms, c.bwd_num_comm_sms, c.minibatch_size, c.macrobatch_size,
+            c.schedule_capacity_multiplier, c.all_gather_top_experts_chunk_bytes) == (40, 28, 4096, 131072, 0.5, 2048)
+    with pytest.raises(Exception):  # frozen
+        c.minibatch_size = 512
+    assert not hasattr(c, "__dict__")  # slots
+
+
+@pytest.mark.parametrize("field,value,exc", [
+    ("fwd_num_comm_sms", 3, ValueError),  # odd
+    ("bwd_num_comm_sms", 0, ValueError),
+    ("minibatch_size", 1000, ValueError),  # not a multiple of 256
+    ("macrobatch_size", 4096 * 3 + 256, ValueError),  # not a multiple of minibatch
+    ("schedule_capacity_multiplier", 0.0, ValueError),
+    ("all_gather_top_experts_chunk_bytes", 24, ValueError),
+    ("minibatch_size", 4096.0, TypeError),
+    ("fwd_num_comm_sms", True, TypeError),
+])
+def test_config_validation_names_the_field(field, value, exc):
+    with pytest.raises(exc, match=field):
+        mf.MoKConfig(**{field: value})
+
+
+# ---------------------------------------------------------------------------------------------- workspace
+
+
+def test_workspace_is_cached_per_shape(gloo_group):
+    cfg = mf.MoKConfig()
+    a = mf.get_workspace(cfg, None, device="cpu", num_local_tokens=8, hidden_size=H, topk=K)
+    b = mf.get_workspace(cfg, None, device=torch.device("cpu"), num_local_tokens=8, hidden_size=H, topk=K)
+    c = mf.get_workspace(cfg, None, device="cpu", num_local_tokens=16, hidden_size=H, topk=K)
+    assert a is b and a is not c
+    # a process group of size 1 is one device
+    assert mf.get_workspace(cfg, gloo_group, device="cpu", num_local_tokens=8, hidden_size=H, topk=K) is a
+    with pytest.raises(TypeError, match="config"):
+        mf.get_workspace({}, None, device="cpu", num_local_tokens=8, hidden_size=H, topk=K)
+    with pytest.raises(ValueError, match="num_local_tokens"):
+        mf.get_workspace(cfg, None, device="cpu", num_local_tokens=-1, hidden_size=H, topk=K)
+
+
+def test_expert_parallel_group_is_issue_9(monkeypatch, gloo_group):
+    monkeypatch.setattr(mf, "_group_size", lambda group: 4)
+    with pytest.raises(NotImplementedError, match="issue 9"):
+        mf.get_workspace(mf.MoKConfig(), gloo_group, device="cpu", num_local_tokens=8, hidden_size=H, topk=K)
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("padding", [1, 4, 256])
+def test_schedule_matches_reference_bit_exactly(device, padding):
+    p = make_problem(device, torch.float32)
+    cfg, ws, _ = setup(p)
+    sch = mf.build_schedule(ws, cfg, p["te"], num_local_experts=E, expert_padding=padding)
+    ref = reference.build_schedule(p["te"].cpu(), E)
+    assert torch.equal(sch.sorted_routes.cpu(), ref.sorted_routes_N)
+    assert torch.equal(sch.expert_offsets.cpu(), ref.expert_offsets_E1)
+    assert torch.equal(sch.route_slots.cpu(), ref.route_slots_N)
+    te = p["te"].cpu().long()
+    counts = torch.bincount(te[te >= 0], minlength=E)
+    assert torch.equal(sch.tokens_per_expert.cpu().long(), counts)
+    padded = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum((counts + padding - 1) // padding * padding, 0)])
+    assert torch.equal(sch.padded_expert_offsets.cpu().long(), padded)
+    assert sch.sorted_routes.dtype == torch.int32 and sch.sorted_routes.device == p["x"].device
+
+
+def test_schedule_rejects_bad_ids_and_shapes():
+    p = make_problem("cpu", torch.float32)
+    cfg, ws, _ = setup(p)
+    bad = p["te"].clone()
+    bad[0, 0] = E
+    with pytest.raises(ValueError, match="top_experts"):
+        mf.build_schedule(ws, cfg, bad, num_local_experts=E)
+    with pytest.raises(ValueError, match="top_experts"):
+        mf.build_schedule(ws, cfg, p["te"][:-1], num_local_experts=E)
+    with pytest.raises(TypeError, match="top_experts"):
+        mf.build_schedule(ws, cfg, p["te"].float(), num_local_experts=E)
+    with pytest.raises(ValueError, match="num_local_experts"):
+        mf.build_schedule(ws, cfg, p["te"], num_local_experts=0)
+
+
+# ---------------------------------------------------------------------------------------------- numerics
+
+
+def check_against_oracle(p, y, out, tol):
+    ref_y, g = oracle(p)
+    assert rel(y, ref_y) <= tol
+    d_x, d_rw, d_rg, d_ru, d_rd, d_sg, d_su, d_sd, d_gate = out
+    assert d_x.dtype == p["x"].dtype and d_rw.dtype == torch.float32
+    assert rel(d_x, g["x"]) <= tol
+    if "rw" in g:
+        assert rel(d_rw, g["rw"]) <= tol
+    else:  # no valid route: the oracle never touched the router weights
+        assert torch.count_nonzero(d_rw) == 0
+    dgu = g.get("gate_up", torch.zeros(E, 2 * I, H, dtype=torch.float64))
+    got_gate, got_up = stack(d_rg), stack(d_ru)
+    if got_gate.shape[1] == 2 * I:  # the combined gradient, returned in both slots
+        assert d_rg is d_ru
+        got_gate, got_up = got_gate[:, :I], got_gate[:, I:]
+    if "gate_up" in g:
+        assert rel(got_gate, dgu[:, :I]) <= tol
+        assert rel(got_up, dgu[:, I:]) <= tol
+        assert rel(stack(d_rd), g["down"]) <= tol
+    else:
+        assert all(torch.count_nonzero(t) == 0 for t in (got_gate, got_up, stack(d_rd)))
+    if p["sgu"] is not None:
+        assert rel(d_sg, g["sgu"][:IS]) <= tol and rel(d_su, g["sgu"][IS:]) <= tol
+        assert rel(d_sd, g["sd"]) <= tol
+    else:
+        assert d_sg is None and d_su is None and d_sd is None
+    if p["sog"] is not None:
+        assert d_gate.dtype == torch.float32 and tuple(d_gate.shape) == (1, H)
+        assert rel(d_gate, g["sog"]) <= tol
+    else:
+        assert d_gate is None  # MoK's nine-item contract: the ungated call
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["combined", "separate", "split_combined", "split_separate", "descriptor"])
+def test_forward_backward_match_oracle(device, dtype, layout):
+    p = make_problem(device, dtype, limit=1.5)  # the clamp is active at these scales
+    y, out, _ = run(p, layout)
+    assert len(out) == 9
+    check_against_oracle(p, y, out, TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gated,shared", [(False, True), (False, False)])
+def test_ungated_and_no_shared_expert(device, gated, shared):
+    p = make_problem(device, torch.float32, gated=gated, shared=shared)
+    y, out, _ = run(p, "combined")
+    check_against_oracle(p, y, out, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("t", [1, 0])
+def test_tiny_token_counts(t):
+    p = make_problem("cpu", torch.float32, T=t)
+    y, out, _ = run(p, "combined")
+    assert y.shape == (t, H) and out[0].shape == (t, H) and out[1].shape == (t, K)
+    if t:
+        check_against_oracle(p, y, out, TOL[torch.float32])
+
+
+def test_all_routes_minus_one_leave_the_shared_expert():
+    p = make_problem("cpu", torch.float32)
+    p["te"] = torch.full_like(p["te"], -1)
+    y, out, _ = run(p, "combined")
+    check_against_oracle(p, y, out, TOL[torch.float32])
+    assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(stack(out[2])) == 0
+
+
+# ---------------------------------------------------------------------------------------------- main grads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mg_dtype", [torch.float32, torch.bfloat16])
+def test_main_grads_are_added_in_place_combined(device, mg_dtype):
+    p = make_problem(device, torch.bfloat16, limit=1.5)
+    fresh_y, fresh, _ = run(p, "combined")
+    dev = p["x"].device
+    sh_fc1 = torch.randn(2 * IS, H, device=dev).to(mg_dtype)  # canonical buffers with prior content
+    r_fc1 = torch.randn(E, 2 * I, H, device=dev).to(mg_dtype)
+    sh_fc2 = torch.randn(H, IS, device=dev).to(mg_dtype)
+    r_fc2 = torch.randn(E, H, I, device=dev).to(mg_dtype)
+    gate_mg = torch.randn(1, H, device=dev).to(mg_dtype)
+    before = [t.clone() for t in (sh_fc1, r_fc1, sh_fc2, r_fc2, gate_mg)]
+    main_grads = (sh_fc1[:IS], r_fc1, sh_fc1[IS:], r_fc1, sh_fc2, r_fc2)
+    _, out, _ = run(p, "combined", main_grads=main_grads, shared_output_gate_main_grad=gate_mg)
+    # the returned weight gradients ARE the buffers: main[1], main[3], main[5], main[0], main[2], main[4], gate
+    for got, want in zip(out[2:], (main_grads[1], main_grads[3], main_grads[5], main_grads[0], main_grads[2],
+                                   main_grads[4], gate_mg)):
+        assert got is want
+    tol = 2e-2 if mg_dtype == torch.bfloat16 else 1e-2
+    added = [t.float() - b.float() for t, b in zip((sh_fc1, r_fc1, sh_fc2, r_fc2, gate_mg), before)]
+    fresh_sh_fc1 = torch.cat([fresh[5].float(), fresh[6].float()])
+    for a, f in zip(added, (fresh_sh_fc1, fresh[2], fresh[7], fresh[4], fresh[8])):
+        assert rel(a, f) <= tol
+    assert torch.equal(out[0], fresh[0]) and torch.equal(out[1], fresh[1])  # dx, d_rw untouched by main grads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_main_grads_with_storage_tables(device):
+    p = make_problem(device, torch.bfloat16, limit=1.5)
+    _, fresh, _ = run(p, "combined")
+    dev = p["x"].device
+    fc1_mg = [torch.randn(2 * I, H, device=dev) for _ in range(E)]  # per-expert fp32 main_grads
+    fc2_mg = [torch.randn(H, I, device=dev) for _ in range(E)]
+    before1, before2 = [t.clone() for t in fc1_mg], [t.clone() for t in fc2_mg]
+    main_grads = (None, fc1_mg[0], None, fc1_mg[0], None, fc2_mg[0])  # representatives
+    tables = (fc1_mg, fc1_mg, fc2_mg)
+    _, out, _ = run(p, "split_combined", main_grads=main_grads, main_grad_storage_tables=tables)
+    assert out[2] is fc1_mg[0] and out[3] is fc1_mg[0] and out[4] is fc2_mg[0]
+    for e in range(E):
+        assert rel(fc1_mg[e] - before1[e], fresh[2][e]) <= 1e-2
+        assert rel(fc2_mg[e] - before2[e], fresh[4][e]) <= 1e-2
+
+
+def test_rejected_call_writes_nothing():
+    p = make_problem("cpu", torch.bfloat16)
+    r_fc1 = torch.randn(E, 2 * I, H)
+    sh_fc1 = torch.randn(2 * IS, H)
+    good = (sh_fc1[:IS], r_fc1, sh_fc1[IS:], r_fc1, torch.randn(H, IS), torch.randn(E, H, I))
+    snapshot = [t.clone() for t in (r_fc1, sh_fc1, good[4], good[5])]
+    bad_last = good[:5] + (torch.randn(E, H, I, dtype=torch.float16),)
+    with pytest.raises(TypeError, match=r"main_grads\[5\]"):
+        run(p, "combined", main_grads=bad_last)
+    with pytest.raises(ValueError, match="shared_output_gate_main_grad"):
+        run(p, "combined", main_grads=good, shared_output_gate_main_grad=torch.zeros(2, H))
+    with pytest.raises(ValueError, match=r"main_grads\[1\]"):
+        run(p, "combined", main_grads=(good[0], torch.zeros(E, 2 * I, H + 1)) + good[2:3] +
+            (torch.zeros(E, 2 * I, H + 1),) + good[4:])
+    for t, s in zip((r_fc1, sh_fc1, good[4], good[5]), snapshot):
+        assert torch.equal(t, s)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def test_mxfp8_tuples_are_rejected_with_a_clear_error():
+    p = make_problem("cpu", torch.bfloat16)
+    cfg, ws, sch = setup(p)
+    data = p["gate_up"].to(torch.float8_e4m3fn)
+    scale = torch.zeros(E, 2 * I, H // 32, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="MXFP8.*issue 8"):
+        mf.forward(cfg, ws, sch, p["x"], p["rw"], *shared_args(p), (data, scale), (data, scale), p["down"])
+    with pytest.raises(TypeError, match="routed_down: MXFP8"):
+        mf.forward(cfg, ws, sch, p["x"], p["rw"], *shared_args(p), p["gate_up"], p["gate_up"],
+                   p["down"].to(torch.float8_e4m3fn))
+
+
+def test_bad_arguments_name_themselves():
+    p = make_problem("cpu", torch.bfloat16, limit=2.0)
+    cfg, ws, sch = setup(p)
+    sh = shared_args(p)
+    gu, d = p["gate_up"], p["down"]
+    fwd = lambda *a, **k: mf.forward(cfg, ws, sch, *a, **k)  # noqa: E731
+    with pytest.raises(ValueError, match="^x:"):
+        fwd(p["x"][:-1], p["rw"], *sh, gu, gu, d)
+    with pytest.raises(ValueError, match="^routed_down"):
+        fwd(p["x"], p["rw"], *sh, gu, gu, d[:, :, :-1])
+    with pytest.raises(TypeError, match="^routed_gate"):
+        fwd(p["x"], p["rw"], *sh, gu.float(), gu.float(), d)
+    with pytest.raises(ValueError, match="^shared_down"):
+        fwd(p["x"], p["rw"], sh[0], sh[1], None, gu, gu, d)
+    with pytest.raises(ValueError, match="^shared_output_gate_weight"):
+        fwd(p["x"], p["rw"], *sh, gu, gu, d, shared_output_gate_weight=p["sog"][:, :-1])
+    with pytest.raises(ValueError, match="^routed_gate"):  # E disagrees with the schedule
+        fewer = gu[:-1]
+        fwd(p["x"], p["rw"], *sh, fewer, fewer, d[:-1])
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        fwd(p["x"], p["rw"], *sh, gu, gu, d, swiglu_limit=-1.0)
+    y, fctx = fwd(p["x"], p["rw"], *sh, gu, gu, d, swiglu_limit=2.0, shared_output_gate_weight=p["sog"])
+    bwd = lambda **k: mf.backward(cfg, ws, sch, fctx, p["dy"], p["x"], p["rw"], *sh, gu, gu, d, **k)  # noqa: E731
+    with pytest.raises(ValueError, match="^shared_output_gate_weight"):  # the context is gated
+        bwd(swiglu_limit=2.0)
+    with pytest.raises(ValueError, match="^swiglu_limit"):
+        bwd(swiglu_limit=3.0, shared_output_gate_weight=p["sog"])
+    with pytest.raises(TypeError, match="^forward_context"):
+        mf.backward(cfg, ws, sch, object(), p["dy"], p["x"], p["rw"], *sh, gu, gu, d)
+    with pytest.raises(ValueError, match="^main_grads"):
+        bwd(swiglu_limit=2.0, shared_output_gate_weight=p["sog"], main_grads=(None,) * 5)
+    with pytest.raises(ValueError, match="^main_grad_storage_tables"):
+        bwd(swiglu_limit=2.0, shared_output_gate_weight=p["sog"], main_grad_storage_tables=([], [], []))
+
+
+def test_several_live_contexts_over_one_workspace():
+    """MoK's rule: contexts are independent; the workspace is shared scratch."""
+    p1, p2 = make_problem("cpu", torch.float32), make_problem("cpu", torch.float32)
+    p2["te"], p2["rw"] = p1["te"], p1["rw"]
+    cfg, ws, sch = setup(p1)
+    sh1, sh2 = shared_args(p1), shared_args(p2)
+    y1, c1 = mf.forward(cfg, ws, sch, p1["x"], p1["rw"], *sh1, p1["gate_up"], p1["gate_up"], p1["down"],
+                        shared_output_gate_weight=p1["sog"])
+    y2, c2 = mf.forward(cfg, ws, sch, p2["x"], p2["rw"], *sh2, p2["gate_up"], p2["gate_up"], p2["down"],
+                        shared_output_gate_weight=p2["sog"])
+    o1 = mf.backward(cfg, ws, sch, c1, p1["dy"], p1["x"], p1["rw"], *sh1, p1["gate_up"], p1["gate_up"], p1["down"],
+                     shared_output_gate_weight=p1["sog"])
+    check_against_oracle(p1, y1, o1, TOL[torch.float32])
