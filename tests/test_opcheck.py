@@ -1,0 +1,177 @@
+"""torch.library.opcheck on every op of the `mok` namespace, and torch.autograd.gradcheck.
+
+opcheck runs its default checks (schema, autograd registration, fake tensor, AOT dispatch with
+dynamic shapes) on mok::moe, mok::schedule, mok::moe_fwd and mok::moe_bwd, over schema variants:
+shared expert or not, shared output gate or not, swiglu_limit or not, float32 and bfloat16.
+
+gradcheck: SPEC accepts float32, bfloat16 and float16 activations only (float64 is rejected with a
+TypeError), so the finite-difference check runs in float32 with eps=1e-3 and a matching tolerance,
+at tiny shapes, through `mok_inductor.moe`. For the clamped SwiGLU the limit is chosen away from
+every pre-activation, so no finite difference straddles the clamp's kink.
+
+Shape legend: T tokens, H hidden, I routed intermediate, Is shared intermediate, E experts, K routes.
+"""
+
+import pytest
+import torch
+
+import mok_inductor
+from _helpers import DEVICES, make_case, moe_with_grads, random_like
+
+# id: (dtype, shared, gate, limit)
+VARIANTS = {
+    "fp32": (torch.float32, False, False, None),
+    "fp32_limit": (torch.float32, False, False, 0.7),
+    "fp32_shared": (torch.float32, True, False, None),
+    "fp32_shared_gate_limit": (torch.float32, True, True, 0.7),
+    "bf16_shared_gate": (torch.bfloat16, True, True, None),
+    "bf16_limit": (torch.bfloat16, False, False, 0.7),
+}
+
+
+def _case(variant, device, requires_grad=True):
+    dtype, shared, gate, limit = VARIANTS[variant]
+    # T=5, H=8, I=4, Is=6, E=3, K=2 with 20% -1 routes: small, Is != I
+    return make_case(T=5, H=8, I=4, Is=6, E=3, K=2, dtype=dtype, device=device, shared=shared, gate=gate,
+                     limit=limit, drop=0.2, seed=len(variant), requires_grad=requires_grad)
+
+
+def _fwd_args(c):
+    sched = torch.ops.mok.schedule(c.top_experts, c.gate_up_proj.shape[0])
+    return (c.x, c.router_weights, c.top_experts, *sched, c.gate_up_proj, c.down_proj, c.shared_gate_up_proj,
+            c.shared_down_proj, c.shared_output_gate, c.swiglu_limit)
+
+
+def _bwd_args(c):
+    fa = _fwd_args(c)
+    with torch.no_grad():
+        y, h, h_shared = torch.ops.mok.moe_fwd(*fa)
+    dy = random_like(y, 1)
+    return (dy,) + fa[:-1] + (h, h_shared, c.swiglu_limit)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_opcheck_moe(device, variant):
+    c = _case(variant, device)
+    torch.library.opcheck(torch.ops.mok.moe.default, c.op_args())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_opcheck_moe_fwd(device, variant):
+    c = _case(variant, device)
+    torch.library.opcheck(torch.ops.mok.moe_fwd.default, _fwd_args(c))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_opcheck_moe_bwd(device, variant):
+    # as in a backward graph: the inputs do not require grad (double backward is tested below)
+    c = _case(variant, device, requires_grad=False)
+    torch.library.opcheck(torch.ops.mok.moe_bwd.default, _bwd_args(c))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
+@pytest.mark.parametrize("kind", ["random", "none", "one"])
+def test_opcheck_schedule(device, index_dtype, kind):
+    # random routes with -1s; all routes -1; every route to one expert
+    te = make_case(T=6, E=4, K=2, kind=kind, drop=0.3, index_dtype=index_dtype, device=device).top_experts
+    torch.library.opcheck(torch.ops.mok.schedule.default, (te, 4))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_empty_tokens(device):
+    # T=0: every op accepts an empty batch
+    c = make_case(T=0, H=8, I=4, Is=6, E=3, K=2, shared=True, gate=True, device=device)
+    torch.library.opcheck(torch.ops.mok.moe.default, c.op_args())
+    torch.library.opcheck(torch.ops.mok.schedule.default, (c.top_experts, 3))
+    torch.library.opcheck(torch.ops.mok.moe_fwd.default, _fwd_args(c))
+    torch.library.opcheck(torch.ops.mok.moe_bwd.default, _bwd_args(c.detached(requires_grad=False)))
+
+
+def test_every_mok_op_is_checked():
+    # the ops of the namespace are exactly those this file checks: a new op must get an opcheck here
+    import mok_inductor.ops  # noqa: F401
+
+    ops = {name for name in dir(torch.ops.mok) if isinstance(getattr(torch.ops.mok, name), torch._ops.OpOverloadPacket)}
+    assert ops == {"moe", "schedule", "moe_fwd", "moe_bwd"}, sorted(ops)
+
+
+def test_double_backward_is_clear():
+    # differentiating the backward (create_graph=True) either works and gives the first-order gradients,
+    # or raises an error that says double backward is not supported; it never fails obscurely
+    c = make_case(T=5, H=8, I=4, E=3, K=2, shared=True)
+    dy = random_like(c.x.detach(), 2)
+    _, ref = moe_with_grads(c, dy)
+    y = mok_inductor.moe(*c.args(), **c.kwargs())
+    try:
+        gx, = torch.autograd.grad(y, c.x, dy, create_graph=True)
+    except (RuntimeError, NotImplementedError) as e:
+        assert "backward" in str(e) and ("double" in str(e) or "twice" in str(e) or "create_graph" in str(e)), e
+    else:
+        assert torch.equal(gx.detach(), ref["x"])
+
+
+# ---------------------------------------------------------------------------------------------
+# gradcheck
+
+
+def _limit_away_from_preactivations(c, lo=0.3, hi=1.5):
+    """A swiglu_limit in [lo, hi] as far as possible from every gate value and |up| value it clamps,
+    with its distance to the nearest one."""
+    x = c.x.detach().double()
+    w1 = c.gate_up_proj.detach().double()
+    I = w1.shape[1] // 2
+    vals = []
+    for t in range(x.shape[0]):
+        for e in c.top_experts[t].tolist():
+            if e >= 0:
+                vals += [w1[e, :I] @ x[t], (w1[e, I:] @ x[t]).abs()]
+    if c.shared_gate_up_proj is not None:
+        s1 = c.shared_gate_up_proj.detach().double()
+        i_s = s1.shape[0] // 2
+        vals += [x @ s1[:i_s].T, (x @ s1[i_s:].T).abs()]
+    v = torch.cat([a.reshape(-1) for a in vals])
+    cand = torch.linspace(lo, hi, 241, dtype=torch.float64)
+    dist = (cand[:, None] - v[None, :]).abs().min(dim=1).values
+    best = int(dist.argmax())
+    return float(cand[best]), float(dist[best]), v
+
+
+@pytest.mark.filterwarnings("ignore:Input #.* requires gradient and is not a double precision")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", ["plain", "shared_gate", "shared_gate_limit", "dropped_repeat"])
+def test_gradcheck_float32(device, config):
+    # T=3, H=4, I=2, Is=3, E=3, K=2: tiny, so the numerical Jacobian is cheap; "dropped_repeat" has -1
+    # routes and repeated experts within a token
+    shared = config.startswith("shared")
+    c = make_case(T=3, H=4, I=2, Is=3, E=3, K=2, shared=shared, gate=shared, device=device, seed=21,
+                  kind="repeat" if config == "dropped_repeat" else "random")
+    if config == "dropped_repeat":
+        c.top_experts[0] = torch.tensor([1, 1])
+        c.top_experts[1, 0] = -1
+    limit = None
+    if config.endswith("limit"):
+        limit, margin, v = _limit_away_from_preactivations(c)
+        assert margin > 0.02, "no limit far enough from the pre-activations for finite differences"
+        assert (v > limit).any() and (v < limit).any(), "the limit must clip some values and not others"
+    names = list(c.tensors())
+
+    def f(*ts):
+        d = dict(zip(names, ts))
+        return mok_inductor.moe(d["x"], d["router_weights"], c.top_experts, d["gate_up_proj"], d["down_proj"],
+                                shared_gate_up_proj=d.get("shared_gate_up_proj"),
+                                shared_down_proj=d.get("shared_down_proj"),
+                                shared_output_gate=d.get("shared_output_gate"), swiglu_limit=limit)
+
+    assert torch.autograd.gradcheck(f, tuple(c.tensors().values()), eps=1e-3, atol=2e-3, rtol=1e-2)
+
+
+def test_gradcheck_float64_is_rejected():
+    # float64 is not an accepted activation dtype (SPEC section 1), hence the float32 gradcheck above;
+    # this pins that decision so a change to it is deliberate
+    c = make_case(T=3, H=4, I=2, E=3, K=2, dtype=torch.float64)
+    with pytest.raises(TypeError, match="^x: expected dtype float32 or bfloat16 or float16, got float64"):
+        mok_inductor.moe(*c.args(), **c.kwargs())
