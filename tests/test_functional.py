@@ -260,11 +260,12 @@ def test_forward_backward_match_oracle(device, dtype, layout):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("gated,shared", [(False, True), (False, False)])
-def test_ungated_and_no_shared_expert(device, gated, shared):
-    p = make_problem(device, torch.float32, gated=gated, shared=shared)
+@pytest.mark.parametrize("gated,shared,dtype", [(False, True, torch.float32), (False, False, torch.float32),
+                                                (True, True, torch.float16)])
+def test_ungated_no_shared_expert_and_fp16(device, gated, shared, dtype):
+    p = make_problem(device, dtype, gated=gated, shared=shared, limit=1.5)
     y, out, _ = run(p, "combined")
-    check_against_oracle(p, y, out, TOL[torch.float32])
+    check_against_oracle(p, y, out, TOL[dtype])
 
 
 @pytest.mark.parametrize("t", [1, 0])

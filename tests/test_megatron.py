@@ -474,3 +474,16 @@ def test_clear_import_error_without_megatron(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.core", None)
     with pytest.raises(ImportError, match=r"pip install mok-inductor\[megatron\]"):
         importlib.import_module("mok_inductor.megatron")
+
+
+def test_padding_mask_passes_through_the_router():
+    cfg = make_config()
+    meg, mok, ref64 = layer_trio(cfg, "cpu")
+    x, dy = inputs("cpu", torch.bfloat16)
+    mask = torch.rand(B, S) < 0.7  # [B, S], as MoELayer.forward takes it
+    outs = []
+    for layer, cast in ((meg, torch.bfloat16), (mok, torch.bfloat16), (ref64, torch.float64)):
+        out, _ = layer(x.to(cast), padding_mask=mask)
+        outs.append(out.detach())
+    check_close("output with padding_mask", outs[1], outs[0], outs[2], torch.bfloat16)
+    assert rel(outs[1], outs[0]) <= 2e-2
