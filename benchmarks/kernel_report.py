@@ -35,9 +35,15 @@ def _sass_hgmma(cubin: bytes) -> int:
 
 
 def report() -> str:
-    lines = ["| kernel | best config | warps | stages | regs | spills | shared B | wgmma in PTX | HGMMA in SASS |",
+    lines = ["| kernel | compiled name | warps | stages | regs | spills | shared B | wgmma in PTX | HGMMA in SASS |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    picks = []
     for name, fn, best in _jit_fns():
+        from mok_inductor.kernels import moe_bwd, moe_fwd
+
+        tuner = getattr(moe_fwd, name, None) or getattr(moe_bwd, name, None)
+        for key, c in getattr(tuner, "cache", {}).items():
+            picks.append(f"- {name} key {key[:5]}: {c}")
         for dev, caches in getattr(fn, "device_caches", {}).items():
             for key, ck in caches[0].items():
                 try:
@@ -47,10 +53,11 @@ def report() -> str:
                 md = ck.metadata
                 ptx = ck.asm.get("ptx", "")
                 hg = _sass_hgmma(ck.asm["cubin"]) if "cubin" in ck.asm else -1
-                lines.append(f"| {name} | {best.kwargs if best else ''} | {md.num_warps} | {md.num_stages} | "
+                blocks = ck.metadata.name[-40:]
+                lines.append(f"| {name} | {blocks} | {md.num_warps} | {md.num_stages} | "
                              f"{getattr(ck, 'n_regs', '?')} | {getattr(ck, 'n_spills', '?')} | {md.shared} | "
                              f"{ptx.count('wgmma.mma_async')} | {hg} |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", "Autotuner picks:"] + picks)
 
 
 if __name__ == "__main__":

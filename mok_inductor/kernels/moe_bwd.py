@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import _launch
 from ._launch import cfg, mma, pick_configs, to_out
-from .moe_fwd import _tile_rows, row_tiles_worst
+from .moe_fwd import GROUP_M, _tile_ids, _tile_rows, row_tiles_worst
 
 # the smallest BLOCK_N of _bwd_act_configs(): the partial router-gradient buffer has one row per tile
 _BWD_ACT_MIN_BLOCK_N = 16 if _launch.INTERPRET else 64
@@ -31,7 +31,7 @@ _BWD_ACT_MIN_BLOCK_N = 16 if _launch.INTERPRET else 64
 
 def _bwd_act_configs():
     return pick_configs(
-        [cfg(128, 64, 64, 8, 3), cfg(64, 64, 64, 4, 4), cfg(128, 64, 64, 4, 3)],
+        [cfg(128, 64, 64, 8, 3), cfg(64, 64, 64, 4, 4), cfg(64, 128, 64, 8, 3), cfg(128, 64, 32, 8, 4)],
         cfg(16, 16, 16, 1, 1),
     )
 
@@ -51,12 +51,10 @@ def _bwd_act_kernel(
     dscale_ptr, stride_sp,  # float32 [P, T*K] out: partial <dy @ down, h> of I-tile p at the route
     M, H, I, E, TOPK, limit,
     SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    GROUPS_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(I, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, E, I, SINGLE, BLOCK_M, BLOCK_N, GROUP_M)
     group, row_start, row_end = _tile_rows(pid_m, offsets_ptr, M, E, SINGLE, False, BLOCK_M, GROUPS_POW2)
     if row_start >= row_end:
         return
@@ -144,7 +142,7 @@ def bwd_act(x_TH, dy_TH, w_gate, w_up, w_down, h_MI, scale, routes_N, offsets_E1
         dgu, dgu.stride(0), dgu.stride(1), dscale_P, dscale_P.stride(0),
         M, H, I, E, topk, 0.0 if limit is None else float(limit),
         SINGLE=single, HAS_SCALE=scale is not None, HAS_LIMIT=limit is not None,
-        DOT_PREC=_launch.dot_precision(x_TH.dtype), GROUPS_POW2=_launch.next_pow2(E + 1),
+        DOT_PREC=_launch.dot_precision(x_TH.dtype), GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M,
     )
     return dgu, dscale_P.sum(0)  # fixed-order reduction over the I-tiles
 
@@ -155,7 +153,8 @@ def bwd_act(x_TH, dy_TH, w_gate, w_up, w_down, h_MI, scale, routes_N, offsets_E1
 
 def _wgrad_configs():
     return pick_configs(
-        [cfg(128, 128, 64, 8, 3), cfg(128, 128, 32, 4, 4), cfg(64, 128, 64, 4, 4)],
+        [cfg(128, 128, 64, 8, 3), cfg(128, 128, 32, 4, 4), cfg(64, 128, 64, 4, 4), cfg(128, 128, 64, 8, 4),
+         cfg(128, 64, 64, 4, 4)],
         cfg(16, 16, 16, 1, 1),
     )
 

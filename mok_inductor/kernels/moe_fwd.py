@@ -23,6 +23,8 @@ import triton.language as tl
 from . import _launch
 from ._launch import cfg, mma, pick_configs, to_out
 
+GROUP_M = 8  # row tiles per L2 group (see _tile_ids)
+
 # ---------------------------------------------------------------------------------------------
 # Tile enumeration
 
@@ -56,6 +58,24 @@ def _tile_rows(pid_m, offsets_ptr, M, E, SINGLE: tl.constexpr, WITH_TAIL: tl.con
     return group, row_start, row_end
 
 
+@triton.jit
+def _tile_ids(pid, M, E, NCOLS, SINGLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program `pid`, GROUP_M row tiles at a time (L2 reuse: a weight column block
+    is read once per group of row tiles, not once per row tile)."""
+    num_n = tl.cdiv(NCOLS, BLOCK_N)
+    if SINGLE:
+        num_m = tl.cdiv(M, BLOCK_M)
+    else:
+        num_m = tl.cdiv(M, BLOCK_M) + E + 1
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % gsize
+    pid_n = (pid % per_group) // gsize
+    return pid_m, pid_n
+
+
 def row_tiles_worst(M: int, E: int, block_m: int, single: bool) -> int:
     """Upper bound of the row tiles of any schedule of M rows over E (+1) groups: shapes only."""
     return triton.cdiv(M, block_m) if single else triton.cdiv(M, block_m) + E + 1
@@ -67,7 +87,8 @@ def row_tiles_worst(M: int, E: int, block_m: int, single: bool) -> int:
 
 def _gate_up_configs():
     return pick_configs(
-        [cfg(128, 128, 64, 8, 3), cfg(128, 64, 64, 4, 4), cfg(64, 128, 64, 4, 4), cfg(128, 64, 64, 8, 4)],
+        [cfg(128, 128, 64, 8, 3), cfg(128, 64, 64, 4, 4), cfg(64, 128, 64, 4, 4), cfg(128, 64, 64, 8, 4),
+         cfg(64, 64, 128, 4, 3)],
         cfg(16, 16, 16, 1, 1),
     )
 
@@ -83,12 +104,9 @@ def _gate_up_kernel(
     M, H, I, E, TOPK,  # rows (routes), hidden, intermediate, experts, routes per token
     limit,  # swiglu clamp (used when HAS_LIMIT)
     SINGLE: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(I, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, E, I, SINGLE, BLOCK_M, BLOCK_N, GROUP_M)
     group, row_start, row_end = _tile_rows(pid_m, offsets_ptr, M, E, SINGLE, True, BLOCK_M, GROUPS_POW2)
     if row_start >= row_end:
         return
@@ -146,7 +164,7 @@ def gate_up(x_TH, w_gate, w_up, h_out, routes_N, offsets_E1, topk, limit, *, sin
         h_out, h_out.stride(0), h_out.stride(1),
         M, H, I, E, topk, 0.0 if limit is None else float(limit),
         SINGLE=single, HAS_LIMIT=limit is not None, DOT_PREC=_launch.dot_precision(x_TH.dtype),
-        GROUPS_POW2=groups_pow2,
+        GROUPS_POW2=groups_pow2, GROUP_M=GROUP_M,
     )
     return h_out
 
@@ -172,12 +190,10 @@ def _grouped_rows_kernel(
     out_ptr, stride_om, stride_on,  # out [rows, NCOL]; row = route (SCATTER) or the sorted row
     M, NCOL, KD, E,
     SINGLE: tl.constexpr, SCATTER: tl.constexpr, TWO: tl.constexpr, DOT_PREC: tl.constexpr,
-    GROUPS_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(NCOL, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, E, NCOL, SINGLE, BLOCK_M, BLOCK_N, GROUP_M)
     group, row_start, row_end = _tile_rows(pid_m, offsets_ptr, M, E, SINGLE, False, BLOCK_M, GROUPS_POW2)
     if row_start >= row_end:
         return
@@ -236,7 +252,7 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w1_nk_strides, w2=None,
         out, out.stride(0), out.stride(1),
         M, NCOL, KD, E,
         SINGLE=single, SCATTER=scatter, TWO=two, DOT_PREC=_launch.dot_precision(a_MK.dtype),
-        GROUPS_POW2=_launch.next_pow2(E + 1),
+        GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M,
     )
     return out
 

@@ -1,0 +1,84 @@
+"""Per-kernel times of the mok forward and backward at one shape (kernel launchers called directly,
+autotuned first), with the TFLOP/s each kernel reaches: where the time goes.
+
+    python benchmarks/breakdown.py --shapes qwen3-30b-a3b,mixtral-8x7b [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_moe import SHAPES, bench, make_inputs  # noqa: E402
+
+
+def breakdown(name, kind="balanced"):
+    from mok_inductor import kernels as K_
+    from mok_inductor.kernels import bwd_act, combine, gate_up, grouped_rows, wgrad
+    from mok_inductor.ops import split_gate_up
+
+    T, H, I, E, K = SHAPES[name]
+    N = T * K
+    x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, kind)
+    wg, wu = split_gate_up(w_gu)
+    dy = torch.randn_like(x)
+    sched = K_.build_schedule(te, E)
+    so, off = sched.sorted_routes_N, sched.expert_offsets_E1
+    rw_N = rw.reshape(-1).contiguous()
+    te_N = te.reshape(-1).contiguous()
+    h = torch.empty(N, I, dtype=x.dtype, device="cuda")
+    y_N = torch.empty(N, H, dtype=x.dtype, device="cuda")
+    y = torch.empty_like(x)
+    gate_up(x, wg, wu, h, so, off, K, None)
+    dgu, _ = bwd_act(x, dy, wg, wu, w_d, h, rw_N, so, off, K, None)
+    d_d, d_g, d_u = torch.empty_like(w_d), torch.empty_like(wg), torch.empty_like(wu)
+    dx_N = torch.empty(N, H, dtype=x.dtype, device="cuda")
+    nk = lambda w, n, k: (w.stride(0), w.stride(n), w.stride(k))
+    f = 2 * N * H * I
+    steps = [
+        ("schedule", lambda: K_.build_schedule(te, E), 0),
+        ("fwd gate_up (+gather, SwiGLU)", lambda: gate_up(x, wg, wu, h, so, off, K, None), 2 * f),
+        ("fwd down (scatter to routes)", lambda: grouped_rows(h, w_d, y_N, so, off, w1_nk_strides=nk(w_d, 1, 2)), f),
+        ("fwd combine", lambda: combine(y_N, te_N, y, rw_N=rw_N), 0),
+        ("bwd act (q,g,u + SwiGLU bwd + drw)", lambda: bwd_act(x, dy, wg, wu, w_d, h, rw_N, so, off, K, None), 3 * f),
+        ("bwd wgrad down", lambda: wgrad(dy, h, d_d, so, off, K, a_gather=True, b_gather=False, scale=rw_N), f),
+        ("bwd wgrad gate", lambda: wgrad(dgu[:, :I], x, d_g, so, off, K, a_gather=False, b_gather=True), f),
+        ("bwd wgrad up", lambda: wgrad(dgu[:, I:], x, d_u, so, off, K, a_gather=False, b_gather=True), f),
+        ("bwd dx (gate+up dgrad)", lambda: grouped_rows(dgu, wg, dx_N, so, off, w1_nk_strides=nk(wg, 2, 1), w2=wu,
+                                                         w2_nk_strides=nk(wu, 2, 1)), 2 * f),
+        ("bwd combine dx", lambda: combine(dx_N, te_N, y), 0),
+    ]
+    rows = []
+    for label, fn, flops in steps:
+        fn()
+        ms, p20, p80 = bench(fn)
+        rows.append(dict(shape=name, kernel=label, ms=ms, tflops=flops / (ms * 1e-3) / 1e12 if flops else 0.0))
+        print(f"  {name:>18} {label:>36}: {ms:7.3f} ms {rows[-1]['tflops']:6.0f} TFLOP/s", flush=True)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = p.parse_args()
+    rows = []
+    for s in a.shapes.split(","):
+        rows += breakdown(s)
+    with open(os.path.join(a.out, "breakdown.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    from kernel_report import report
+
+    with open(os.path.join(a.out, "kernel_report.md"), "w") as f:
+        f.write(report() + "\n")
+
+
+if __name__ == "__main__":
+    main()
