@@ -1,0 +1,90 @@
+"""torch.compile(fullgraph=True) of a function calling `mok_inductor.moe` on the CPU.
+
+One Inductor compile (dynamic=True) serves the module: the compiled forward and backward equal eager
+for three token counts without recompiling, and an out-of-range expert id raises the op's ValueError
+from inside the compiled function. The compile costs ~20 s on two CPU cores, so it is made once.
+
+Shape legend: T tokens, H hidden, I routed intermediate, Is shared intermediate, E experts, K routes.
+"""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import mok_inductor
+from _helpers import GRAD_NAMES, make_case, moe_with_grads, random_like, rel_err, TOLERANCE
+
+# T values: none is 0 or 1 (Dynamo specializes those) and none equals another dim of the inputs (H=16,
+# I=8, Is=12, E=5, K=2, 2I=16, 2Is=24: Dynamo's duck sizing would tie T to it), so one dynamic graph
+# serves all three
+TOKEN_COUNTS = (7, 11, 19)
+LIMIT = 0.6
+
+
+def layer(x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj,
+          shared_output_gate):
+    y = mok_inductor.moe(x, router_weights, top_experts, gate_up_proj, down_proj,
+                         shared_gate_up_proj=shared_gate_up_proj, shared_down_proj=shared_down_proj,
+                         shared_output_gate=shared_output_gate, swiglu_limit=LIMIT)
+    return y * 2.0 + x  # some Inductor-generated code around the op (a residual)
+
+
+def _case(T, seed):
+    # H=16, I=8, Is=12, E=5, K=2 with -1 routes, shared expert, gate and limit: every op input is used
+    return make_case(T=T, H=16, I=8, Is=12, E=5, K=2, shared=True, gate=True, limit=LIMIT, drop=0.2, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    fn = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    yield fn, counter
+    torch._dynamo.reset()
+
+
+def _fwd_bwd(fn, case, dy):
+    c = case.detached()
+    y = fn(c.x, c.router_weights, c.top_experts, c.gate_up_proj, c.down_proj, c.shared_gate_up_proj,
+           c.shared_down_proj, c.shared_output_gate)
+    y.backward(dy)
+    return y.detach(), {n: t.grad for n, t in c.tensors().items()}
+
+
+def test_compiled_equals_eager_over_token_counts(compiled):
+    fn, counter = compiled
+    frames = []
+    for i, T in enumerate(TOKEN_COUNTS):
+        case = _case(T, seed=40 + i)
+        dy = random_like(case.x.detach(), 41 + i)
+        y_c, g_c = _fwd_bwd(fn, case, dy)
+        y_e, g_e = _fwd_bwd(layer, case, dy)
+        # the compiled graphs call the same CPU implementation as eager; only the residual around it is
+        # Inductor code, so the results agree to float32 rounding of that elementwise tail
+        assert rel_err(y_c, y_e) <= 1e-6, f"T={T}: compiled forward differs from eager"
+        assert set(g_c) == set(g_e) == set(GRAD_NAMES)
+        for name in GRAD_NAMES:
+            assert g_c[name] is not None, f"T={T}: no compiled gradient for {name}"
+            assert rel_err(g_c[name], g_e[name]) <= 1e-6, f"T={T}: compiled d_{name} differs from eager"
+        # and both are right: the op part against the float64 oracle
+        _, g_ref = moe_with_grads(case, dy * 2.0)
+        assert rel_err(g_c["gate_up_proj"], g_ref["gate_up_proj"]) <= TOLERANCE[torch.float32]
+        frames.append(counter.frame_count)
+    # the first T compiles (the counter counts backend calls: an analysis restarted once, e.g. to specialize
+    # the float swiglu_limit, counts twice); the other token counts reuse that graph
+    assert frames[0] >= 1 and frames[1:] == [frames[0]] * (len(frames) - 1), f"recompiled: frames after each T {frames}"
+
+
+def test_compiled_bad_expert_id_raises(compiled):
+    fn, counter = compiled
+    frames = counter.frame_count
+    for bad in (5, -3):  # E = 5
+        case = _case(11, seed=50)
+        case.top_experts[3, 1] = bad
+        c = case.detached()
+        with pytest.raises(ValueError, match=rf"^top_experts: expected expert indices in \[-1, 5\).*found {bad}"):
+            fn(c.x, c.router_weights, c.top_experts, c.gate_up_proj, c.down_proj, c.shared_gate_up_proj,
+               c.shared_down_proj, c.shared_output_gate)
+    # T=11 is served by the dynamic graph: the error path recompiles nothing
+    if frames:
+        assert counter.frame_count == frames
