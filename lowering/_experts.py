@@ -381,6 +381,8 @@ def chain(start, end, nodes: set) -> None:
 def grouped_core(offs, gemms: list) -> GroupedCore:
     nodes: set = set(gemms)
     if len(gemms) not in (2, 3):
+        _, w, _ = gemm_parts(gemms[-1])
+        routing(offs, (shape(w) or (0,))[0], set())  # a non-MoE offs gets the more telling reason
         raise Reject(f"{len(gemms)} grouped GEMMs share offs {getattr(offs, 'name', offs)}; expected 2 (gate_up, down) "
                      "or 3 (gate, up, down)")
     down_gemm = gemms[-1]

@@ -1,0 +1,302 @@
+"""The pattern pass on hand-built blocks: near misses that must stay untouched (with the reason logged), the
+torchtitan-style block, and the pinned rewritten graph of one canonical block per formulation.
+
+Experts modules here are small classes decorated with transformers' own `use_experts_implementation`, so
+they run HF's real "grouped_mm" / "batched_mm" functions; the decorator flags (`has_bias`, `is_transposed`),
+the activation and `_apply_gate` make the near misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import expecttest
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import lowering
+from lowering import patterns
+from oracle import oracle_moe
+
+transformers = pytest.importorskip("transformers")
+from transformers.activations import ACT2FN  # noqa: E402
+from transformers.integrations.moe import use_experts_implementation  # noqa: E402
+
+# T tokens, H hidden, I intermediate, E experts, K routes: T not a multiple of E, one expert likely empty
+T, H, I, E, K = 7, 16, 8, 4, 2
+
+
+class _Config:
+    def __init__(self, impl):
+        self._experts_implementation = impl
+
+
+def make_experts(impl: str, dtype=torch.bfloat16, act: str = "silu", swap_halves: bool = False, **flags):
+    """An HF-style experts module ([E, 2I, H] gate_up_proj, [E, H, I] down_proj unless is_transposed)."""
+
+    class Experts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            tr = flags.get("is_transposed", False)
+            self.num_experts = E
+            self.gate_up_proj = nn.Parameter(0.3 * torch.randn((E, H, 2 * I) if tr else (E, 2 * I, H), generator=g))
+            self.down_proj = nn.Parameter(0.3 * torch.randn((E, I, H) if tr else (E, H, I), generator=g))
+            if flags.get("has_bias", False):
+                self.gate_up_proj_bias = nn.Parameter(torch.randn(E, 2 * I, generator=g))
+                self.down_proj_bias = nn.Parameter(torch.randn(E, H, generator=g))
+            self.act_fn = ACT2FN[act]
+
+        if swap_halves:
+            def _apply_gate(self, gate_up):
+                up, gate = gate_up.chunk(2, dim=-1)
+                return self.act_fn(gate) * up
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):  # replaced by the decorator
+            raise NotImplementedError
+
+    Experts = use_experts_implementation(Experts, **flags)
+    return Experts(_Config(impl)).to(dtype)
+
+
+def routing_inputs(dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    logits = torch.randn(T, E, generator=g)
+    w, idx = torch.topk(logits.softmax(-1), K, dim=-1)
+    return x, idx, w.to(dtype)
+
+
+def rewritten(fn, *args, dynamic=False):
+    """Dynamo-capture fn, run the pass, return (graph module, records, output of the rewritten graph)."""
+    got = {}
+
+    def capture(gm, example_inputs):
+        got["records"] = patterns.rewrite(gm.graph)
+        gm.recompile()
+        got["gm"] = gm
+        return gm.forward
+
+    torch._dynamo.reset()
+    counters["mok_inductor"].clear()
+    out = torch.compile(fn, backend=capture, fullgraph=True, dynamic=dynamic)(*args)
+    return got["gm"], got["records"], out
+
+
+def graph_text(gm) -> str:
+    """The rewritten graph's code without the signature, placeholder aliases and `= None` frees."""
+    lines = []
+    for line in gm.code.strip().splitlines()[1:]:
+        line = re.sub(r";\s+[\w =]+ = None$", "", line.strip())
+        if not line or re.fullmatch(r"(\w+) = [A-Z]\w*", line):
+            continue
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------
+# near misses: never replaced, reason logged
+
+NEAR_MISSES = {
+    # name: (factory kwargs, expected reason fragment)
+    "gelu": (dict(act="gelu"), "activation gelu"),
+    "bias": (dict(has_bias=True), "modified in place"),
+    "swapped": (dict(swap_halves=True), "swapped"),
+    "transposed": (dict(is_transposed=True), "transposed"),
+}
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("case", sorted(NEAR_MISSES))
+def test_near_miss_is_left_alone(case, impl, caplog):
+    kwargs, reason = NEAR_MISSES[case]
+    experts = make_experts(impl, **kwargs)
+    x, idx, w = routing_inputs(torch.bfloat16)
+    ref = experts(x, idx, w)
+    with caplog.at_level(logging.INFO, logger="lowering.patterns"):
+        gm, records, out = rewritten(experts, x, idx, w)
+    assert counters["mok_inductor"]["moe_replaced"] == 0
+    assert not any(r.replaced for r in records)
+    assert any(reason in r.detail for r in records), [str(r) for r in records]
+    assert any(reason in m for m in caplog.messages), caplog.messages
+    assert "mok.moe" not in gm.code
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_canonical_twin_of_the_near_misses_is_replaced(impl):
+    """The same harness with the default flags is replaced, so the near-miss tests can fail."""
+    experts = make_experts(impl)
+    x, idx, w = routing_inputs(torch.bfloat16)
+    gm, records, out = rewritten(experts, x, idx, w)
+    assert counters["mok_inductor"]["moe_replaced"] == 1
+    gold = oracle_moe(x, w, idx, experts.gate_up_proj, experts.down_proj)
+    assert float((out.double() - gold).norm() / gold.norm()) <= 1e-2
+
+
+def test_grouped_mm_outside_a_moe_block_is_left_alone(caplog):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(12, H, generator=g).bfloat16()
+    w = torch.randn(E, 2 * I, H, generator=g).bfloat16()
+    offs = torch.tensor([3, 5, 9, 12], dtype=torch.int32)
+
+    def f(x, w, offs):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).sum(0)
+
+    with caplog.at_level(logging.INFO, logger="lowering.patterns"):
+        gm, records, out = rewritten(f, x, w, offs)
+    assert counters["mok_inductor"]["moe_replaced"] == 0
+    assert any("not a cumsum" in r.detail for r in records), [str(r) for r in records]
+    torch.testing.assert_close(out, f(x, w, offs))
+
+
+# ---------------------------------------------------------------------------------------------------
+# torchtitan-style block
+
+
+class TitanMoE(nn.Module):
+    """torchtitan's TokenReorderer + GroupedExperts shape: separate w1 (gate) / w3 (up) [E, I, H], w2 [E, H, I]."""
+
+    def __init__(self, counts: str = "histc", score_before_experts: bool = False):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.router = nn.Parameter(torch.randn(E, H, generator=g))
+        self.w1 = nn.Parameter(0.3 * torch.randn(E, I, H, generator=g))
+        self.w3 = nn.Parameter(0.3 * torch.randn(E, I, H, generator=g))
+        self.w2 = nn.Parameter(0.3 * torch.randn(E, H, I, generator=g))
+        self.counts, self.score_before_experts = counts, score_before_experts
+
+    def forward(self, x):
+        scores = F.linear(x.float(), self.router.float()).softmax(dim=-1)  # [T, E]
+        ids = torch.topk(scores, K, dim=1).indices
+        top = scores.gather(1, ids).to(x.dtype)  # [T, K] from [T, E] scores
+        flat = ids.view(-1)
+        if self.counts == "histc":
+            counts = torch.histc(flat.float(), bins=E, min=0, max=E)
+        else:
+            counts = torch.bincount(flat, minlength=E)
+        perm = torch.argsort(flat, stable=True)
+        sw = top.view(-1)[perm]
+        tok = perm // K
+        xs = torch.gather(x, 0, tok.reshape(-1, 1).expand(-1, x.shape[1]))
+        if self.score_before_experts:
+            xs = (xs * sw.reshape(-1, 1)).to(x.dtype)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offs)
+        y = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs).type_as(x)
+        if not self.score_before_experts:
+            y = y * sw.reshape(-1, 1)
+        out = torch.zeros_like(x).scatter_add(0, tok.reshape(-1, 1).expand(-1, x.shape[1]), y)
+        return out, ids, top
+
+
+@pytest.mark.parametrize("counts", ["histc", "bincount"])
+def test_titan_block_forward_and_backward(counts):
+    block = TitanMoE(counts).bfloat16()
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(4)).bfloat16().requires_grad_()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        torch._dynamo.reset()
+        counters["mok_inductor"].clear()
+        c = torch.compile(block, backend="mok", options={"mok_inner": "aot_eager"}, fullgraph=True)
+        out, ids, top = c(x)
+    assert counters["mok_inductor"]["moe_replaced"] == 1
+    gate_up = torch.cat([block.w1, block.w3], dim=1)
+    gold = oracle_moe(x.detach(), top.detach(), ids, gate_up.detach(), block.w2.detach())
+    assert float((out.double() - gold).norm() / gold.norm()) <= 1e-2
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).bfloat16()
+    got = torch.autograd.grad(out, [x, block.w1, block.w2], dy)
+    ref_out = block(x)[0]
+    want = torch.autograd.grad(ref_out, [x, block.w1, block.w2], dy)
+    x64 = x.detach().double().requires_grad_()
+    w1, w3, w2 = (p.detach().double().requires_grad_() for p in (block.w1, block.w3, block.w2))
+    g64 = torch.autograd.grad(oracle_moe(x64, top.detach(), ids, torch.cat([w1, w3], 1), w2), [x64, w1, w2], dy.double())
+    for a, b, gold_g in zip(got, want, g64):
+        err = float((a.double() - gold_g).norm() / gold_g.norm())
+        ref_err = float((b.double() - gold_g).norm() / gold_g.norm())
+        assert err <= 2 * ref_err + 1e-3, (err, ref_err)
+
+
+def test_titan_scores_before_experts_is_left_alone():
+    block = TitanMoE(score_before_experts=True).bfloat16()
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(6)).bfloat16()
+    gm, records, out = rewritten(block, x)
+    assert counters["mok_inductor"]["moe_replaced"] == 0
+    assert any("score before experts" in r.detail for r in records), [str(r) for r in records]
+    torch.testing.assert_close(out[0], block(x)[0], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# pinned rewritten graphs, one canonical block per formulation
+
+
+class TestRewrittenGraphs(expecttest.TestCase):
+    def _experts_graph(self, impl, dtype):
+        experts = make_experts(impl, dtype=dtype)
+        x, idx, w = routing_inputs(dtype)
+        gm, records, _ = rewritten(experts, x, idx, w)
+        self.assertEqual(counters["mok_inductor"]["moe_replaced"], 1, [str(r) for r in records])
+        return graph_text(gm)
+
+    def test_hf_grouped_mm_bf16(self):
+        self.assertExpectedInline(self._experts_graph("grouped_mm", torch.bfloat16), """\
+moe_default = torch.ops.mok.moe.default(l_args_0_, l_args_2_, l_args_1_, l_self_parameters_gate_up_proj_, l_self_parameters_down_proj_, None, None, None, None)
+to_2 = moe_default.to(torch.bfloat16)
+return (to_2,)""")
+
+    def test_hf_grouped_mm_fallback_fp32(self):
+        self.assertExpectedInline(self._experts_graph("grouped_mm", torch.float32), """\
+moe_default = torch.ops.mok.moe.default(l_args_0_, l_args_2_, l_args_1_, l_self_parameters_gate_up_proj_, l_self_parameters_down_proj_, None, None, None, None)
+to_2 = moe_default.to(torch.float32)
+return (to_2,)""")
+
+    def test_hf_batched_mm(self):
+        self.assertExpectedInline(self._experts_graph("batched_mm", torch.float32), """\
+moe_default = torch.ops.mok.moe.default(l_args_0_, l_args_2_, l_args_1_, l_self_parameters_gate_up_proj_, l_self_parameters_down_proj_, None, None, None, None)
+to = moe_default.to(torch.float32)
+return (to,)""")
+
+    def test_qwen2_moe_shared_expert(self):
+        from _pattern_models import build
+
+        model, _ = build("qwen2_moe", "grouped_mm", torch.float32, num_hidden_layers=1, hidden_size=16)
+        block = model.model.layers[0].mlp
+        x = torch.randn(1, T, 16, generator=torch.Generator().manual_seed(7))
+        gm, records, out = rewritten(block, x)
+        self.assertEqual(counters["mok_inductor"]["moe_replaced"], 1, [str(r) for r in records])
+        torch.testing.assert_close(out, block(x), rtol=1e-4, atol=1e-5)
+        self.assertExpectedInline(graph_text(gm), """\
+hidden_states_reshaped = l_hidden_states_.view(-1, 16)
+hidden_states = hidden_states_reshaped.reshape(-1, 16)
+router_logits = torch._C._nn.linear(hidden_states, l_self_modules_gate_parameters_weight_)
+router_probs = torch.nn.functional.softmax(router_logits, dtype = torch.float32, dim = -1)
+topk = torch.topk(router_probs, 2, dim = -1)
+router_top_value = topk[0]
+router_indices = topk[1]
+router_top_value_1 = router_top_value.to(torch.float32)
+cat = torch.cat([l_self_modules_shared_expert_modules_gate_proj_parameters_weight_, l_self_modules_shared_expert_modules_up_proj_parameters_weight_], dim = 0)
+moe_default = torch.ops.mok.moe.default(hidden_states_reshaped, router_top_value_1, router_indices, l_self_modules_experts_parameters_gate_up_proj_, l_self_modules_experts_parameters_down_proj_, cat, l_self_modules_shared_expert_modules_down_proj_parameters_weight_, l_self_modules_shared_expert_gate_parameters_weight_, None)
+expert_output_2 = moe_default.reshape(1, 7, 16)
+return (expert_output_2,)""")
+
+    def test_titan(self):
+        block = TitanMoE().bfloat16()
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(8)).bfloat16()
+        gm, records, _ = rewritten(block, x)
+        self.assertEqual(counters["mok_inductor"]["moe_replaced"], 1, [str(r) for r in records])
+        self.assertExpectedInline(graph_text(gm), """\
+float_1 = l_x_.float()
+float_2 = l_self_parameters_router_.float()
+linear = torch._C._nn.linear(float_1, float_2)
+scores = linear.softmax(dim = -1)
+topk = torch.topk(scores, 2, dim = 1)
+ids = topk[1]
+gather = scores.gather(1, ids)
+top = gather.to(torch.bfloat16)
+cat = torch.cat([l_self_parameters_w1_, l_self_parameters_w3_], dim = 1)
+moe_default = torch.ops.mok.moe.default(l_x_, top, ids, cat, l_self_parameters_w2_, None, None, None, None)
+return (moe_default, ids, top)""")
