@@ -1,0 +1,132 @@
+"""Real Inductor compiles (about 20 s each on two CPU cores, so only a few): backend="mok" on a bf16
+grouped_mm model, `mok_inductor.enable()` on an fp32 model (transformers::grouped_mm_fallback), and the
+compile-cache keying of issue 4 item 5 (same source -> FX-graph and AOTAutograd cache hits; a changed
+package version or source file -> misses)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+
+import lowering
+import mok_inductor
+from _pattern_models import SEQ, VOCAB, build, loss_and_grads, rel
+from lowering import cache
+
+pytestmark = pytest.mark.slow
+
+
+def test_backend_mok_inductor_bf16_grouped_mm_training():
+    pytest.importorskip("transformers")
+    model, n_blocks = build("qwen3_moe", "grouped_mm", torch.bfloat16)
+    ids = torch.randint(0, VOCAB, SEQ)
+    gold = copy.deepcopy(model).float()
+    ref32, gref32 = loss_and_grads(gold, ids)
+    ref, gref = loss_and_grads(model, ids)
+    torch._dynamo.reset()
+    counters["mok_inductor"].clear()
+    c = torch.compile(model, backend="mok", fullgraph=True)
+    (out, g), codes = run_and_get_code(loss_and_grads, c, ids)
+    assert counters["mok_inductor"]["moe_replaced"] == n_blocks
+    joined = "\n".join(codes)
+    # on the CPU the compiled forward and backward call MoK's ops (the reference path) ...
+    assert "torch.ops.mok.moe_fwd.default" in joined and "torch.ops.mok.moe_bwd.default" in joined
+    # ... and nothing of the replaced formulation is left
+    assert "_grouped_mm" not in joined and "histc" not in joined
+    assert rel(out, ref32) <= 2 * rel(ref, ref32) + 1e-3
+    for k in gref32:
+        assert rel(g[k], gref32[k]) <= 2 * rel(gref[k], gref32[k]) + 1e-3, k
+
+
+def test_enable_switch_fp32_fallback_training():
+    pytest.importorskip("transformers")
+    from torch._inductor import config
+
+    model, n_blocks = build("mixtral", "grouped_mm", torch.float32)
+    ids = torch.randint(0, VOCAB, SEQ)
+    ref, gref = loss_and_grads(model, ids)
+    before = config.pre_grad_custom_pass
+    torch._dynamo.reset()
+    counters["mok_inductor"].clear()
+    with mok_inductor.enabled():
+        assert lowering.patterns.is_enabled()
+        out, g = loss_and_grads(torch.compile(model, fullgraph=True), ids)
+    assert not lowering.patterns.is_enabled() and config.pre_grad_custom_pass is before
+    assert counters["mok_inductor"]["moe_replaced"] == n_blocks
+    assert rel(out, ref) <= 1e-4
+    for k in gref:
+        assert rel(g[k], gref[k]) <= 1e-4, k
+
+
+# ---------------------------------------------------------------------------------------------------
+# cache keying
+
+
+def _moe_inputs():
+    # T=9 tokens, H=16, I=8, E=4, K=2: T not a multiple of E
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(9, 16, generator=g)
+    rw = torch.rand(9, 2, generator=g)
+    te = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(9)])
+    gu = 0.3 * torch.randn(4, 16, 16, generator=g)
+    d = 0.3 * torch.randn(4, 16, 8, generator=g)
+    return x, rw, te, gu, d
+
+
+def _f(x, rw, te, gu, d):
+    return mok_inductor.moe(x, rw, te, gu, d) * 2.0  # mok::moe with no pattern pass involved
+
+
+def _compile_once():
+    torch._dynamo.reset()
+    counters["inductor"].clear()
+    counters["aot_autograd"].clear()
+    args = _moe_inputs()
+    out = torch.compile(_f, fullgraph=True)(*args)
+    torch.testing.assert_close(out, _f(*args))
+    return dict(counters["inductor"]), dict(counters["aot_autograd"])
+
+
+def test_fingerprint_follows_version_and_every_source_byte(tmp_path):
+    extra = tmp_path / "extra.py"
+    extra.write_text("A = 1\n")
+    files = cache.hashed_sources() + [extra]
+    base = cache.fingerprint(files)
+    assert cache.fingerprint(files) == base
+    assert cache.fingerprint(files, version="0.0.0+other") != base
+    extra.write_text("A = 2\n")
+    assert cache.fingerprint(files) != base
+    assert any(p.name == "ops.py" and p.parent.name == "mok_inductor" for p in cache.hashed_sources())
+    assert any(p.name == "patterns.py" and p.parent.name == "lowering" for p in cache.hashed_sources())
+
+
+def test_compile_caches_key_on_package_sources(tmp_path, monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
+    monkeypatch.setattr(inductor_config, "force_disable_caches", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
+    cache.install()
+    assert cache.installed() is not None
+
+    ind, aot = _compile_once()
+    assert ind.get("fxgraph_cache_miss", 0) >= 1 and ind.get("fxgraph_cache_hit", 0) == 0, ind
+    assert aot.get("autograd_cache_miss", 0) >= 1, aot
+
+    ind, aot = _compile_once()  # same sources: both caches answer
+    assert ind.get("fxgraph_cache_hit", 0) >= 1 and ind.get("fxgraph_cache_miss", 0) == 0, ind
+    assert aot.get("autograd_cache_hit", 0) >= 1 and aot.get("autograd_cache_miss", 0) == 0, aot
+
+    # a changed source file in the hashed set (as an edited fake or backward would be)
+    edited = tmp_path / "edited_ops.py"
+    edited.write_text("# a new kernel version\n")
+    sources = cache.hashed_sources()
+    monkeypatch.setattr(cache, "hashed_sources", lambda: sources + [edited])
+    ind, aot = _compile_once()
+    assert ind.get("fxgraph_cache_hit", 0) == 0 and ind.get("fxgraph_cache_miss", 0) >= 1, ind
+    assert aot.get("autograd_cache_hit", 0) == 0 and aot.get("autograd_cache_miss", 0) >= 1, aot
