@@ -37,7 +37,7 @@ def breakdown(name, kind="balanced"):
     y_N = torch.empty(N, H, dtype=x.dtype, device="cuda")
     y = torch.empty_like(x)
     gate_up(x, wg, wu, h, so, off, K, None)
-    dgu, _ = bwd_act(x, dy, wg, wu, w_d, h, rw_N, so, off, K, None)
+    dgu, _, hs = bwd_act(x, dy, wg, wu, w_d, h, rw_N, so, off, K, None)
     d_d, d_g, d_u = torch.empty_like(w_d), torch.empty_like(wg), torch.empty_like(wu)
     dx_N = torch.empty(N, H, dtype=x.dtype, device="cuda")
     nk = lambda w, n, k: (w.stride(0), w.stride(n), w.stride(k))
@@ -48,7 +48,7 @@ def breakdown(name, kind="balanced"):
         ("fwd down (scatter to routes)", lambda: grouped_rows(h, w_d, y_N, so, off, w1_nk_strides=nk(w_d, 1, 2)), f),
         ("fwd combine", lambda: combine(y_N, te_N, y, rw_N=rw_N), 0),
         ("bwd act (q,g,u + SwiGLU bwd + drw)", lambda: bwd_act(x, dy, wg, wu, w_d, h, rw_N, so, off, K, None), 3 * f),
-        ("bwd wgrad down", lambda: wgrad(dy, h, d_d, so, off, K, a_gather=True, b_gather=False, scale=rw_N), f),
+        ("bwd wgrad down", lambda: wgrad(dy, hs, d_d, so, off, K, a_gather=True, b_gather=False), f),
         ("bwd wgrad gate", lambda: wgrad(dgu[:, :I], x, d_g, so, off, K, a_gather=False, b_gather=True), f),
         ("bwd wgrad up", lambda: wgrad(dgu[:, I:], x, d_u, so, off, K, a_gather=False, b_gather=True), f),
         ("bwd dx (gate+up dgrad)", lambda: grouped_rows(dgu, wg, dx_N, so, off, w1_nk_strides=nk(wg, 2, 1), w2=wu,

@@ -8,7 +8,7 @@
 
 Forward data flow: x --gate_up (gather fused)--> h [N, I] (saved) --grouped_rows (down)--> y per
 route [N, H] --combine (router weights, shared expert, its gate; fp32 in k order)--> y [T, H].
-Backward: bwd_act -> dgu [N, 2I], d router weights; wgrad x3; grouped_rows (gate, up) -> dx per
+Backward: bwd_act -> dgu [N, 2I], d router weights, rw * h; wgrad x3; grouped_rows (gate, up) -> dx per
 route -> combine over k (+ shared dx, + the gate's logit gradient) -> dx [T, H].
 
 Shapes only decide grids and allocations (worst-case tile counts; idle programs exit), there is no
@@ -138,9 +138,9 @@ def moe_backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, w_gat
     te_N = _flat_experts(top_experts_TK)
 
     # routed experts
-    dgu_N2I, drw_N = bwd_act(x_TH, dy_TH, w_gate, w_up, w_down, h_NI, rw_N, sorted_N, offsets_E1, K,
-                             swiglu_limit)
-    wgrad(dy_TH, h_NI, grads.d_down, sorted_N, offsets_E1, K, a_gather=True, b_gather=False, scale=rw_N,
+    dgu_N2I, drw_N, hs_NI = bwd_act(x_TH, dy_TH, w_gate, w_up, w_down, h_NI, rw_N, sorted_N, offsets_E1, K,
+                                    swiglu_limit)
+    wgrad(dy_TH, hs_NI, grads.d_down, sorted_N, offsets_E1, K, a_gather=True, b_gather=False,
           accumulate=accumulate)
     wgrad(dgu_N2I[:, :I], x_TH, grads.d_gate, sorted_N, offsets_E1, K, a_gather=False, b_gather=True,
           accumulate=accumulate)
@@ -157,10 +157,10 @@ def moe_backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, w_gat
         if s_out_gate_1H is not None:
             gate_T = torch.sigmoid(rowdot(x_TH, s_out_gate_1H))
         sg, su, sd = s_gate[None], s_up[None], s_down[None]
-        dgu_s, dgate_T = bwd_act(x_TH, dy_TH, sg, su, sd, h_shared_TIs, gate_T, sorted_N, offsets_E1, 1,
-                                 swiglu_limit, single=True)
-        wgrad(dy_TH, h_shared_TIs, grads.d_s_down[None], sorted_N, offsets_E1, 1, a_gather=True,
-              b_gather=False, scale=gate_T, accumulate=accumulate, single=True, n_rows=T)
+        dgu_s, dgate_T, hs_s = bwd_act(x_TH, dy_TH, sg, su, sd, h_shared_TIs, gate_T, sorted_N, offsets_E1, 1,
+                                       swiglu_limit, single=True)
+        wgrad(dy_TH, hs_s, grads.d_s_down[None], sorted_N, offsets_E1, 1, a_gather=True, b_gather=False,
+              accumulate=accumulate, single=True, n_rows=T)
         Is = s_gate.shape[0]
         wgrad(dgu_s[:, :Is], x_TH, grads.d_s_gate[None], sorted_N, offsets_E1, 1, a_gather=False,
               b_gather=True, accumulate=accumulate, single=True, n_rows=T)

@@ -2,9 +2,10 @@
 weight-gradient GEMM with the main-grad accumulating epilogue.
 
     dy_TH[tok], x_TH[tok], h_NI --_bwd_act_kernel--> dgu_N2I = [dg | du] (x.dtype, sorted rows),
-        dscale_PN (partial <dy_t @ down[e], h> per I-tile, at the route: d router_weights without y_tk)
+        dscale_PN (partial <dy_t @ down[e], h> per I-tile, at the route: d router_weights without y_tk),
+        hs_NI = rw * h (the down weight gradient's operand, so that its GEMM needs no scaling pass)
     dgu_N2I --grouped_rows (gate[e], up[e])--> dx per route --combine over k--> dx_TH
-    wgrad: d_down[e] = (rw * dy[tok])^T @ h, d_gate[e] = dg^T @ x[tok], d_up[e] = du^T @ x[tok]:
+    wgrad: d_down[e] = dy[tok]^T @ (rw * h), d_gate[e] = dg^T @ x[tok], d_up[e] = du^T @ x[tok]:
         a fixed-order loop over expert e's rows (deterministic, no atomics), written or ADDED into
         the destination (float32 or bfloat16 main grads).
 
@@ -49,6 +50,7 @@ def _bwd_act_kernel(
     scale_ptr,  # float32 router weight per route [T*K] (SINGLE: per token [T]) (HAS_SCALE)
     dgu_ptr, stride_gm, stride_gn,  # dgu [M, 2I] out: dg in [0, I), du in [I, 2I)
     dscale_ptr, stride_sp,  # float32 [P, T*K] out: partial <dy @ down, h> of I-tile p at the route
+    hs_ptr,  # [M, I] out (HAS_SCALE): scale * h, rounded: the down weight-gradient's operand
     M, H, I, E, TOPK, limit,
     SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_PREC: tl.constexpr,
     GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -99,7 +101,10 @@ def _bwd_act_kernel(
     # d router weight = <dy_t @ down[e], h>: this tile's share of the sum over I
     tl.store(dscale_ptr + pid_n * stride_sp + route, tl.sum(acc_q * h, axis=1), mask=rmask)
     if HAS_SCALE:
-        dh = acc_q * tl.load(scale_ptr + route, mask=rmask, other=0.0)[:, None]
+        scale = tl.load(scale_ptr + route, mask=rmask, other=0.0)[:, None]
+        dh = acc_q * scale
+        tl.store(hs_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], to_out(h * scale, hs_ptr, DOT_PREC),
+                 mask=omask)
     else:
         dh = acc_q
     if HAS_LIMIT:
@@ -121,15 +126,17 @@ def _bwd_act_kernel(
 
 def bwd_act(x_TH, dy_TH, w_gate, w_up, w_down, h_MI, scale, routes_N, offsets_E1, topk, limit, *,
             single=False):
-    """-> (dgu [M, 2I] x.dtype, dscale [routes] float32 = <dy @ down[e], h> per route)."""
+    """-> (dgu [M, 2I] x.dtype, dscale [routes] float32 = <dy @ down[e], h> per route,
+    hs [M, I] = scale * h in x.dtype (h itself without a scale))."""
     M, I = h_MI.shape
     E, _, H = w_gate.shape
     n_routes = M if single else routes_N.numel()
     P = triton.cdiv(I, _BWD_ACT_MIN_BLOCK_N)
     dgu = torch.empty(M, 2 * I, dtype=x_TH.dtype, device=x_TH.device)
     dscale_P = torch.zeros(P, n_routes, dtype=torch.float32, device=x_TH.device)
+    hs = torch.empty(M, I, dtype=x_TH.dtype, device=x_TH.device) if scale is not None else h_MI
     if M == 0 or I == 0:
-        return dgu, dscale_P.sum(0)
+        return dgu, dscale_P.sum(0), hs
     grid = lambda meta: (row_tiles_worst(M, E, meta["BLOCK_M"], single) * triton.cdiv(I, meta["BLOCK_N"]),)
     _launch.launch(
         _bwd_act_kernel, grid,
@@ -139,12 +146,12 @@ def bwd_act(x_TH, dy_TH, w_gate, w_up, w_down, h_MI, scale, routes_N, offsets_E1
         w_up, w_up.stride(0), w_up.stride(1), w_up.stride(2),
         h_MI, h_MI.stride(0), h_MI.stride(1),
         scale if scale is not None else dscale_P,
-        dgu, dgu.stride(0), dgu.stride(1), dscale_P, dscale_P.stride(0),
+        dgu, dgu.stride(0), dgu.stride(1), dscale_P, dscale_P.stride(0), hs,
         M, H, I, E, topk, 0.0 if limit is None else float(limit),
         SINGLE=single, HAS_SCALE=scale is not None, HAS_LIMIT=limit is not None,
         DOT_PREC=_launch.dot_precision(x_TH.dtype), GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M,
     )
-    return dgu, dscale_P.sum(0)  # fixed-order reduction over the I-tiles
+    return dgu, dscale_P.sum(0), hs  # fixed-order reduction over the I-tiles
 
 
 # ---------------------------------------------------------------------------------------------
