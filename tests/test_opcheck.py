@@ -141,9 +141,11 @@ def _limit_away_from_preactivations(c, lo=0.3, hi=1.5):
 
 
 @pytest.mark.filterwarnings("ignore:Input #.* requires gradient and is not a double precision")
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", ["plain", "shared_gate", "shared_gate_limit", "dropped_repeat"])
-def test_gradcheck_float32(device, config):
+def test_gradcheck_float32(config):
+    # CPU only: float32 finite differences need a forward accurate to ~1e-7, and SPEC lets a float32 kernel
+    # be off by 1e-4 (e.g. TF32 GEMMs); on CUDA the gradients are checked against the float64 oracle instead
+    device = "cpu"
     # T=3, H=4, I=2, Is=3, E=3, K=2: tiny, so the numerical Jacobian is cheap; "dropped_repeat" has -1
     # routes and repeated experts within a token
     shared = config.startswith("shared")
