@@ -8,8 +8,10 @@ the replaced block's backward is MoK's own `mok::moe_bwd`. Each formulation is a
 
 Observability:
 - `torch._dynamo.utils.counters["mok_inductor"]["moe_replaced"]` (and `["moe_rejected"]`);
-- `TORCH_LOGS="+mok_patterns"` (a registered artifact) or `MOK_PATTERNS_LOG=1` (plain stderr) log each match
-  and each rejection with its reason;
+- `MOK_PATTERNS_LOG=1` (stderr) logs each match and each rejection with its reason, through the Python logger
+  `lowering.patterns` at INFO (which any logging setup can also enable). Not a TORCH_LOGS artifact: torch
+  parses TORCH_LOGS at `import torch`, before an outside package can `register_artifact`, and rejects the
+  unknown name ("Valid settings: ..."), and `torch._logging.set_logs` takes no custom names (checked on 2.13);
 - `rewrite(graph)` returns the same records as `MatchRecord`s; `MokPatternPass.last_records` keeps the last.
 """
 
@@ -28,23 +30,7 @@ from . import cache, match_hf, match_megatron, match_shared, match_titan
 from ._experts import MoEMatch, group_by_offs, grouped_core
 from ._fx import Reject, check_not_mutated, is_mutating, val
 
-ARTIFACT = "mok_patterns"
 _log = logging.getLogger(__name__)
-
-
-def _artifact_logger() -> Optional[logging.Logger]:
-    try:
-        import torch._logging as tlog
-
-        if ARTIFACT not in tlog._internal.log_registry.artifact_names:
-            tlog.register_artifact(ARTIFACT, "mok-inductor pattern pass: MoE blocks matched and rejected (and why)",
-                                   off_by_default=True)
-        return tlog.getArtifactLogger(__name__, ARTIFACT)
-    except Exception:  # pragma: no cover - private API moved
-        return None
-
-
-_art = _artifact_logger()
 if os.environ.get("MOK_PATTERNS_LOG", "0") not in ("0", ""):
     _h = logging.StreamHandler()
     _h.setFormatter(logging.Formatter("[mok_patterns] %(message)s"))
@@ -54,8 +40,6 @@ if os.environ.get("MOK_PATTERNS_LOG", "0") not in ("0", ""):
 
 def _emit(msg: str) -> None:
     _log.info(msg)
-    if _art is not None:
-        _art.debug(msg)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,8 @@ SEQ = (2, 5)  # batch 2, 5 tokens: T = 10 tokens per MoE block
 
 
 def _common(**kw):
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    # one decoder layer: each case is one Dynamo trace of the whole model, and its cost grows with the layers
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     base.update(kw)
     return base
@@ -26,23 +27,23 @@ def build(name: str, impl: str, dtype: torch.dtype, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     if name == "mixtral":
         cfg = tf.MixtralConfig(**_common(num_local_experts=4, num_experts_per_tok=2, head_dim=16, **overrides))
-        cls, n = tf.MixtralForCausalLM, 2
+        cls, n = tf.MixtralForCausalLM, cfg.num_hidden_layers
     elif name == "qwen2_moe":
         cfg = tf.Qwen2MoeConfig(**_common(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                           shared_expert_intermediate_size=24, **overrides))
-        cls, n = tf.Qwen2MoeForCausalLM, 2
+        cls, n = tf.Qwen2MoeForCausalLM, cfg.num_hidden_layers
     elif name == "qwen3_moe":
         cfg = tf.Qwen3MoeConfig(**_common(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                           head_dim=16, **overrides))
-        cls, n = tf.Qwen3MoeForCausalLM, 2
+        cls, n = tf.Qwen3MoeForCausalLM, cfg.num_hidden_layers
     elif name == "olmoe":
         cfg = tf.OlmoeConfig(**_common(num_experts=4, num_experts_per_tok=2, **overrides))
-        cls, n = tf.OlmoeForCausalLM, 2
+        cls, n = tf.OlmoeForCausalLM, cfg.num_hidden_layers
     elif name == "glm4_moe":
-        cfg = tf.Glm4MoeConfig(**_common(num_hidden_layers=3, n_routed_experts=4, num_experts_per_tok=2,
+        cfg = tf.Glm4MoeConfig(**_common(num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
                                          n_group=1, topk_group=1, head_dim=16, **overrides))
-        cls, n = tf.Glm4MoeForCausalLM, 2  # layer 0 is dense
+        cls, n = tf.Glm4MoeForCausalLM, cfg.num_hidden_layers - 1  # layer 0 is dense
     else:
         raise ValueError(name)
     model = cls._from_config(cfg, experts_implementation=impl, dtype=dtype)
