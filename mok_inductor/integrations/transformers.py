@@ -1,5 +1,402 @@
-"""The "mok" experts backend for Hugging Face transformers (filled by the transformers integration)."""
+"""The "mok" experts backend for Hugging Face transformers.
+
+    import mok_inductor                      # registers "mok" in transformers' ExpertsInterface
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="mok")
+    model.set_experts_implementation("mok")  # or switch an existing model
+
+Data flow of one experts call (`mok_experts_forward(self, hidden_states [T, H], top_k_index [T, K],
+top_k_weights [T, K])`, the signature of transformers' `ExpertsInterface`):
+
+1. `experts_plan(self)` decides, from what the module computes, whether MoK can run it:
+   - static checks of the `@use_experts_implementation` flags: `has_gate` (MoK is gated only),
+     `has_bias`, `has_post_expert_norm`, `is_concatenated` (gate rows then up rows);
+   - a numerical probe of the module's own `_apply_gate` (whatever it is: the default
+     `act_fn(gate) * up`, a custom clamp, a soft-cap, an fp32 upcast) on a float32 probe tensor,
+     compared against MoK's SwiGLU without a clamp and with each finite float attribute of the module
+     whose name contains "limit" as `swiglu_limit`. It matches → supported (or "mapped" onto
+     `swiglu_limit`); nothing matches → unsupported, with the reason.
+   The plan is cached per module and computed eagerly even under torch.compile
+   (`torch.compiler.assume_constant_result`: Dynamo runs it at trace time and bakes in the result,
+   guarded on the module's identity), so the one-time warning is issued from eager code too.
+2. Supported: `mok_inductor.moe(x, top_k_weights, top_k_index, gate_up_proj, down_proj,
+   swiglu_limit=...)`. Transposed weights (`is_transposed`: [E, H, 2I] / [E, I, H]) are passed as
+   zero-copy transposed views; expert-parallel sentinels (ids >= E) become MoK's "no route" (-1).
+3. Unsupported: transformers' own "grouped_mm" experts function, after a one-time warning
+   naming the class and the reason. Never a wrong result.
+
+Shared experts (Qwen2-MoE's gated `shared_expert`, DeepSeek-V3/GLM4-MoE's `shared_experts`) live
+in the sparse MoE block, outside the experts function, and keep running there, as HF computes them.
+
+Registration is lazy: `register_if_installed()` (called by `import mok_inductor`) never imports
+transformers. When `transformers.integrations.moe` is already imported it registers at once;
+otherwise a one-shot meta-path finder registers right after that module is first executed.
+`discover_experts_classes()` lists every `@use_experts_implementation` class of the installed
+transformers by parsing the modeling sources (used by the tests and the docs).
+
+Shape legend: T tokens, H hidden, I intermediate, E experts, K routes per token.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.abc
+import importlib.util
+import math
+import os
+import re
+import sys
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+BACKEND_NAME = "mok"
+_HF_MOE_MODULE = "transformers.integrations.moe"
+
+# ---------------------------------------------------------------------------------------------
+# Registration (lazy: importing mok_inductor must not import transformers)
+
+_registered = False
+_lock = threading.Lock()
 
 
-def register_if_installed() -> None:
-    return None
+def is_registered() -> bool:
+    """Whether "mok" has been registered in transformers' ExpertsInterface by this process."""
+    return _registered
+
+
+def _register_now(moe_module) -> None:
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        moe_module.ExpertsInterface.register(BACKEND_NAME, mok_experts_forward)
+        _registered = True
+
+
+class _RegisterAfterExec(importlib.abc.Loader):
+    """Wraps the loader of `transformers.integrations.moe` to register "mok" right after it runs."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        _register_now(module)
+
+    def __getattr__(self, name):  # get_resource_reader, is_package, ... of the wrapped loader
+        return getattr(self._inner, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """One-shot finder: when `transformers.integrations.moe` is imported, wrap its loader."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _HF_MOE_MODULE:
+            return None
+        _remove_finder()
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RegisterAfterExec(spec.loader)
+                return spec
+        return None
+
+
+_finder: Optional[_PostImportFinder] = None
+
+
+def _remove_finder() -> None:
+    global _finder
+    if _finder is not None and _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+    _finder = None
+
+
+def register_if_installed() -> bool:
+    """Register "mok" with transformers' ExpertsInterface if transformers is installed.
+
+    Never imports transformers: registers now when `transformers.integrations.moe` is already
+    loaded, else installs a one-shot import hook that registers when it is. Idempotent. Returns
+    whether transformers is installed. `MOK_NO_HF_REGISTER=1` turns it off.
+    """
+    global _finder
+    if os.environ.get("MOK_NO_HF_REGISTER", "0") == "1":
+        return False
+    if _registered:
+        return True
+    moe_module = sys.modules.get(_HF_MOE_MODULE)
+    if moe_module is not None and hasattr(moe_module, "ExpertsInterface"):
+        _register_now(moe_module)
+        return True
+    if "transformers" not in sys.modules and importlib.util.find_spec("transformers") is None:
+        return False
+    if _finder is None:
+        _finder = _PostImportFinder()
+        sys.meta_path.insert(0, _finder)
+    return True
+
+
+def register() -> None:
+    """Register "mok" now, importing `transformers.integrations.moe` (ImportError if absent)."""
+    try:
+        import transformers.integrations.moe as moe_module
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("the transformers integration needs `pip install transformers>=5.17`") from e
+    _register_now(moe_module)
+
+
+# ---------------------------------------------------------------------------------------------
+# What an experts module computes: the plan
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """How `mok_experts_forward` runs one experts module.
+
+    supported: MoK computes exactly what the module computes.
+    swiglu_limit: the clamp mapped onto MoK's `swiglu_limit` (None: plain SwiGLU).
+    limit_attr: the module attribute the limit was read from.
+    reason: why MoK cannot run it (when not supported); the call falls back to "grouped_mm".
+    """
+
+    supported: bool
+    swiglu_limit: Optional[float] = None
+    limit_attr: Optional[str] = None
+    reason: str = ""
+
+    @property
+    def kind(self) -> str:
+        if not self.supported:
+            return "unsupported"
+        return "mapped" if self.swiglu_limit is not None else "supported"
+
+
+_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_WARNED: set = set()
+_PROBE_ROWS = 48
+
+
+def _limit_candidates(module) -> list:
+    """(name, value) of the finite positive float attributes whose name says "limit"."""
+    out = []
+    for name, value in vars(module).items():
+        if "limit" not in name.lower() or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        value = float(value)
+        if value > 0.0 and math.isfinite(value):
+            out.append((name, value))
+    return out
+
+
+def _weights(module):
+    """(gate_up [E, 2I, H], down [E, H, I]) as MoK wants them (transposed views when needed), or a reason."""
+    gate_up = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        return None, None, "the experts have no 3-D gate_up_proj/down_proj tensors (quantized or custom storage)"
+    if gate_up.dim() != 3 or down.dim() != 3:
+        return None, None, f"expected 3-D expert weights, got gate_up_proj {list(gate_up.shape)}, down_proj {list(down.shape)}"
+    if getattr(module, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    E, two_i, H = gate_up.shape
+    if two_i % 2 != 0 or tuple(down.shape) != (E, H, two_i // 2):
+        return None, None, f"expert weight shapes gate_up {list(gate_up.shape)} / down {list(down.shape)} do not pair up"
+    if gate_up.dtype not in (torch.float32, torch.bfloat16, torch.float16) or down.dtype != gate_up.dtype:
+        return None, None, f"expert weights of dtype {gate_up.dtype}/{down.dtype} (MoK takes one float dtype)"
+    return gate_up, down, ""
+
+
+def _probe_gate(module, two_i: int, device) -> ExpertsPlan:
+    """Run the module's own `_apply_gate` on a probe and match it against MoK's SwiGLU (optionally clamped)."""
+    i = two_i // 2
+    candidates = [(None, None)] + _limit_candidates(module)
+    gen = torch.Generator(device="cpu").manual_seed(1234)
+    rows = [torch.randn(_PROBE_ROWS, two_i, generator=gen) * 3.0]
+    for _, limit in candidates[1:]:  # rows that cross every candidate clamp, both ways
+        rows.append(torch.randn(_PROBE_ROWS, two_i, generator=gen) * (2.0 * limit))
+    probe = torch.cat(rows).to(device)
+    try:
+        with torch.no_grad():
+            got = type(module)._apply_gate(module, probe)
+    except Exception as e:  # a gate we cannot even call on [S, 2I]
+        return ExpertsPlan(False, reason=f"its _apply_gate failed on a [S, 2I] probe ({type(e).__name__}: {e})")
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != (probe.shape[0], i):
+        return ExpertsPlan(False, reason="its _apply_gate does not map [S, 2I] to [S, I]")
+    got = got.double().cpu()
+    g, u = probe.double().cpu().split(i, dim=-1)
+    for name, limit in candidates:
+        gg, uu = (g, u) if limit is None else (g.clamp(max=limit), u.clamp(-limit, limit))
+        want = torch.nn.functional.silu(gg) * uu
+        err = (got - want).norm() / want.norm().clamp_min(1e-30)
+        if bool(err <= 1e-5):  # float32 rounding of the module's own arithmetic
+            return ExpertsPlan(True, swiglu_limit=limit, limit_attr=name)
+    act = getattr(module, "act_fn", None)
+    act_name = type(act).__name__ if act is not None else "none"
+    custom = "custom _apply_gate" if "_apply_gate" in type(module).__dict__ else "default _apply_gate"
+    return ExpertsPlan(
+        False,
+        reason=f"its gate ({custom}, act_fn={act_name}) is not SwiGLU (silu(gate) * up, optionally clamped)",
+    )
+
+
+def _signature(module) -> tuple:
+    return (
+        getattr(module, "has_gate", True), getattr(module, "has_bias", False),
+        getattr(module, "has_post_expert_norm", False), getattr(module, "is_concatenated", True),
+        getattr(module, "is_transposed", False), id(getattr(module, "act_fn", None)),
+        tuple(_limit_candidates(module)),
+    )
+
+
+def _compute_plan(module) -> ExpertsPlan:
+    if not getattr(module, "has_gate", True):
+        act = getattr(module, "act_fn", None)
+        return ExpertsPlan(False, reason=f"ungated experts act_fn(up) (act_fn={type(act).__name__}): MoK is SwiGLU-gated only")
+    if getattr(module, "has_bias", False):
+        return ExpertsPlan(False, reason="expert projections have biases (e.g. GPT-OSS), which MoK does not take")
+    if getattr(module, "has_post_expert_norm", False):
+        return ExpertsPlan(False, reason="a norm is applied to each expert's output before the routing weights")
+    if not getattr(module, "is_concatenated", True):
+        return ExpertsPlan(False, reason="gate/up rows are interleaved, not concatenated")
+    gate_up, _, why = _weights(module)
+    if gate_up is None:
+        return ExpertsPlan(False, reason=why)
+    return _probe_gate(module, gate_up.shape[1], gate_up.device)
+
+
+@torch.compiler.assume_constant_result
+def experts_plan(module) -> ExpertsPlan:
+    """The (cached) plan of `module`; warns once per experts class and reason when it falls back.
+
+    Under torch.compile Dynamo runs this eagerly at trace time and bakes the result in."""
+    sig = _signature(module)
+    cached = _PLANS.get(module)
+    if cached is not None and cached[0] == sig:
+        return cached[1]
+    plan = _compute_plan(module)
+    _PLANS[module] = (sig, plan)
+    if not plan.supported:
+        key = (type(module).__qualname__, plan.reason)
+        if key not in _WARNED:
+            _WARNED.add(key)
+            warnings.warn(
+                f'experts_implementation="mok": {type(module).__qualname__} falls back to "grouped_mm": {plan.reason}',
+                stacklevel=2,
+            )
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# The experts function
+
+
+def _moe(*args, **kwargs):
+    from .. import api
+
+    return api.moe(*args, **kwargs)
+
+
+def _grouped_mm_fallback(module, hidden_states, top_k_index, top_k_weights):
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+
+
+def mok_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers' experts function signature: hidden_states [T, H], top_k_index [T, K] expert ids,
+    top_k_weights [T, K] routing weights -> [T, H] in hidden_states.dtype."""
+    plan = experts_plan(self)
+    if not plan.supported:
+        return _grouped_mm_fallback(self, hidden_states, top_k_index, top_k_weights)
+    gate_up_E2IH, down_EHI, _ = _weights(self)
+    num_experts = gate_up_E2IH.shape[0]
+    top_TK = top_k_index
+    if getattr(self, "_is_expert_parallel", False):
+        # EP marks routes to other ranks' experts with ids >= E: MoK's "no route"
+        top_TK = torch.where(top_TK >= num_experts, torch.full_like(top_TK, -1), top_TK)
+    x_TH = hidden_states.to(gate_up_E2IH.dtype)
+    limit = None if plan.limit_attr is None else float(getattr(self, plan.limit_attr))
+    y_TH = _moe(x_TH, top_k_weights, top_TK, gate_up_E2IH, down_EHI, swiglu_limit=limit)
+    return y_TH.to(hidden_states.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Discovery: every @use_experts_implementation class of the installed transformers
+
+
+@dataclass(frozen=True)
+class ExpertsClassInfo:
+    """One `@use_experts_implementation` class found in the installed transformers sources."""
+
+    model_type: str  # the models/<dir> name
+    module: str  # e.g. transformers.models.qwen3_moe.modeling_qwen3_moe
+    class_name: str
+    decorator_args: dict = field(default_factory=dict, hash=False)  # non-default decorator keywords
+    custom_apply_gate: bool = False
+
+
+_DECORATED_CLASS_RE = re.compile(r"^@use_experts_implementation(\((?P<args>[^)]*)\))?\s*\nclass (?P<name>\w+)", re.M)
+
+
+def _decorator_args(text: Optional[str]) -> dict:
+    if not text or not text.strip():
+        return {}
+    call = ast.parse(f"f({text})", mode="eval").body
+    args = {}
+    for kw in call.keywords:
+        try:
+            args[kw.arg] = ast.literal_eval(kw.value)
+        except ValueError:
+            args[kw.arg] = ast.unparse(kw.value)
+    return args
+
+
+def discover_experts_classes() -> list:
+    """Scan `transformers/models/*/modeling_*.py` (text only, nothing imported) for classes decorated with
+    `@use_experts_implementation`; returns ExpertsClassInfo sorted by (model_type, class_name)."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    models_dir = os.path.join(list(spec.submodule_search_locations)[0], "models")
+    found = []
+    for model_type in sorted(os.listdir(models_dir)):
+        folder = os.path.join(models_dir, model_type)
+        if not os.path.isdir(folder):
+            continue
+        for fname in sorted(os.listdir(folder)):
+            if not (fname.startswith("modeling_") and fname.endswith(".py")):
+                continue
+            with open(os.path.join(folder, fname), encoding="utf-8") as f:
+                src = f.read()
+            for m in _DECORATED_CLASS_RE.finditer(src):
+                start = src.index("\n", m.end()) + 1
+                nxt = re.search(r"^\S", src[start:], re.M)  # the class body ends at the next top-level line
+                body = src[start: start + nxt.start()] if nxt else src[start:]
+                custom = re.search(r"^    def _apply_gate\(", body, re.M) is not None
+                found.append(ExpertsClassInfo(
+                    model_type, f"transformers.models.{model_type}.{fname[:-3]}", m.group("name"),
+                    _decorator_args(m.group("args")), custom,
+                ))
+    return sorted(found, key=lambda c: (c.model_type, c.class_name))
+
+
+__all__ = [
+    "BACKEND_NAME", "ExpertsPlan", "ExpertsClassInfo", "discover_experts_classes", "experts_plan",
+    "is_registered", "mok_experts_forward", "register", "register_if_installed",
+]

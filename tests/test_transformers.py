@@ -1,0 +1,531 @@
+"""The "mok" experts backend for Hugging Face transformers (mok_inductor/integrations/transformers.py).
+
+- registration: lazy (importing mok_inductor does not import transformers), in both import orders;
+- the family matrix, EAGER ONLY: every `@use_experts_implementation` class found in the installed
+  transformers is built from its config class's defaults shrunk generically (no downloads, no
+  hand-written configs); "mok" must equal "eager" in logits, every experts output and every
+  parameter gradient (float32, rel 1e-4), and in the experts output and gradients in bfloat16
+  against a float64 run of the module's own eager forward (rel 1e-2). Families MoK cannot compute
+  must fall back (warning once) and still equal eager. Families that cannot be built cheaply are
+  listed with the reason (printed and warned), never dropped silently;
+- torch.compile(fullgraph=True) forward and backward for Qwen3-MoE and Qwen2-MoE;
+- model.generate with "mok".
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+import mok_inductor  # noqa: F401  (registers "mok")
+from mok_inductor.integrations import transformers as hf
+
+transformers = pytest.importorskip("transformers")
+from transformers import PreTrainedModel  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 128  # input ids are drawn from [0, VOCAB - 8); special token ids are moved into the last 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls on a shared 2-core machine: intra-op threads spin against other processes and
+    run ~50x slower; one thread keeps this module fast. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def rel(a, b) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
+    a, b = a.detach().double(), b.detach().double()
+    den = b.norm()
+    if den == 0:
+        return float((a - b).norm())
+    return float((a - b).norm() / den)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny models from config defaults, shrunk generically
+
+_SET = {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2, "kv_lora_rank": 16, "q_lora_rank": 16,
+        "n_group": 1, "topk_group": 1, "decoder_sparse_step": 1, "moe_layer_freq": 1}
+_AT_MOST = {"num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_shared_experts": 1, "num_shared_experts": 1,
+            "first_k_dense_replace": 0}
+_EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+
+
+def shrink_config_kwargs(cfg_cls, defaults: dict, layer_pick: str) -> dict:
+    """Overrides that make a config class's defaults tiny: hidden 32, 2 layers, <= 8 experts, top-2,
+    intermediate sizes 16, vocab 128; per-layer lists cut to 2 entries (`layer_pick`: "ends" keeps the
+    first and the last, so dense-first stacks keep a sparse layer; "head" keeps the first two).
+    Sub-configs (text_config, ...) are shrunk the same way. Head dims are kept (rotary sections
+    depend on them)."""
+    out = {}
+    layers = defaults.get("num_hidden_layers")
+    for k, v in defaults.items():
+        if isinstance(v, dict) and ("hidden_size" in v or "num_hidden_layers" in v):
+            sub = getattr(cfg_cls, "sub_configs", {}).get(k)
+            out[k] = {**v, **shrink_config_kwargs(sub, v, layer_pick)} if sub is not None else v
+        elif isinstance(v, list) and layers and layers > 2 and len(v) == layers:
+            out[k] = [v[0], v[-1]] if layer_pick == "ends" else v[:2]
+        elif k == "per_layer_config" and isinstance(v, dict):
+            out[k] = {i: c for i, c in v.items() if int(i) < 2}
+        elif v is None and k in ("num_experts_per_tok", "moe_topk"):
+            out[k] = 2
+        elif isinstance(v, bool) or not isinstance(v, int):
+            continue
+        elif k in _SET:
+            out[k] = _SET[k]
+        elif k in _AT_MOST:
+            out[k] = min(v, _AT_MOST[k])
+        elif "vocab_size" in k:
+            out[k] = VOCAB
+        elif k in _EXPERT_COUNTS:
+            out[k] = min(v, 8)
+        elif "intermediate_size" in k or k.endswith("_ffn_hidden_size"):
+            out[k] = 16
+        elif k == "num_key_value_heads":
+            heads = defaults.get("num_attention_heads")
+            out[k] = 4 if v == heads else (1 if v == 1 else 2)
+        elif k.endswith("_token_id") and v >= VOCAB - 8:
+            out[k] = VOCAB - 8 + sum(map(ord, k)) % 8
+    return out
+
+
+def _model_classes(mod):
+    """PreTrainedModel classes defined in a modeling module, causal LMs first."""
+    order = ("ForCausalLM", "ForConditionalGeneration", "TextModel", "Model")
+    ranked = []
+    for c in vars(mod).values():
+        if isinstance(c, type) and issubclass(c, PreTrainedModel) and c.__module__ == mod.__name__:
+            for i, suffix in enumerate(order):
+                if c.__name__.endswith(suffix):
+                    ranked.append((i, c.__name__, c))
+                    break
+    return [c for _, _, c in sorted(ranked)]
+
+
+def build_tiny(info, max_params=6_000_000, max_probe_s=1.5):
+    """(model, None) or (None, reason): the first model class of the family that builds tiny, contains
+    the experts class and runs a forward pass on input ids."""
+    mod = importlib.import_module(info.module)
+    experts_cls = getattr(mod, info.class_name)
+    errors = []
+    for cls in _model_classes(mod):
+        cfg_cls = getattr(cls, "config_class", None)
+        if cfg_cls is None:
+            continue
+        for pick in ("ends", "head"):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    cfg = cfg_cls(**shrink_config_kwargs(cfg_cls, cfg_cls().to_dict(), pick))
+                    with torch.device("meta"):
+                        meta = cls._from_config(cfg, experts_implementation="eager", dtype=torch.float32)
+                    n = sum(p.numel() for p in meta.parameters())
+                    if not any(isinstance(m, experts_cls) for m in meta.modules()):
+                        errors.append(f"{cls.__name__}[{pick}]: no {info.class_name} in the shrunk model")
+                        continue
+                    if n > max_params:
+                        errors.append(f"{cls.__name__}[{pick}]: {n / 1e6:.1f}M parameters after shrinking")
+                        continue
+                    torch.manual_seed(0)
+                    model = cls._from_config(cfg, experts_implementation="eager", dtype=torch.float32).eval()
+                    t0 = time.perf_counter()
+                    model(input_ids=_ids(model, 1, 4), use_cache=False)
+                    secs = time.perf_counter() - t0
+                if secs > max_probe_s:  # e.g. linear-attention layers on transformers' pure-PyTorch fallback
+                    return None, f"{cls.__name__}: a 4-token forward takes {secs:.1f} s on this CPU (too slow for CI)"
+                return model, None
+            except Exception as e:  # the reason is reported, not swallowed
+                errors.append(f"{cls.__name__}[{pick}]: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    return None, "; ".join(errors[:3]) or "no model class with a config class"
+
+
+def _ids(model, batch, seq, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB - 8, (batch, seq), generator=g)
+
+
+def _experts_modules(model, info):
+    cls = getattr(importlib.import_module(info.module), info.class_name)
+    return [m for m in model.modules() if isinstance(m, cls)]
+
+
+def _tighten_limits(experts):
+    """Mapped (clamped) experts: lower the clamp so this tiny random model actually clips."""
+    for m in experts:
+        plan = hf.experts_plan(m)
+        if plan.kind == "mapped":
+            setattr(m, plan.limit_attr, 0.05)
+
+
+def _run(model, impl, ids, out_proj_seed=1):
+    """(logits, experts outputs, parameter grads) of one fwd+bwd with `impl`."""
+    model.set_experts_implementation(impl)
+    model.zero_grad(set_to_none=True)
+    captured = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: captured.append(out)) for m in model._mok_experts]
+    try:
+        out = model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    logits = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+    g = torch.Generator().manual_seed(out_proj_seed)
+    (logits * torch.randn(logits.shape, generator=g)).sum().backward()  # a dense, non-stride-0 gradient
+    grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    return logits.detach(), [c.detach() for c in captured], grads
+
+
+def _count_mok_calls(monkeypatch):
+    calls = []
+    real = hf._moe
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "_moe", counting)
+    return calls
+
+
+def _experts_bf16_check(module):
+    """Call one experts module directly in bfloat16 with "mok" against its own eager forward in float64."""
+    E = module.gate_up_proj.shape[0]
+    hidden = module.gate_up_proj.shape[1] if module.is_transposed else module.gate_up_proj.shape[2]
+    T, K = 12, min(2, E)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(T, hidden, generator=g)
+    top = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # distinct experts per token
+    w = torch.rand(T, K, generator=g).softmax(-1)
+    dy = torch.randn(T, hidden, generator=g)
+
+    def run(mod, impl, dtype):
+        mod = mod.to(dtype)
+        mod.config._experts_implementation = impl
+        xx = x.to(torch.bfloat16).to(dtype).requires_grad_()
+        y = mod(xx, top, w.to(torch.bfloat16).to(dtype))
+        y.backward(dy.to(torch.bfloat16).to(dtype))
+        grads = [xx.grad] + [p.grad for p in (mod.gate_up_proj, mod.down_proj)]
+        for p in mod.parameters():
+            p.grad = None
+        return [y.detach()] + [t.detach() for t in grads]
+
+    import copy
+
+    module = copy.deepcopy(module)
+    plan = hf.experts_plan(module)
+    if plan.kind == "mapped":  # clip about 5% of the pre-activations (bf16 rounding moves a few across)
+        fc1 = module.gate_up_proj.transpose(1, 2) if module.is_transposed else module.gate_up_proj
+        setattr(module, plan.limit_attr, 2.0 * float(torch.einsum("th,eoh->teo", x, fc1.detach()).std()))
+    keep = module.config._experts_implementation
+    rounded = copy.deepcopy(module).to(torch.bfloat16)  # the reference runs on the same bf16-rounded weights
+    try:
+        ref = run(rounded, "eager", torch.float64)
+        got = run(module, "mok", torch.bfloat16)
+    finally:
+        module.config._experts_implementation = keep
+    return [rel(a, b) for a, b in zip(got, ref)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration
+
+
+def test_registered_in_experts_interface():
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    assert hf.is_registered()
+    assert ExpertsInterface._global_mapping["mok"] is hf.mok_experts_forward
+    assert "mok" in ALL_EXPERTS_FUNCTIONS
+    for name in ("grouped_mm", "batched_mm"):  # the rest of the interface is untouched
+        assert ExpertsInterface._global_mapping[name] is not hf.mok_experts_forward
+
+
+_LAZY_SCRIPT = r"""
+import sys
+import mok_inductor
+from mok_inductor.integrations import transformers as hf
+assert "transformers" not in sys.modules, "importing mok_inductor imported transformers"
+assert not hf.is_registered()
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.integrations.moe import ExpertsInterface
+assert ExpertsInterface._global_mapping.get("mok") is hf.mok_experts_forward
+cfg = Qwen3MoeConfig(hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4,
+                     num_experts_per_tok=2, vocab_size=32)
+m = Qwen3MoeForCausalLM._from_config(cfg, experts_implementation="mok")
+assert m.config._experts_implementation == "mok"
+print("OK")
+"""
+
+_EAGER_ORDER_SCRIPT = r"""
+import transformers.integrations.moe as moe
+import mok_inductor
+assert moe.ExpertsInterface._global_mapping.get("mok") is mok_inductor.integrations.transformers.mok_experts_forward
+print("OK")
+"""
+
+
+def test_registration_is_lazy_and_works_in_both_import_orders():
+    env = dict(os.environ, PYTHONPATH=REPO)
+    for script in (_LAZY_SCRIPT, _EAGER_ORDER_SCRIPT):
+        out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_unknown_name_still_rejected():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4,
+                         num_experts_per_tok=2, vocab_size=32)
+    m = Qwen3MoeForCausalLM._from_config(cfg, experts_implementation="mok")
+    with pytest.raises(ValueError, match="not supported"):
+        m.set_experts_implementation("mok-typo")
+
+
+# ---------------------------------------------------------------------------------------------
+# The family matrix (eager only)
+
+_DISCOVERED = hf.discover_experts_classes()
+
+
+def test_discovery_finds_the_decorated_classes():
+    # cross-check the text scan against the imported classes: each is really decorated
+    assert _DISCOVERED, "no @use_experts_implementation class found in the installed transformers"
+    for info in _DISCOVERED:
+        cls = getattr(importlib.import_module(info.module), info.class_name)
+        assert "_apply_gate" in dir(cls), f"{info.class_name}: not wrapped by @use_experts_implementation"
+        assert cls.forward.__wrapped__ is not None
+    # the decorator arguments are read: at least one family with each non-default flag exists in 5.17+
+    flags = {k for info in _DISCOVERED for k in info.decorator_args}
+    assert {"has_bias", "is_transposed", "has_gate"} <= flags
+
+
+def test_family_matrix_fp32_and_bf16(monkeypatch, capsys):
+    """Every discovered experts class: mok == eager (fp32 logits, experts outputs and all grads at 1e-4;
+    bf16 experts call against float64 eager at 1e-2), or a declared fallback that also equals eager."""
+    hf._WARNED.clear()
+    calls = _count_mok_calls(monkeypatch)
+    rows, failures, unbuilt = [], [], []
+    for info in _DISCOVERED:
+        name = f"{info.model_type}/{info.class_name}"
+        t0 = time.perf_counter()
+        model, why = build_tiny(info)
+        if model is None:
+            unbuilt.append((name, why))
+            continue
+        experts = _experts_modules(model, info)
+        model._mok_experts = experts
+        _tighten_limits(experts)
+        plans = {hf.experts_plan(m) for m in experts}
+        plan = next(iter(plans))
+        ids = _ids(model, 2, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ref = _run(model, "eager", ids)
+            n_before = len(calls)
+            hf._PLANS.clear()  # re-plan so the one-time warning (if any) is issued inside this block
+            hf._WARNED.clear()
+            got = _run(model, "mok", ids)
+        mok_calls = len(calls) - n_before
+        fell_back = [w for w in caught if info.class_name in str(w.message) and "falls back" in str(w.message)]
+        errs = {"logits": rel(got[0], ref[0])}
+        errs["experts_out"] = max((rel(a, b) for a, b in zip(got[1], ref[1])), default=0.0)
+        # a gradient that is only rounding noise (e.g. a router that receives none) is not compared relatively
+        floor = 1e-6 * max(float(g.norm()) for g in ref[2].values())
+        errs["grads"] = max(float((got[2][n] - g).norm()) / max(float(g.norm()), floor) for n, g in ref[2].items())
+        problems = [f"{k} rel err {v:.2e}" for k, v in errs.items() if not v <= 1e-4]
+        if len(got[1]) == 0:
+            problems.append("no experts call ran")
+        if plan.supported:
+            if mok_calls == 0 or fell_back:
+                problems.append(f"supported but mok ran {mok_calls} times / warned {len(fell_back)}")
+            bf = _experts_bf16_check(experts[0])
+            errs["bf16"] = max(bf)
+            if not max(bf) <= 1e-2:
+                problems.append(f"bf16 experts rel errs {['%.1e' % e for e in bf]}")
+        else:
+            if mok_calls != 0 or len(fell_back) != 1:
+                problems.append(f"unsupported but mok ran {mok_calls} times / warned {len(fell_back)} times")
+        if plan.kind == "mapped":
+            clipped = _clip_fraction(model, experts, ids, plan)
+            if not clipped > 0.0:
+                problems.append("the mapped clamp never clipped in this test")
+        rows.append((name, plan.kind, plan.reason or (f"swiglu_limit <- {plan.limit_attr}" if plan.limit_attr else ""),
+                     errs, time.perf_counter() - t0))
+        if problems:
+            failures.append(f"{name} ({plan.kind}): " + "; ".join(problems))
+        del model
+
+    with capsys.disabled():
+        print("\n[transformers matrix] family/class | kind | note | max rel errs")
+        for name, kind, note, errs, secs in rows:
+            e = " ".join(f"{k}={v:.1e}" for k, v in errs.items())
+            print(f"  {name:55s} {kind:11s} {secs:5.1f}s {e}  {note}")
+        for name, why in unbuilt:
+            print(f"  {name:55s} NOT BUILT   {why}")
+    for name, why in unbuilt:
+        warnings.warn(f"transformers matrix: {name} not instantiated cheaply: {why}")
+    assert not failures, "\n".join(failures)
+    assert rows, "no family could be built"
+    kinds = {row[1] for row in rows}
+    # the matrix exercises all three outcomes (plain SwiGLU, a mapped clamp, a fallback)
+    assert {"supported", "mapped", "unsupported"} <= kinds, kinds
+
+
+def _clip_fraction(model, experts, ids, plan):
+    """Fraction of gate/up pre-activations beyond the clamp in the experts of a mapped family."""
+    seen = []
+
+    def pre(mod, args):
+        x = args[0]
+        w = mod.gate_up_proj.transpose(1, 2) if mod.is_transposed else mod.gate_up_proj
+        pre_act = torch.einsum("th,eoh->teo", x.float(), w.float())
+        seen.append(float((pre_act.abs() > getattr(mod, plan.limit_attr)).float().mean()))
+
+    hooks = [m.register_forward_pre_hook(pre) for m in experts]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return max(seen, default=0.0)
+
+
+def test_plan_classifies_by_what_the_experts_compute():
+    """Declared variants, on real experts modules: plain SwiGLU, a clamp mapped onto swiglu_limit, and
+    what must fall back (biases, no gate, non-SiLU activations, soft-caps, post-expert norms)."""
+    by_type = {}
+    for info in _DISCOVERED:
+        by_type.setdefault(info.model_type, []).append(info)
+    expect = {"qwen3_moe": "supported", "mixtral": "supported", "deepseek_v4": "mapped", "hy_v4": "mapped",
+              "gpt_oss": "unsupported", "nemotron_h": "unsupported", "inkling2": "unsupported"}
+    for model_type, kind in expect.items():
+        if model_type not in by_type:  # an older transformers without this family
+            continue
+        for info in by_type[model_type]:
+            model, why = build_tiny(info)
+            assert model is not None, f"{model_type}: {why}"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plan = hf.experts_plan(_experts_modules(model, info)[0])
+            assert plan.kind == kind, (model_type, plan)
+
+
+def test_gelu_gate_falls_back():
+    """A GeGLU experts module (Gemma 4 style: the default gate with act_fn=gelu) is declared unsupported."""
+    from transformers.activations import ACT2FN
+
+    info = next(i for i in _DISCOVERED if i.model_type == "qwen3_moe")
+    model, why = build_tiny(info)
+    assert model is not None, why
+    m = _experts_modules(model, info)[0]
+    m.act_fn = ACT2FN["gelu_pytorch_tanh"]
+    with pytest.warns(UserWarning, match="falls back"):
+        hf._WARNED.clear()
+        plan = hf.experts_plan(m)
+    assert plan.kind == "unsupported" and "GELU" in plan.reason
+
+
+def test_expert_parallel_sentinels_are_no_routes():
+    info = next(i for i in _DISCOVERED if i.model_type == "qwen3_moe")
+    model, why = build_tiny(info)
+    assert model is not None, why
+    m = _experts_modules(model, info)[0]
+    E, H = m.gate_up_proj.shape[0], m.gate_up_proj.shape[2]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, H, generator=g)
+    top = torch.randint(0, E, (6, 2), generator=g)
+    top[::2, 1] = E  # routes owned by another rank
+    w = torch.rand(6, 2, generator=g)
+    w[::2, 1] = 0.0  # EP zeroes their weights
+    m._is_expert_parallel = True
+    got = hf.mok_experts_forward(m, x, top, w)
+    kept = top.clone()
+    kept[::2, 1] = 0
+    w_kept = w.clone()
+    m._is_expert_parallel = False
+    ref = hf.mok_experts_forward(m, x, kept, w_kept)  # weight 0 on the stand-in route: same result
+    assert rel(got, ref) <= 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile (fullgraph) forward and backward; generate
+
+
+def _tiny_qwen(kind):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                  vocab_size=VOCAB)
+    torch.manual_seed(0)
+    if kind == "qwen3_moe":
+        return Qwen3MoeForCausalLM._from_config(Qwen3MoeConfig(head_dim=8, **common), experts_implementation="mok")
+    cfg = Qwen2MoeConfig(shared_expert_intermediate_size=24, **common)
+    return Qwen2MoeForCausalLM._from_config(cfg, experts_implementation="mok")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_compiled_fullgraph_forward_backward(kind):
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model = _tiny_qwen(kind).train()
+    ids = _ids(model, 2, 8, seed=5)
+
+    def step(input_ids):
+        out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+        out.loss.backward()
+        return out.logits.detach(), out.loss.detach()
+
+    model.set_experts_implementation("eager")
+    ref_logits, ref_loss = step(ids)
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    model.set_experts_implementation("mok")
+    compiled = torch.compile(model, fullgraph=True)
+
+    def cstep(input_ids):
+        out = compiled(input_ids=input_ids, labels=input_ids, use_cache=False)
+        out.loss.backward()
+        return out.logits.detach(), out.loss.detach()
+
+    (logits, loss), codes = run_and_get_code(cstep, ids)
+    assert any("mok.moe_fwd" in c for c in codes), "the compiled forward does not call mok::moe_fwd"
+    assert any("mok.moe_bwd" in c for c in codes), "the compiled backward does not call mok::moe_bwd"
+    assert rel(logits, ref_logits) <= 1e-4
+    assert rel(loss, ref_loss) <= 1e-4
+    for n, g in ref_grads.items():
+        p = dict(model.named_parameters())[n]
+        assert p.grad is not None, n
+        assert rel(p.grad, g) <= 1e-4, (n, rel(p.grad, g))
+    torch._dynamo.reset()
+
+
+def test_generate_with_mok_matches_eager():
+    model = _tiny_qwen("qwen2_moe").eval()
+    ids = _ids(model, 2, 5, seed=9)
+    outs = {}
+    for impl in ("eager", "mok"):
+        model.set_experts_implementation(impl)
+        with torch.no_grad():
+            outs[impl] = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert outs["mok"].shape == (2, 11)
+    assert torch.equal(outs["mok"], outs["eager"])
