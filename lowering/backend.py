@@ -43,9 +43,10 @@ def mok_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str]
 
 
 def register() -> None:
-    """Register "mok" with Dynamo (idempotent)."""
-    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+    """Register "mok" with Dynamo unless it is registered or torch already found the entry point (then torch
+    registers it itself when the name is first looked up, and registering here would be a duplicate)."""
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
 
-    if _COMPILER_FNS.get("mok") is not mok_backend:
-        _COMPILER_FNS.pop("mok", None)
-        register_backend(mok_backend, name="mok")
+    if "mok" in _COMPILER_FNS or _BACKENDS.get("mok") is not None:
+        return
+    register_backend(mok_backend, name="mok")
