@@ -226,3 +226,46 @@ def check_against_oracle(case: MoeCase, *, dtype=None, seed=123, fn=None, check_
         g_dtype = g.dtype if TOLERANCE.get(g.dtype, 0.0) > TOLERANCE[dtype] else dtype
         assert_close_to_oracle(f"d_{n}", g, grads_ref[n], g_dtype)
     return y, grads, y_ref, grads_ref
+
+
+def lowp_torch_moe(x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj=None,
+                   shared_down_proj=None, shared_output_gate=None, swiglu_limit=None):
+    """A plain PyTorch implementation in x's own dtype (what a bf16 model computes without mok): the
+    baseline whose error against the float64 oracle bounds how accurate a low-precision result can be.
+    Router weights are upcast as the op does; every other tensor stays in x.dtype."""
+    T, H = x.shape
+    E, two_i, _ = gate_up_proj.shape
+    I = two_i // 2
+
+    def act(g, u):
+        if swiglu_limit is not None:
+            g = torch.clamp(g, max=swiglu_limit)
+            u = torch.clamp(u, min=-swiglu_limit, max=swiglu_limit)
+        return torch.nn.functional.silu(g) * u
+
+    acc = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    if shared_gate_up_proj is not None:
+        i_s = shared_gate_up_proj.shape[0] // 2
+        s = act(x @ shared_gate_up_proj[:i_s].T, x @ shared_gate_up_proj[i_s:].T) @ shared_down_proj.T
+        if shared_output_gate is not None:
+            s = s * torch.sigmoid(x @ shared_output_gate.T)
+        acc = acc + s.float()
+    rw = router_weights.float()
+    for e in range(E):
+        t_idx, k_idx = torch.where(top_experts == e)
+        if t_idx.numel():
+            xe = x[t_idx]
+            out = act(xe @ gate_up_proj[e, :I].T, xe @ gate_up_proj[e, I:].T) @ down_proj[e].T
+            acc = acc.index_add(0, t_idx, out.float() * rw[t_idx, k_idx][:, None])
+    return acc.to(x.dtype)
+
+
+def baseline_with_grads(case: MoeCase, dy: torch.Tensor):
+    """(y, {name: grad}) of `lowp_torch_moe` on the case (fresh leaves)."""
+    c = case.detached()
+    H, K = c.x.shape[-1], c.router_weights.shape[-1]
+    y = lowp_torch_moe(c.x.reshape(-1, H), c.router_weights.reshape(-1, K), c.top_experts.reshape(-1, K),
+                       c.gate_up_proj, c.down_proj, c.shared_gate_up_proj, c.shared_down_proj,
+                       c.shared_output_gate, c.swiglu_limit).reshape(c.x.shape)
+    y.backward(dy)
+    return y.detach(), {n: t.grad if t.grad is not None else torch.zeros_like(t) for n, t in c.tensors().items()}

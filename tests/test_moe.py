@@ -16,6 +16,7 @@ import torch
 import mok_inductor
 from _helpers import (
     DEVICES,
+    baseline_with_grads,
     TOLERANCE,
     assert_close_to_oracle,
     check_against_oracle,
@@ -48,6 +49,26 @@ def test_matches_oracle(device, dtype, config):
     case = make_case(T=7, H=24, I=12, Is=16, E=5, K=2, dtype=dtype, device=device, shared=shared, gate=gate,
                      limit=limit, drop=0.2, seed=list(CONFIGS).index(config))
     check_against_oracle(case)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("config", ["plain", "shared_gate", "shared_gate_limit"])
+def test_low_precision_error_within_factor_of_torch(device, dtype, config):
+    # STYLE 7: besides SPEC's bound, a bf16/fp16 result is at most 2x as far from the float64 oracle as a
+    # plain PyTorch implementation in the same dtype (tests/_helpers.lowp_torch_moe), forward and every
+    # gradient. T=16, H=32, I=16, Is=24, E=5, K=2 with -1 routes: enough elements for stable error norms
+    shared, gate, limit = CONFIGS[config]
+    case = make_case(T=16, H=32, I=16, Is=24, E=5, K=2, dtype=dtype, device=device, shared=shared, gate=gate,
+                     limit=limit, drop=0.2, seed=17 + list(CONFIGS).index(config))
+    dy = random_like(case.x.detach(), 18)
+    y, grads = moe_with_grads(case, dy)
+    y_base, grads_base = baseline_with_grads(case, dy)
+    y_ref, grads_ref = oracle_with_grads(case, dy)
+    pairs = [("y", y, y_base, y_ref)] + [(n, grads[n], grads_base[n], grads_ref[n]) for n in grads]
+    for name, got, base, ref in pairs:
+        err, base_err = rel_err(got, ref), rel_err(base, ref)
+        assert err <= 2 * base_err, f"{name}: error {err:.2e} exceeds 2x PyTorch {dtype}'s error {base_err:.2e}"
 
 
 # name: (make_case kwargs, comment naming the edge case)
@@ -283,3 +304,43 @@ def test_nan_gradient_propagates(device):
     assert torch.isfinite(grads["gate_up_proj"][others]).all()
     rows = torch.arange(8) != 2
     assert torch.isfinite(grads["x"][rows.to(grads["x"].device)]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks above fail when the implementation breaks: break the CPU implementation on purpose
+# (monkeypatched for one test) and see the oracle comparison catch it.
+
+
+@pytest.mark.parametrize("breakage", ["clamp_gradient", "combine_order", "router_weight_grad"])
+def test_broken_implementation_is_caught(monkeypatch, breakage):
+    from mok_inductor import reference
+
+    case = make_case(T=7, H=24, I=12, E=5, K=2, shared=True, gate=True, limit=0.6, drop=0.2, seed=7)
+    if breakage == "clamp_gradient":
+        original = reference.swiglu_backward
+
+        def no_mask(dh, g, u, limit):
+            if limit is None:
+                return original(dh, g, u, limit)
+            gc, uc = torch.clamp(g, max=limit), torch.clamp(u, min=-limit, max=limit)
+            sig = torch.sigmoid(gc)
+            return dh * uc * sig * (1 + gc * (1 - sig)), dh * gc * sig  # gradient passed where it clipped
+
+        monkeypatch.setattr(reference, "swiglu_backward", no_mask)
+    elif breakage == "combine_order":
+        original = reference.moe_forward
+
+        def swapped(x, rw, te, *args, **kwargs):
+            return original(x, rw.flip(1), te, *args, **kwargs)  # router weights applied to the wrong routes
+
+        monkeypatch.setattr(reference, "moe_forward", swapped)
+    else:
+        original = reference.moe_backward
+
+        def scaled(*args, **kwargs):
+            out = original(*args, **kwargs)
+            return out._replace(d_router_weights_TK=out.d_router_weights_TK * 1.01)
+
+        monkeypatch.setattr(reference, "moe_backward", scaled)
+    with pytest.raises(AssertionError, match="relative error"):
+        check_against_oracle(case)
