@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import lowering
+import mok_inductor
 from lowering import patterns
 from oracle import oracle_moe
 
@@ -300,3 +301,72 @@ top = gather.to(torch.bfloat16)
 cat = torch.cat([l_self_parameters_w1_, l_self_parameters_w3_], dim = 1)
 moe_default = torch.ops.mok.moe.default(l_x_, top, ids, cat, l_self_parameters_w2_, None, None, None, None)
 return (moe_default, ids, top)""")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the switch and the backend registration
+
+
+class _OtherPass(lowering.cache.CustomGraphPass):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return "other-pass-v1"
+
+
+def test_enable_chains_the_pass_already_installed(monkeypatch):
+    from torch._inductor import config
+
+    other = _OtherPass()
+    monkeypatch.setattr(config, "pre_grad_custom_pass", other)
+    lowering.patterns.enable()
+    try:
+        ours = config.pre_grad_custom_pass
+        assert lowering.patterns.is_enabled() and ours.chained is other
+        assert "other-pass-v1" in ours.uuid() and lowering.cache.fingerprint() in ours.uuid()
+        lowering.patterns.enable()  # idempotent
+        assert config.pre_grad_custom_pass is ours
+        ours(torch.fx.Graph())
+        assert other.calls == 1
+    finally:
+        lowering.patterns.disable()
+    assert config.pre_grad_custom_pass is other and not lowering.patterns.is_enabled()
+    # a chained pass without uuid() makes the chain's uuid None: the caches bypass, as for that pass alone
+    monkeypatch.setattr(config, "pre_grad_custom_pass", lambda graph: None)
+    with mok_inductor.enabled():
+        assert config.pre_grad_custom_pass.uuid() is None
+    assert not lowering.patterns.is_enabled()
+
+
+def test_backend_is_found_by_name_in_a_fresh_process():
+    """`torch.compile(backend="mok")` without importing lowering: the installed entry point (pip install -e .)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, sys\n"
+            "f = torch.compile(lambda x: x * 2, backend='mok', options={'mok_inner': 'eager'})\n"
+            "assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))\n"
+            "assert 'lowering' in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, "is the package installed (pip install -e .)?\n" + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_dynamic_token_count_is_matched_once(impl):
+    """dynamic=True: sizes are symbolic, the matcher compares them without guards; three T, one rewrite."""
+    experts = make_experts(impl, dtype=torch.float32)
+    torch._dynamo.reset()
+    counters["mok_inductor"].clear()
+    c = torch.compile(experts, backend="mok", options={"mok_inner": "eager"}, dynamic=True, fullgraph=True)
+    for t in (5, 9, 13):  # T below, around and above E * K
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(t, H, generator=g)
+        w, idx = torch.topk(torch.randn(t, E, generator=g).softmax(-1), K, dim=-1)
+        gold = oracle_moe(x, w, idx, experts.gate_up_proj, experts.down_proj)
+        out = c(x, idx, w)
+        assert float((out.double() - gold).norm() / gold.norm()) <= 1e-4
+    assert counters["mok_inductor"]["moe_replaced"] == 1
