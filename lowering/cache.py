@@ -7,10 +7,10 @@ trap 1). Both caches do hash the `uuid()` of every `CustomGraphPass` installed i
 
 - `fingerprint()` is a sha256 of the package version and of the bytes of every `*.py` file under
   `mok_inductor/` and `lowering/` (paths relative to the package root, sorted);
-- `install()` puts a no-op `CacheKeyPass` whose `uuid()` is that fingerprint into
-  `torch._inductor.config.post_grad_custom_post_pass`, chaining whatever pass was there (2.11 has a single
-  slot). It runs on every compile, so graphs that call `mok::moe` directly, without the pattern pass, are keyed
-  too. `import lowering` calls it (so do `mok_inductor.enable()` and `backend="mok"`);
+- `install()` adds a no-op `CacheKeyPass` whose `uuid()` is that fingerprint to
+  `torch._inductor.config.post_grad_custom_post_pass`, keeping whatever pass was there (appended to a list
+  on torch >= 2.12, chained in front of it in 2.11's single slot). It runs on every compile, so graphs that
+  call `mok::moe` directly, without the pattern pass, are keyed too. `import lowering` calls it (so do `mok_inductor.enable()` and `backend="mok"`);
 - the pattern pass (`lowering.patterns.MokPatternPass`) carries the same fingerprint in its own `uuid()`.
 
 The key covers every compile in the process once installed (a changed package also invalidates graphs
@@ -108,7 +108,8 @@ class CacheKeyPass(CustomGraphPass):
     """A post-grad pass that changes nothing; its uuid() keys the compile caches on this package."""
 
     def __init__(self, chained=None):
-        self.chained = chained  # the object that was in the slot (kept as is, to restore it)
+        self.chained = chained  # 2.11 single slot: the pass that was there, run first
+        self.previous = None  # the slot's value before install(), restored by uninstall()
 
     def __call__(self, graph, *args, **kwargs) -> None:
         _call_all(as_tuple(self.chained), graph, *args, **kwargs)
@@ -117,25 +118,76 @@ class CacheKeyPass(CustomGraphPass):
         return chained_uuid("mok-cache-key:" + fingerprint(), as_tuple(self.chained))
 
 
+# ---------------------------------------------------------------------------------------------------
+# custom-pass slots of torch._inductor.config: a list in 2.13, a single callable in 2.11
+
+
+def slot_takes_lists() -> bool:
+    """torch >= 2.12 accepts lists in the custom-pass slots (`get_custom_graph_passes`); 2.11 one callable."""
+    try:
+        from torch._inductor.custom_graph_pass import get_custom_graph_passes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def find_in_slot(value, cls):
+    """Our pass of type `cls` in a slot value: the value itself, a list element, or down a `.chained` chain."""
+    stack = list(as_tuple(value))
+    while stack:
+        p = stack.pop()
+        if isinstance(p, cls):
+            return p
+        stack.extend(as_tuple(getattr(p, "chained", None)))
+    return None
+
+
+def add_to_slot(name: str, make):
+    """Install `make(chained)` in config slot `name`, keeping what is there: appended to a list where lists
+    are supported (torch then calls each pass its own way, e.g. inference-aware ones), else chained."""
+    from torch._inductor import config
+
+    cur = getattr(config, name)
+    if slot_takes_lists():
+        new = make(None)
+        setattr(config, name, [*as_tuple(cur), new])
+    else:
+        new = make(cur)
+        setattr(config, name, new)
+    new.previous = cur
+    return new
+
+
+def remove_from_slot(name: str, cls) -> bool:
+    """Undo `add_to_slot`: restore the previous value if the slot is as we left it, else drop only ours.
+    Returns False when ours is buried under a pass chained on top of it (the caller then deactivates)."""
+    from torch._inductor import config
+
+    cur = getattr(config, name)
+    ours = find_in_slot(cur, cls)
+    if ours is None:
+        return True
+    if isinstance(cur, cls) or (isinstance(cur, list) and cur and cur[-1] is ours and len(cur) == len(as_tuple(ours.previous)) + 1):
+        setattr(config, name, ours.previous)
+        return True
+    if isinstance(cur, (list, tuple)) and ours in cur:
+        rest = [p for p in cur if p is not ours]
+        setattr(config, name, rest or None)
+        return True
+    return False
+
+
 def installed() -> Optional[CacheKeyPass]:
     from torch._inductor import config
 
-    cur = config.post_grad_custom_post_pass
-    return cur if isinstance(cur, CacheKeyPass) else None
+    return find_in_slot(config.post_grad_custom_post_pass, CacheKeyPass)
 
 
 def install() -> None:
-    """Idempotent: put a CacheKeyPass on top of `post_grad_custom_post_pass`, chaining what was there."""
-    from torch._inductor import config
-
+    """Idempotent: add a CacheKeyPass to `post_grad_custom_post_pass`, keeping the passes already there."""
     if installed() is None:
-        config.post_grad_custom_post_pass = CacheKeyPass(config.post_grad_custom_post_pass)
+        add_to_slot("post_grad_custom_post_pass", CacheKeyPass)
 
 
 def uninstall() -> None:
-    from torch._inductor import config
-
-    cur = installed()
-    if cur is not None:
-        config.post_grad_custom_post_pass = cur.chained
-
+    remove_from_slot("post_grad_custom_post_pass", CacheKeyPass)

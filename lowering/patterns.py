@@ -184,10 +184,12 @@ def rewrite(graph: fx.Graph) -> list[MatchRecord]:
 
 
 class MokPatternPass(cache.CustomGraphPass):
-    """`pre_grad_custom_pass` entry: runs whatever pass was in the slot first, then `rewrite`."""
+    """`pre_grad_custom_pass` entry. In 2.11's single slot it runs the pass that was there first (`chained`);
+    on torch >= 2.12 it is appended to the slot's list and `chained` is None."""
 
     def __init__(self, chained=None):
         self.chained = chained
+        self.previous = None
         self.active = True
         self.last_records: list[MatchRecord] = []
 
@@ -202,41 +204,30 @@ class MokPatternPass(cache.CustomGraphPass):
         return cache.chained_uuid(mine, cache.as_tuple(self.chained))
 
 
-def _find_ours(p) -> Optional[MokPatternPass]:
-    while p is not None:
-        if isinstance(p, MokPatternPass):
-            return p
-        p = getattr(p, "chained", None) if not isinstance(p, (list, tuple)) else None
-    return None
+def _ours() -> Optional[MokPatternPass]:
+    from torch._inductor import config
+
+    return cache.find_in_slot(config.pre_grad_custom_pass, MokPatternPass)
 
 
 def enable() -> None:
-    """Install the pass in `torch._inductor.config.pre_grad_custom_pass` (idempotent, chains what is there)."""
-    from torch._inductor import config
-
+    """Install the pass in `torch._inductor.config.pre_grad_custom_pass` (idempotent, keeps what is there)."""
     cache.install()
-    ours = _find_ours(config.pre_grad_custom_pass)
+    ours = _ours()
     if ours is not None:
         ours.active = True
         return
-    config.pre_grad_custom_pass = MokPatternPass(config.pre_grad_custom_pass)
+    cache.add_to_slot("pre_grad_custom_pass", MokPatternPass)
 
 
 def disable() -> None:
-    """Remove the pass (restoring the chained one); if another pass was chained on top of ours, only deactivate."""
-    from torch._inductor import config
-
-    cur = config.pre_grad_custom_pass
-    if isinstance(cur, MokPatternPass):
-        config.pre_grad_custom_pass = cur.chained
-        return
-    ours = _find_ours(cur)
-    if ours is not None:
+    """Remove the pass (restoring the slot's previous value); if another pass was chained on top of ours,
+    only deactivate it."""
+    ours = _ours()
+    if ours is not None and not cache.remove_from_slot("pre_grad_custom_pass", MokPatternPass):
         ours.active = False
 
 
 def is_enabled() -> bool:
-    from torch._inductor import config
-
-    ours = _find_ours(config.pre_grad_custom_pass)
+    ours = _ours()
     return ours is not None and ours.active

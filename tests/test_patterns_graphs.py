@@ -318,28 +318,40 @@ class _OtherPass(lowering.cache.CustomGraphPass):
         return "other-pass-v1"
 
 
-def test_enable_chains_the_pass_already_installed(monkeypatch):
+@pytest.mark.parametrize("lists", [True, False], ids=["list-slot", "single-slot"])
+def test_enable_chains_the_pass_already_installed(lists, monkeypatch):
+    """torch >= 2.12 takes a list in the slot; 2.11 one callable (emulated here by the single-slot mode)."""
     from torch._inductor import config
 
+    monkeypatch.setattr(lowering.cache, "slot_takes_lists", lambda: lists)
     other = _OtherPass()
-    monkeypatch.setattr(config, "pre_grad_custom_pass", other)
-    lowering.patterns.enable()
-    try:
-        ours = config.pre_grad_custom_pass
-        assert lowering.patterns.is_enabled() and ours.chained is other
-        assert "other-pass-v1" in ours.uuid() and lowering.cache.fingerprint() in ours.uuid()
-        lowering.patterns.enable()  # idempotent
-        assert config.pre_grad_custom_pass is ours
-        ours(torch.fx.Graph())
-        assert other.calls == 1
-    finally:
-        lowering.patterns.disable()
-    assert config.pre_grad_custom_pass is other and not lowering.patterns.is_enabled()
-    # a chained pass without uuid() makes the chain's uuid None: the caches bypass, as for that pass alone
-    monkeypatch.setattr(config, "pre_grad_custom_pass", lambda graph: None)
-    with mok_inductor.enabled():
-        assert config.pre_grad_custom_pass.uuid() is None
-    assert not lowering.patterns.is_enabled()
+    # torch's own config.patch, not monkeypatch: deleting a config attribute on undo breaks the module
+    with config.patch(pre_grad_custom_pass=other):
+        lowering.patterns.enable()
+        try:
+            slot = config.pre_grad_custom_pass
+            assert lowering.patterns.is_enabled()
+            if lists:  # torch >= 2.12: both passes in the list, each hashed by the caches
+                assert isinstance(slot, list) and slot[0] is other and len(slot) == 2
+                ours = slot[1]
+            else:  # 2.11: one slot, ours runs the other first and hashes both
+                ours = slot
+                assert ours.chained is other and "other-pass-v1" in ours.uuid()
+            assert lowering.cache.fingerprint() in ours.uuid()
+            lowering.patterns.enable()  # idempotent
+            assert config.pre_grad_custom_pass is slot
+            for p in lowering.cache.as_tuple(slot):
+                p(torch.fx.Graph())
+            assert other.calls == 1
+        finally:
+            lowering.patterns.disable()
+        assert config.pre_grad_custom_pass is other and not lowering.patterns.is_enabled()
+    if not lists:
+        # a chained pass without uuid() makes the chain's uuid None: the caches bypass, as for that pass alone
+        with config.patch(pre_grad_custom_pass=lambda graph: None):
+            with mok_inductor.enabled():
+                assert config.pre_grad_custom_pass.uuid() is None
+            assert not lowering.patterns.is_enabled()
 
 
 def test_backend_is_found_by_name_in_a_fresh_process():

@@ -130,9 +130,12 @@ def test_compile_caches_key_on_package_sources(tmp_path, monkeypatch):
     from torch._inductor import config as inductor_config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
-    monkeypatch.setattr(inductor_config, "force_disable_caches", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
+    with inductor_config.patch(fx_graph_cache=True, force_disable_caches=False), \
+            torch._functorch.config.patch(enable_autograd_cache=True):
+        _check_hit_then_miss(tmp_path, monkeypatch)
+
+
+def _check_hit_then_miss(tmp_path, monkeypatch):
     cache.install()
     assert cache.installed() is not None
 
