@@ -45,9 +45,14 @@ def moe(
     Returns:
         [..., H] in x.dtype: shared(x) * gate(x) + sum_k router_weights[k] * expert_{top_experts[k]}(x).
     """
-    _checks.require_tensor("x", x)
-    _checks.require_tensor("router_weights", router_weights)
-    _checks.require_tensor("top_experts", top_experts)
+    # Kinds first, so a wrong kind gets a TypeError naming it rather than a dispatcher error.
+    for name, t in (("x", x), ("router_weights", router_weights), ("top_experts", top_experts),
+                    ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        _checks.require_tensor(name, t)
+    for name, t in (("shared_gate_up_proj", shared_gate_up_proj), ("shared_down_proj", shared_down_proj),
+                    ("shared_output_gate", shared_output_gate)):
+        _checks.require_tensor(name, t, optional=True)
+    swiglu_limit = _checks.check_swiglu_limit(swiglu_limit)
     if x.dim() < 2:
         raise ValueError(f"x: expected shape [..., H] with at least one token dim, got {list(x.shape)}")
     lead = x.shape[:-1]

@@ -121,7 +121,7 @@ def _assert_expert_ids_on_device(top_experts: Tensor, num_experts: int) -> None:
     torch._assert_async(ok, f"top_experts: expected expert indices in [-1, {num_experts})")
 
 
-_lib.define("schedule(Tensor top_experts, int num_experts) -> (Tensor, Tensor, Tensor)")
+_lib.define("schedule(Tensor top_experts, SymInt num_experts) -> (Tensor, Tensor, Tensor)")
 _lib.impl("schedule", lambda top_experts, num_experts: _schedule_impl(top_experts, num_experts),
           "CompositeExplicitAutograd")
 
@@ -265,8 +265,8 @@ def _moe_bwd_impl(
     wdt = gate_up_proj.dtype
     d_gate_up = torch.empty(gate_up_proj.shape, dtype=wdt, device=x.device)
     d_down = torch.empty(down_proj.shape, dtype=wdt, device=x.device)
-    empty = x.new_empty(0)
-    d_sgu, d_sd, d_sg = empty, empty, empty
+    # absent gradients are [0]-shaped, and distinct tensors (op outputs must not alias each other)
+    d_sgu, d_sd, d_sg = x.new_empty(0), x.new_empty(0), x.new_empty(0)
     if shared_gate_up_proj is not None:
         d_sgu = torch.empty(shared_gate_up_proj.shape, dtype=wdt, device=x.device)
         d_sd = torch.empty(shared_down_proj.shape, dtype=wdt, device=x.device)
@@ -298,6 +298,21 @@ _lib.define(
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _lib.impl("moe_bwd", lambda *args: _moe_bwd_impl(impl_module(args[1]), *args), "CompositeExplicitAutograd")
+
+
+def _moe_bwd_autograd(*args):
+    """mok::moe_bwd is not differentiable: say so when someone asks for a double backward."""
+    if (torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+            and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
+        raise RuntimeError(
+            "mok::moe does not support double backward: its backward (mok::moe_bwd) is not differentiable "
+            "(call backward without create_graph=True)"
+        )
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.mok.moe_bwd(*args)
+
+
+_lib.impl("moe_bwd", _moe_bwd_autograd, "Autograd")
 
 
 @torch.library.register_fake("mok::moe_bwd", lib=_lib)

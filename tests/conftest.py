@@ -16,6 +16,9 @@ if not torch.cuda.is_available():
     assert "triton" not in sys.modules, "triton was imported before tests/conftest.py could set TRITON_INTERPRET"
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The tests use tiny shapes: one intra-op thread is faster there than two fighting over two cores.
+torch.set_num_threads(1)
+
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="mok-inductor-cache-"))
 
 sys.path.insert(0, os.path.dirname(__file__))
