@@ -59,7 +59,7 @@ def check_swiglu_limit(swiglu_limit) -> Optional[float]:
     if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float)):
         raise TypeError(f"swiglu_limit: expected a float or None, got {type(swiglu_limit).__name__}")
     value = float(swiglu_limit)
-    if not (value > 0.0 and math.isfinite(value)):
+    if not (0.0 < value < math.inf):  # also false for NaN; traceable when value is a SymFloat
         raise ValueError(f"swiglu_limit: expected a finite positive float, got {swiglu_limit}")
     return value
 
