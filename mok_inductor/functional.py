@@ -250,7 +250,9 @@ def build_schedule(workspace: MoKWorkspace, config: MoKConfig, top_experts: torc
     _checks.require_shape("top_experts", top_experts, (ws.num_local_tokens, ws.topk),
                           "[T, K] (the workspace's num_local_tokens and topk)")
     if top_experts.device != ws.device:
-        raise ValueError(f"top_experts: expected a tensor on {ws.device} (the workspace's device), got {top_experts.device}")
+        raise ValueError(
+            f"top_experts: expected a tensor on {ws.device} (the workspace's device), got {top_experts.device}"
+        )
     sorted_routes, offsets, slots = torch.ops.mok.schedule(top_experts, num_local_experts)
     counts = offsets[1:] - offsets[:-1]
     padded = torch.zeros_like(offsets)
@@ -298,7 +300,9 @@ def _payload(name: str, obj, dim: int):
     if isinstance(obj, SplitRoutedWeight):
         obj = obj.data
         if not isinstance(obj, (tuple, list)):
-            raise TypeError(f"{name}: SplitRoutedWeight.data must be a sequence of 2-D tensors, got {type(obj).__name__}")
+            raise TypeError(
+                f"{name}: SplitRoutedWeight.data must be a sequence of 2-D tensors, got {type(obj).__name__}"
+            )
     if isinstance(obj, torch.Tensor):
         if _is_mxfp8_piece(obj):
             raise _mxfp8_error(name)
@@ -455,7 +459,9 @@ def _operands(x, shared_gate, shared_up, shared_down, routed_gate, routed_up, ro
 def _check_activations(ws: MoKWorkspace, x, router_weights):
     _checks.require_tensor("x", x)
     if _is_mxfp8_piece(x):
-        raise TypeError("x: expected dtype float32, bfloat16 or float16 (MXFP8 activations are not supported yet, issue 8)")
+        raise TypeError(
+            "x: expected dtype float32, bfloat16 or float16 (MXFP8 activations are not supported yet, issue 8)"
+        )
     _checks.require_dtype("x", x, _checks.ACTIVATION_DTYPES)
     _checks.require_shape("x", x, (ws.num_local_tokens, ws.hidden_size), "[T, H] (the workspace's shape)")
     if x.device != ws.device:
@@ -556,7 +562,9 @@ def _routed_destinations(main_grads, tables, w: _Operands, H: int, device):
         if not isinstance(tables, (tuple, list)) or len(tables) != 3:
             raise ValueError("main_grad_storage_tables: expected (gate_table, up_table, down_table)")
         if main_grads is None:
-            raise ValueError("main_grad_storage_tables: given without main_grads (the tables describe main-grad buffers)")
+            raise ValueError(
+                "main_grad_storage_tables: given without main_grads (the tables describe main-grad buffers)"
+            )
         tg = _table("main_grad_storage_tables[0]", tables[0], E)
         tu = tg if tables[1] is tables[0] else _table("main_grad_storage_tables[1]", tables[1], E)
         td = _table("main_grad_storage_tables[2]", tables[2], E)
@@ -664,7 +672,9 @@ def backward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, 
             if buf is None:
                 continue
             if w.s_gate is None:
-                raise ValueError(f"main_grads[{idx}]: a {_MAIN_GRAD_NAMES[idx]} buffer was given without a shared expert")
+                raise ValueError(
+                    f"main_grads[{idx}]: a {_MAIN_GRAD_NAMES[idx]} buffer was given without a shared expert"
+                )
             _main_grad_tensor(f"main_grads[{idx}]", buf, shapes[j], device, 2)
             ds[j] = buf
         if w.shared_combined and main_grads[0] is not None and main_grads[0] is main_grads[2]:

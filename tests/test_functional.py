@@ -26,15 +26,27 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _init_gloo(attempts=5):
+    """A one-rank gloo group on a free port; another process may take the port between the probe and
+    the bind, so a failed bind retries on a new port."""
+    for attempt in range(attempts):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+            return
+        except (RuntimeError, OSError):
+            if attempt == attempts - 1:
+                raise
+
+
 @pytest.fixture(scope="module")
 def gloo_group():
     """A one-rank gloo process group on a free port, destroyed at the end of the module."""
     owned = not dist.is_initialized()
     if owned:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        _init_gloo()
     yield dist.group.WORLD
     if owned:
         dist.destroy_process_group()

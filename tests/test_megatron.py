@@ -35,16 +35,28 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 S, B, H, I, E, K = 12, 2, 64, 32, 8, 2
 
 
+def _init_gloo(attempts=5):
+    """A one-rank gloo group on a free port; another process may take the port between the probe and
+    the bind, so a failed bind retries on a new port."""
+    for attempt in range(attempts):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+            return
+        except (RuntimeError, OSError):
+            if attempt == attempts - 1:
+                raise
+
+
 @pytest.fixture(scope="module", autouse=True)
 def megatron_env():
     """One-rank gloo group on a free port + parallel_state, and the Router.gating patch; all undone at
     the end of the module."""
     owned = not dist.is_initialized()
     if owned:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        _init_gloo()
     parallel_state.initialize_model_parallel(1, 1)
     original_gating = router_mod.Router.gating
     router_mod.Router.gating = lambda self, inp: F.linear(inp.float(), self.weight.float())
@@ -117,9 +129,14 @@ def check_close(name, mok, meg, ref, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_output_and_gradients_match_megatron(device, dtype, monkeypatch):
-    meg, mok, ref64 = layer_trio(make_config(dtype), device)
+@pytest.mark.parametrize("dtype,clamp", [(torch.bfloat16, 4.0), (torch.float32, 4.0), (torch.bfloat16, None)])
+def test_output_and_gradients_match_megatron(device, dtype, clamp, monkeypatch):
+    """With the clamp active, Megatron's bf16 run clamps bf16-rounded pre-activations, so its own error
+    reaches several percent on some FC1 gradients: compare both to float64. Without the clamp the two
+    bf16 runs must also agree with each other: each within 1e-2 of float64, so within 2e-2 of each other
+    (measured up to 1e-2 over 15 seeds: the rounding orders differ, see shared/MEGATRON.md 3.1)."""
+    meg, mok, ref64 = layer_trio(make_config(dtype, activation_func_clamp_value=clamp), device)
+    direct = dtype == torch.bfloat16 and clamp is None
     calls = []
     real_forward = mf.forward
     monkeypatch.setattr(mf, "forward", lambda *a, **k: calls.append(1) or real_forward(*a, **k))
@@ -131,11 +148,15 @@ def test_output_and_gradients_match_megatron(device, dtype, monkeypatch):
     assert out_mok.dtype == dtype and out_mok.shape == (S, B, H)
     check_close("output", out_mok, out_meg, out_64, dtype)
     check_close("d hidden_states", dx_mok, dx_meg, dx_64, dtype)  # includes the path through the router
+    if direct:
+        assert rel(out_mok, out_meg) <= 2e-2 and rel(dx_mok, dx_meg) <= 2e-2
     names = [n for n, _ in meg.named_parameters()]
     assert names == [n for n, _ in mok.named_parameters()] == [n for n, _ in ref64.named_parameters()]
     for (n, p_meg), p_mok, p_64 in zip(meg.named_parameters(), mok.parameters(), ref64.parameters()):
         assert p_mok.grad is not None and p_mok.grad.dtype == dtype, n
         check_close(n, p_mok.grad, p_meg.grad, p_64.grad, dtype)
+        if direct:
+            assert rel(p_mok.grad, p_meg.grad) <= 2e-2, n
 
 
 def _ddp_like(layer):

@@ -23,7 +23,6 @@ Routed layouts (E local experts, I = moe_ffn_hidden_size, H = hidden_size):
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -349,8 +348,10 @@ class MoKMegakernel(MegatronModule):
         hidden_states). Returns the MoE output (shared + routed) in hidden_states' shape and dtype."""
         H = self.hidden_size
         if hidden_states.shape[-1] != H:
-            raise ValueError(f"hidden_states: expected last dim {H} (hidden_size), got shape {list(hidden_states.shape)}")
-        x = hidden_states.reshape(-1, H)
+            raise ValueError(
+                f"hidden_states: expected last dim {H} (hidden_size), got shape {list(hidden_states.shape)}"
+            )
+        x = hidden_states.reshape(-1, H).contiguous()  # MoK's x is a contiguous [T, H]
         T = x.shape[0]
         if probs.dim() != 2 or probs.shape[0] != T or probs.shape[1] != self.num_local_experts:
             raise ValueError(
@@ -389,6 +390,7 @@ class MoKMegakernel(MegatronModule):
 
     def extra_repr(self) -> str:
         return (f"layout={self._layout}, num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}, shared_intermediate_size={self.shared_intermediate_size}, "
+                f"intermediate_size={self.intermediate_size}, "
+                f"shared_intermediate_size={self.shared_intermediate_size}, "
                 f"topk={self.topk}, gated={self.shared_output_gate_weight is not None}, "
                 f"swiglu_limit={self.swiglu_limit}, fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")

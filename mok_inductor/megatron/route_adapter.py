@@ -25,11 +25,15 @@ def routing_map_to_mok_inputs(probs: torch.Tensor, routing_map: torch.Tensor, to
     if probs.dim() != 2:
         raise ValueError(f"probs: expected a 2-D tensor [T, E], got shape {list(probs.shape)}")
     if routing_map.shape != probs.shape:
-        raise ValueError(f"routing_map: expected shape {list(probs.shape)} (the shape of probs), got {list(routing_map.shape)}")
+        raise ValueError(
+            f"routing_map: expected shape {list(probs.shape)} (the shape of probs), got {list(routing_map.shape)}"
+        )
     if probs.dtype not in _PROB_DTYPES:
         raise TypeError(f"probs: expected float32, bfloat16 or float16, got {probs.dtype}")
     if routing_map.device != probs.device:
-        raise ValueError(f"routing_map: expected a tensor on {probs.device} (the device of probs), got {routing_map.device}")
+        raise ValueError(
+            f"routing_map: expected a tensor on {probs.device} (the device of probs), got {routing_map.device}"
+        )
     if index_dtype not in (torch.int32, torch.int64):
         raise TypeError(f"index_dtype: expected torch.int32 or torch.int64, got {index_dtype}")
     T, E = probs.shape
