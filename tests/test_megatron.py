@@ -57,12 +57,15 @@ def megatron_env():
     owned = not dist.is_initialized()
     if owned:
         _init_gloo()
-    parallel_state.initialize_model_parallel(1, 1)
+    owned_mp = not parallel_state.model_parallel_is_initialized()
+    if owned_mp:
+        parallel_state.initialize_model_parallel(1, 1)
     original_gating = router_mod.Router.gating
     router_mod.Router.gating = lambda self, inp: F.linear(inp.float(), self.weight.float())
     yield
     router_mod.Router.gating = original_gating
-    parallel_state.destroy_model_parallel()
+    if owned_mp:
+        parallel_state.destroy_model_parallel()
     if owned:
         dist.destroy_process_group()
 
