@@ -45,6 +45,7 @@ class MoEMatch:
     swiglu_limit: Optional[float] = None
     shared: Optional[tuple] = None  # (gate [Is, H], up [Is, H], down [H, Is], output_gate [1, H] or None)
     nodes: set = dataclasses.field(default_factory=set)  # block nodes that may be erased once unused
+    out_view: Optional[fx.Node] = None  # a view of the [T, H] result whose shape `output` has (shared fusion)
 
     def describe(self) -> str:
         T, H = shape(self.x)

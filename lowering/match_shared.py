@@ -1,6 +1,7 @@
 """Fuse a shared expert (and its sigmoid output gate) that sits in the same graph as a matched routed block.
 
-Qwen2-MoE style (Qwen2MoeSparseMoeBlock; also qwen3_next, qwen3_5_moe, qwen3_omni_moe):
+Qwen2-MoE style (Qwen2MoeSparseMoeBlock; also qwen3_next, qwen3_5_moe, qwen3_omni_moe), and ungated shared
+experts such as GLM4-MoE's, whose addends are viewed back to [B, S, H] first:
 
     s = down_s(silu(gate_s(x)) * up_s(x))                       # three bias-free Linear
     out = routed(x) + sigmoid(shared_expert_gate(x)) * s          # gate: Linear(H, 1), optional
@@ -41,8 +42,19 @@ def _is_add(n) -> bool:
         arg(n, 2, "alpha", 1) == 1
 
 
+def _view_root(n):
+    while is_method(n, "view", "reshape") or is_fn(n, torch.reshape):
+        n = n.args[0]
+    return n
+
+
 def _same_input(a, x) -> bool:
-    return a is x or strip_views(a) is strip_views(x)
+    """a holds the same tokens as the routed input x: x itself, or a view of the same tensor (GLM4-MoE's shared
+    expert reads the 3-D `residuals` while the experts read `residuals.view(-1, H)`)."""
+    if a is x or strip_views(a) is strip_views(x):
+        return True
+    sa, sx = shape(a), shape(x)
+    return _view_root(a) is _view_root(x) and sa is not None and sx is not None and same_shape(sa[-1:], sx[-1:])
 
 
 def _shared_branch(s, x, nodes: set):
@@ -85,12 +97,15 @@ def _shared_branch(s, x, nodes: set):
 def fuse(m: MoEMatch):
     """Extend `m` with the shared expert added to its output, if there is one. Returns a reject reason or None."""
     outs = [m.output] + [u for u in m.output.users if strip_noop_casts(u) is m.output]
-    for o in outs:
+    # the routed output may be viewed back to [B, S, H] before the shared expert is added (GLM4-MoE)
+    views = [u for o in outs for u in o.users if is_method(u, "view", "reshape") and len(shape(u) or ()) >= 2
+             and same_shape(shape(u)[-1:], shape(m.x)[-1:])]
+    for o in outs + views:
         for add in o.users:
             if not _is_add(add):
                 continue
             other = add.args[1] if add.args[0] is o else add.args[0]
-            if not isinstance(other, fx.Node) or not same_shape(shape(other), shape(m.x)):
+            if not isinstance(other, fx.Node) or not same_shape(shape(other), shape(o)):
                 continue
             nodes: set = set()
             try:
@@ -99,7 +114,9 @@ def fuse(m: MoEMatch):
                 return str(e)
             if dtype(add) != dtype(m.x):
                 return f"{add.name}: the routed + shared sum has dtype {dtype(add)}"
-            m.nodes |= nodes | {m.output, *outs}
+            m.nodes |= nodes | {m.output, *outs, o}
+            if o in views:
+                m.out_view = o
             m.shared = weights
             m.output = add
             m.formulation += "+shared"

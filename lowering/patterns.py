@@ -137,6 +137,9 @@ def _replace(graph: fx.Graph, m: MoEMatch) -> fx.Node:
             torch.ops.mok.moe.default,
             (m.x, m.router_weights, m.top_experts, gate_up, m.down, sgu, sd, sog, m.swiglu_limit),
         )
+        if m.out_view is not None:  # back to the shape of the replaced node, with the view's own arguments
+            new.meta["example_value"] = m.out_view.args[0].meta.get("example_value")
+            new = graph.call_method(m.out_view.target, (new, *m.out_view.args[1:]), dict(m.out_view.kwargs))
     for k in ("example_value", "stack_trace", "nn_module_stack", "source_fn_stack", "val"):
         if k in m.output.meta:
             new.meta[k] = m.output.meta[k]

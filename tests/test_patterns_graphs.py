@@ -382,3 +382,17 @@ def test_dynamic_token_count_is_matched_once(impl):
         out = c(x, idx, w)
         assert float((out.double() - gold).norm() / gold.norm()) <= 1e-4
     assert counters["mok_inductor"]["moe_replaced"] == 1
+
+
+def test_glm4_moe_ungated_shared_expert_is_fused():
+    """GLM4-MoE adds an ungated shared expert to the routed output after viewing it back to [B, S, H]."""
+    from _pattern_models import build
+
+    model, _ = build("glm4_moe", "batched_mm", torch.float32)
+    block = model.model.layers[1].mlp  # layer 0 is dense
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(12))
+    gm, records, out = rewritten(block, x)
+    assert [r.formulation for r in records if r.replaced] == ["hf_batched_mm+shared"], [str(r) for r in records]
+    (moe,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.moe.default]
+    assert moe.args[5] is not None and moe.args[6] is not None and moe.args[7] is None  # shared, no gate
+    torch.testing.assert_close(out, block(x), rtol=1e-4, atol=1e-5)
