@@ -243,7 +243,8 @@ def _probe_gate(module, two_i: int, device) -> ExpertsPlan:
             return ExpertsPlan(True, swiglu_limit=limit, limit_attr=name)
     act = getattr(module, "act_fn", None)
     act_name = type(act).__name__ if act is not None else "none"
-    custom = "custom _apply_gate" if "_apply_gate" in type(module).__dict__ else "default _apply_gate"
+    gate_fn = getattr(type(module), "_apply_gate", None)
+    custom = "default _apply_gate" if getattr(gate_fn, "__name__", "") == "_default_apply_gate" else "custom _apply_gate"
     return ExpertsPlan(
         False,
         reason=f"its gate ({custom}, act_fn={act_name}) is not SwiGLU (silu(gate) * up, optionally clamped)",
