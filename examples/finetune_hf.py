@@ -189,7 +189,8 @@ def main(argv=None) -> dict:
         print(f"mok / grouped_mm tokens/s: {mok.tokens_per_s / base.tokens_per_s:.2f}x")
 
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    title = f"{args.preset} ({model.config.num_hidden_layers} layers, {args.dtype}, {device_name})"
+    n_layers = model.config.num_hidden_layers
+    title = f"{args.preset} ({n_layers} layer{'s' if n_layers != 1 else ''}, {args.dtype}, {device_name})"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     png = args.out + ".png"
     wrote_png = plot(results, png, title)
