@@ -653,6 +653,30 @@ def test_compiled_fullgraph_forward_backward(kind, backend):
     torch._dynamo.reset()
 
 
+def test_compiled_fallback_is_fullgraph_and_warns():
+    """An unsupported family (GPT-OSS: biases, alpha-SiLU gate) under torch.compile(fullgraph=True) with "mok":
+    the plan is made eagerly at trace time (one warning), the graph holds transformers' grouped_mm path and no
+    mok op, and the result equals eager."""
+    info = next(i for i in _DISCOVERED if i.model_type == "gpt_oss")
+    model, why = build_tiny(info)
+    assert model is not None, why
+    ids = _ids(model, 2, 8, seed=4)
+    model.set_experts_implementation("eager")
+    ref = model(input_ids=ids, use_cache=False).logits
+    torch._dynamo.reset()
+    hf._PLANS.clear()
+    hf._WARNED.clear()
+    model.set_experts_implementation("mok")
+    codes = []
+    compiled = torch.compile(model, fullgraph=True, backend=_graph_capturing_backend(codes))
+    with pytest.warns(UserWarning, match="GptOssExperts falls back"):
+        got = compiled(input_ids=ids, use_cache=False).logits
+    assert codes and not any("mok.moe" in c for c in codes)
+    assert any("grouped_mm" in c for c in codes)
+    assert rel(got, ref) <= 1e-4
+    torch._dynamo.reset()
+
+
 @pytest.mark.slow
 def test_finetune_example_tracks_eager(tmp_path):
     """examples/finetune_hf.py on CPU for a few steps: "mok" under torch.compile against HF eager."""
