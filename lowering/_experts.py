@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ._fx import (Reject, arg, dtype, flat_source, getitem_of, is_fn, is_method, same, same_shape, shape,
-                  strip_noop_casts, strip_views, transposed_last2)
+                  strip_noop_casts, transposed_last2)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from ._experts import (GroupedCore, MoEMatch, check_routing_shapes, check_weights, chunk_halves,
-                       router_weights_of, scaled_by, swiglu, unsqueezed_column)
+                       router_weights_of, scaled_by, swiglu)
 from ._fx import (Reject, arg, dtype, flat_source, is_fn, is_method, same_shape, shape, strip_noop_casts)
 
 
