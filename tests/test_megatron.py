@@ -405,6 +405,10 @@ def test_enable_is_idempotent_and_disable_restores():
     out_meg, _ = run(twin, x, dy)
     mkm.enable_mok_backend(layer)
     first = layer.megakernel_experts
+    with torch.no_grad():  # inference: no autograd state is kept
+        out_nograd, _ = layer.eval()(x)
+    layer.train()
+    assert out_nograd.grad_fn is None and rel(out_nograd, out_meg) <= 2e-2
     assert mkm.enable_mok_backend(layer) == [layer] and layer.megakernel_experts is first
     assert mkm.disable_mok_backend(layer) == [layer]
     assert not hasattr(layer, "megakernel_experts")
