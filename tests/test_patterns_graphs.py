@@ -36,7 +36,8 @@ class _Config:
         self._experts_implementation = impl
 
 
-def make_experts(impl: str, dtype=torch.bfloat16, act: str = "silu", swap_halves: bool = False, **flags):
+def make_experts(impl: str, dtype=torch.bfloat16, act: str = "silu", swap_halves: bool = False,
+                 clamp=None, **flags):
     """An HF-style experts module ([E, 2I, H] gate_up_proj, [E, H, I] down_proj unless is_transposed)."""
 
     class Experts(nn.Module):
@@ -56,6 +57,11 @@ def make_experts(impl: str, dtype=torch.bfloat16, act: str = "silu", swap_halves
             def _apply_gate(self, gate_up):
                 up, gate = gate_up.chunk(2, dim=-1)
                 return self.act_fn(gate) * up
+        elif clamp is not None:  # (gate max, up min, up max), as the clamped-SwiGLU models write it
+            def _apply_gate(self, gate_up):
+                gate, up = gate_up.chunk(2, dim=-1)
+                gmax, umin, umax = clamp
+                return self.act_fn(gate.clamp(max=gmax)) * up.clamp(min=umin, max=umax)
 
         def forward(self, hidden_states, top_k_index, top_k_weights):  # replaced by the decorator
             raise NotImplementedError
@@ -108,6 +114,7 @@ NEAR_MISSES = {
     "bias": (dict(has_bias=True), "modified in place"),
     "swapped": (dict(swap_halves=True), "swapped"),
     "transposed": (dict(is_transposed=True), "transposed"),
+    "clamp": (dict(clamp=(0.5, -0.25, 0.25)), "swiglu_limit"),  # up limit differs from the gate limit
 }
 
 
@@ -137,6 +144,21 @@ def test_canonical_twin_of_the_near_misses_is_replaced(impl):
     assert counters["mok_inductor"]["moe_replaced"] == 1
     gold = oracle_moe(x, w, idx, experts.gate_up_proj, experts.down_proj)
     assert float((out.double() - gold).norm() / gold.norm()) <= 1e-2
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_clamped_swiglu_becomes_swiglu_limit(impl):
+    """silu(gate.clamp(max=L)) * up.clamp(-L, L) is MoK's swiglu_limit (SPEC 1); L small so it clips."""
+    limit = 0.3
+    experts = make_experts(impl, dtype=torch.float32, clamp=(limit, -limit, limit))
+    x, idx, w = routing_inputs(torch.float32)
+    gm, records, out = rewritten(experts, x, idx, w)
+    (moe,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.moe.default]
+    assert moe.args[8] == limit
+    gold = oracle_moe(x, w, idx, experts.gate_up_proj, experts.down_proj, swiglu_limit=limit)
+    unclamped = oracle_moe(x, w, idx, experts.gate_up_proj, experts.down_proj)
+    assert float((unclamped - gold).norm() / gold.norm()) > 1e-2  # the clamp is active
+    assert float((out.double() - gold).norm() / gold.norm()) <= 1e-4
 
 
 def test_grouped_mm_outside_a_moe_block_is_left_alone(caplog):
