@@ -515,3 +515,22 @@ def test_padding_mask_passes_through_the_router():
         outs.append(out.detach())
     check_close("output with padding_mask", outs[1], outs[0], outs[2], torch.bfloat16)
     assert rel(outs[1], outs[0]) <= 2e-2
+
+
+@pytest.mark.parametrize("overrides", [dict(moe_shared_expert_gate=False),
+                                       dict(moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False),
+                                       dict(moe_shared_expert_intermediate_size=48)])  # Is != I
+def test_shared_expert_variants(overrides):
+    meg, mok, ref64 = layer_trio(make_config(**overrides), "cpu")
+    mk = mok.megakernel_experts
+    assert (mk.shared_output_gate_weight is None) == (not overrides.get("moe_shared_expert_gate", True))
+    assert (mk.shared_fc1_weight is None) == ("moe_shared_expert_intermediate_size" in overrides
+                                             and overrides["moe_shared_expert_intermediate_size"] is None)
+    x, dy = inputs("cpu", torch.bfloat16)
+    out_meg, dx_meg = run(meg, x, dy)
+    out_mok, dx_mok = run(mok, x, dy)
+    out_64, dx_64 = run(ref64, x.double(), dy.double())
+    check_close("output", out_mok, out_meg, out_64, torch.bfloat16)
+    check_close("d hidden_states", dx_mok, dx_meg, dx_64, torch.bfloat16)
+    for (n, p_meg), p_mok, p_64 in zip(meg.named_parameters(), mok.parameters(), ref64.parameters()):
+        check_close(n, p_mok.grad, p_meg.grad, p_64.grad, torch.bfloat16)
