@@ -87,7 +87,11 @@ class _RegisterAfterExec(importlib.abc.Loader):
         return self._inner.create_module(spec)
 
     def exec_module(self, module):
-        self._inner.exec_module(module)
+        try:
+            self._inner.exec_module(module)
+        except BaseException:
+            _install_finder()  # the import failed: watch for the next attempt
+            raise
         _register_now(module)
 
     def __getattr__(self, name):  # get_resource_reader, is_package, ... of the wrapped loader
@@ -130,7 +134,6 @@ def register_if_installed() -> bool:
     loaded, else installs a one-shot import hook that registers when it is. Idempotent. Returns
     whether transformers is installed. `MOK_NO_HF_REGISTER=1` turns it off.
     """
-    global _finder
     if os.environ.get("MOK_NO_HF_REGISTER", "0") == "1":
         return False
     if _registered:
@@ -141,10 +144,15 @@ def register_if_installed() -> bool:
         return True
     if "transformers" not in sys.modules and importlib.util.find_spec("transformers") is None:
         return False
-    if _finder is None:
+    _install_finder()
+    return True
+
+
+def _install_finder() -> None:
+    global _finder
+    if _finder is None and not _registered:
         _finder = _PostImportFinder()
         sys.meta_path.insert(0, _finder)
-    return True
 
 
 def register() -> None:
