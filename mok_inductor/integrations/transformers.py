@@ -73,6 +73,10 @@ def _register_now(moe_module) -> None:
     with _lock:
         if _registered:
             return
+        # Marked here rather than with a decorator: torch.compiler.assume_constant_result imports
+        # torch._dynamo (seconds), and `import mok_inductor` must stay cheap. It marks the function
+        # object itself, so the global mok_experts_forward calls is the marked one.
+        torch.compiler.assume_constant_result(experts_plan)
         moe_module.ExpertsInterface.register(BACKEND_NAME, mok_experts_forward)
         _registered = True
 
@@ -284,7 +288,6 @@ def _compute_plan(module) -> ExpertsPlan:
     return _probe_gate(module, gate_up.shape[1], gate_up.device)
 
 
-@torch.compiler.assume_constant_result
 def experts_plan(module) -> ExpertsPlan:
     """The (cached) plan of `module`; warns once per experts class and reason when it falls back.
 
