@@ -102,8 +102,12 @@ def layer_trio(cfg, device, mok_config_override=None):
 
 
 def rel(a, b):
+    """Relative Frobenius error; a zero reference (e.g. an expert no token chose) must be matched exactly."""
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return ((a - b).norm() / b.norm()).item()
+    ref = b.norm()
+    if ref == 0:
+        return 0.0 if a.norm() == 0 else float("inf")
+    return ((a - b).norm() / ref).item()
 
 
 def inputs(device, dtype):
