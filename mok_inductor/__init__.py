@@ -48,4 +48,12 @@ from .integrations import register_on_import as _register_on_import  # noqa: E40
 
 _register_on_import()
 
+import os as _os  # noqa: E402
+
+if _os.environ.get("MOK_CACHE_KEY", "1") not in ("0", "false", "False"):
+    # Inductor's FX-graph and AOTAutograd caches do not hash custom ops' Python code: key them on ours.
+    from . import compile_cache as _compile_cache
+
+    _compile_cache.install()
+
 __all__ = ["moe", "path_name", "enable", "disable", "enabled", "__version__"]

@@ -10,7 +10,9 @@ trap 1). Both caches do hash the `uuid()` of every `CustomGraphPass` installed i
 - `install()` adds a no-op `CacheKeyPass` whose `uuid()` is that fingerprint to
   `torch._inductor.config.post_grad_custom_post_pass`, keeping whatever pass was there (appended to a list
   on torch >= 2.12, chained in front of it in 2.11's single slot). It runs on every compile, so graphs that
-  call `mok::moe` directly, without the pattern pass, are keyed too. `import lowering` calls it (so do `mok_inductor.enable()` and `backend="mok"`);
+  call `mok::moe` directly, without the pattern pass, are keyed too. `import mok_inductor` calls it, so every
+  process that can build a MoK graph is keyed (`MOK_CACHE_KEY=0` skips it); `lowering` reaches this module
+  as `lowering.cache`;
 - the pattern pass (`lowering.patterns.MokPatternPass`) carries the same fingerprint in its own `uuid()`.
 
 The key covers every compile in the process once installed (a changed package also invalidates graphs
