@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-import mok_inductor  # noqa: F401  (registers the "mok" experts backend)
+import mok_inductor  # registers the "mok" experts backend
+import mok_inductor.integrations.transformers
 
 PRESETS = {
     # tiny: seconds on a CPU
@@ -97,6 +98,9 @@ def make_loss_fn(model):
 
 def train(model, impl: str, batches, *, compiled: bool, lr: float, device: str, warmup: int) -> RunResult:
     model.set_experts_implementation(impl)
+    if impl == "mok":
+        # decide each experts module's plan eagerly (torch < 2.13 cannot fold it while tracing)
+        mok_inductor.integrations.transformers.prepare(model)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 

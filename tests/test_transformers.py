@@ -708,3 +708,26 @@ def test_generate_with_mok_matches_eager():
             outs[impl] = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert outs["mok"].shape == (2, 11)
     assert torch.equal(outs["mok"], outs["eager"])
+
+
+def test_prepare_stores_plans_that_compiled_code_reads(monkeypatch):
+    """prepare() decides every experts module's plan eagerly; a traced call then reads it and never runs the
+    probe (torch 2.11 cannot fold experts_plan(module) while tracing)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                         vocab_size=32, head_dim=8)
+    model = Qwen3MoeForCausalLM._from_config(cfg, experts_implementation="mok")
+    assert hf.prepare(model) == 2
+    experts = [m for m in model.modules() if hasattr(m, "down_proj") and hasattr(m, "has_bias")]
+    assert all(getattr(m, "_mok_experts_plan").supported for m in experts)
+
+    def no_probe(module):
+        raise AssertionError("the plan was recomputed while tracing")
+
+    monkeypatch.setattr(hf, "_compute_plan", no_probe)
+    torch._dynamo.reset()
+    ids = torch.randint(0, 32, (1, 5))
+    got = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
+    torch.testing.assert_close(got, model(ids).logits, rtol=0, atol=0)

@@ -76,7 +76,7 @@ def _register_now(moe_module) -> None:
         # Marked here rather than with a decorator: torch.compiler.assume_constant_result imports
         # torch._dynamo (seconds), and `import mok_inductor` must stay cheap. It marks the function
         # object itself, so the global mok_experts_forward calls is the marked one.
-        torch.compiler.assume_constant_result(experts_plan)
+        torch.compiler.assume_constant_result(_experts_plan_at_trace_time)
         moe_module.ExpertsInterface.register(BACKEND_NAME, mok_experts_forward)
         _registered = True
 
@@ -298,6 +298,7 @@ def experts_plan(module) -> ExpertsPlan:
         return cached[1]
     plan = _compute_plan(module)
     _PLANS[module] = (sig, plan)
+    object.__setattr__(module, _PLAN_ATTR, plan)  # what compiled code reads (see mok_experts_forward)
     if not plan.supported:
         key = (type(module).__qualname__, plan.reason)
         if key not in _WARNED:
@@ -307,6 +308,27 @@ def experts_plan(module) -> ExpertsPlan:
                 stacklevel=2,
             )
     return plan
+
+
+_PLAN_ATTR = "_mok_experts_plan"
+
+
+def _experts_plan_at_trace_time(module) -> ExpertsPlan:
+    """experts_plan for Dynamo: marked `assume_constant_result` at registration, so Dynamo runs it at trace
+    time and bakes the plan in (torch 2.13 folds it with a module argument; 2.11 cannot, hence `prepare`)."""
+    return experts_plan(module)
+
+
+def prepare(model: torch.nn.Module) -> int:
+    """Decide, eagerly, the plan of every experts module of `model` (returns how many). Compiled code
+    then reads the stored plan and never runs the probe while tracing; needed on torch < 2.13 when the
+    model's first "mok" call is a compiled one, harmless elsewhere."""
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "down_proj") and hasattr(module, "has_bias"):
+            experts_plan(module)
+            n += 1
+    return n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,7 +355,12 @@ def mok_experts_forward(
 ) -> torch.Tensor:
     """transformers' experts function signature: hidden_states [T, H], top_k_index [T, K] expert ids,
     top_k_weights [T, K] routing weights -> [T, H] in hidden_states.dtype."""
-    plan = experts_plan(self)
+    if torch.compiler.is_compiling():
+        plan = getattr(self, _PLAN_ATTR, None)
+        if plan is None:
+            plan = _experts_plan_at_trace_time(self)
+    else:
+        plan = experts_plan(self)
     if not plan.supported:
         return _grouped_mm_fallback(self, hidden_states, top_k_index, top_k_weights)
     gate_up_E2IH, down_EHI, _ = _weights(self)
@@ -410,5 +437,5 @@ def discover_experts_classes() -> list:
 
 __all__ = [
     "BACKEND_NAME", "ExpertsPlan", "ExpertsClassInfo", "discover_experts_classes", "experts_plan",
-    "is_registered", "mok_experts_forward", "register", "register_if_installed",
+    "is_registered", "mok_experts_forward", "prepare", "register", "register_if_installed",
 ]
