@@ -9,6 +9,7 @@ section 2's relative Frobenius error against the float64 oracle of `tests/oracle
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -269,3 +270,20 @@ def baseline_with_grads(case: MoeCase, dy: torch.Tensor):
                        c.shared_output_gate, c.swiglu_limit).reshape(c.x.shape)
     y.backward(dy)
     return y.detach(), {n: t.grad if t.grad is not None else torch.zeros_like(t) for n, t in c.tensors().items()}
+
+
+def init_gloo(attempts: int = 5) -> None:
+    """A one-rank gloo process group on a free port; another process may take the port between the probe
+    and the bind, so a failed bind retries on a new port."""
+    import torch.distributed as dist
+
+    for attempt in range(attempts):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+            return
+        except (RuntimeError, OSError):
+            if attempt == attempts - 1:
+                raise

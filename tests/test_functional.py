@@ -6,7 +6,6 @@ per-expert lists (split), the SplitRoutedWeight descriptor. Gradient destination
 main_grads (added in place, returned by identity), split storage tables, the gate's main-grad.
 """
 
-import socket
 
 import pytest
 import torch
@@ -15,34 +14,16 @@ import torch.distributed as dist
 from mok_inductor import functional as mf
 from mok_inductor import reference
 from oracle import oracle_moe
+from _helpers import init_gloo, rel_err
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4, torch.float16: 1e-2}
 T, H, I, IS, E, K = 24, 32, 16, 24, 5, 2
 
 
-def rel(a, b):
-    """Relative Frobenius error; a zero reference (e.g. an expert no token chose) must be matched exactly."""
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    ref = b.norm()
-    if ref == 0:
-        return 0.0 if a.norm() == 0 else float("inf")
-    return ((a - b).norm() / ref).item()
+rel = rel_err  # relative Frobenius error vs the reference (tests/_helpers.py)
 
 
-def _init_gloo(attempts=5):
-    """A one-rank gloo group on a free port; another process may take the port between the probe and
-    the bind, so a failed bind retries on a new port."""
-    for attempt in range(attempts):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-            return
-        except (RuntimeError, OSError):
-            if attempt == attempts - 1:
-                raise
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +31,7 @@ def gloo_group():
     """A one-rank gloo process group on a free port, destroyed at the end of the module."""
     owned = not dist.is_initialized()
     if owned:
-        _init_gloo()
+        init_gloo()
     yield dist.group.WORLD
     if owned:
         dist.destroy_process_group()

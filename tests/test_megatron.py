@@ -12,7 +12,6 @@ bf16 error. Shapes: S=12, B=2 (T=24), H=64, I=Is=32, E=8, K=2.
 """
 
 import copy
-import socket
 import sys
 
 import pytest
@@ -30,24 +29,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from mok_inductor import functional as mf  # noqa: E402
 from mok_inductor import reference  # noqa: E402
 from mok_inductor import megatron as mkm  # noqa: E402
+from _helpers import init_gloo, rel_err
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 S, B, H, I, E, K = 12, 2, 64, 32, 8, 2
 
 
-def _init_gloo(attempts=5):
-    """A one-rank gloo group on a free port; another process may take the port between the probe and
-    the bind, so a failed bind retries on a new port."""
-    for attempt in range(attempts):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-            return
-        except (RuntimeError, OSError):
-            if attempt == attempts - 1:
-                raise
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,7 +43,7 @@ def megatron_env():
     the end of the module."""
     owned = not dist.is_initialized()
     if owned:
-        _init_gloo()
+        init_gloo()
     owned_mp = not parallel_state.model_parallel_is_initialized()
     if owned_mp:
         parallel_state.initialize_model_parallel(1, 1)
@@ -101,13 +88,7 @@ def layer_trio(cfg, device, mok_config_override=None):
     return meg, mok, ref64
 
 
-def rel(a, b):
-    """Relative Frobenius error; a zero reference (e.g. an expert no token chose) must be matched exactly."""
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    ref = b.norm()
-    if ref == 0:
-        return 0.0 if a.norm() == 0 else float("inf")
-    return ((a - b).norm() / ref).item()
+rel = rel_err  # relative Frobenius error vs the reference (tests/_helpers.py)
 
 
 def inputs(device, dtype):

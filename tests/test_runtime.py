@@ -16,19 +16,14 @@ from mok_inductor.runtime import (
     _MoKWeightArguments,
 )
 from oracle import oracle_moe
+from _helpers import rel_err
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 T, H, I, E, K = 20, 32, 16, 3, 2
 LIMIT = 1.5
 
 
-def rel(a, b):
-    """Relative Frobenius error; a zero reference (e.g. an expert no token chose) must be matched exactly."""
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    ref = b.norm()
-    if ref == 0:
-        return 0.0 if a.norm() == 0 else float("inf")
-    return ((a - b).norm() / ref).item()
+rel = rel_err  # relative Frobenius error vs the reference (tests/_helpers.py)
 
 
 class StandIn(torch.nn.Module):
