@@ -22,7 +22,8 @@ Weights are passed as separate gate, up and down operands, each a 3-D tensor or 
 2-D tensors (split per-expert allocations; `w[e]` works for both, so nothing is stacked). Combined
 FC1 `[E, 2I, H]` is passed as two zero-copy row views.
 
-Numerics: every GEMM accumulates in float32; the clamp and SwiGLU run in float32; h, y_tk and s_t
+Numerics: every GEMM accumulates in float32 (float64 inputs, used by the demo's and the tests' float64
+runs, stay float64 throughout); the clamp and SwiGLU run in float32; h, y_tk and s_t
 are rounded to x.dtype between stages (as a bf16 kernel stores them); the combine accumulates in
 float32 in k order and the result is rounded to x.dtype once.
 """
@@ -96,9 +97,15 @@ def swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, limit: O
     return dg, du
 
 
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 for bf16/fp16/fp32 activations; float64 stays float64 (the oracle and gradcheck runs)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b accumulated in float32."""
-    return a.float() @ b.float()
+    """a @ b accumulated in float32 (or float64 for float64 operands)."""
+    acc = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    return a.to(acc) @ b.to(acc)
 
 
 def _offsets_list(schedule: Schedule) -> list[int]:
@@ -147,7 +154,8 @@ def moe_forward(
     tokens_N = schedule.sorted_routes_N.to(torch.int64) // max(K, 1)
     xs = x_TH[tokens_N[:n_valid]]
     h_NI = torch.zeros(N, I, dtype=dtype, device=x_TH.device)
-    y_NH = torch.zeros(N, H, dtype=torch.float32, device=x_TH.device)
+    acc = _acc_dtype(x_TH)
+    y_NH = torch.zeros(N, H, dtype=acc, device=x_TH.device)
     for e in range(E):
         a, b = offsets[e], offsets[e + 1]
         if a == b:
@@ -155,20 +163,20 @@ def moe_forward(
         xe = xs[a:b]
         h = swiglu(_mm(xe, w_gate[e].t()), _mm(xe, w_up[e].t()), swiglu_limit).to(dtype)
         h_NI[a:b] = h
-        y_NH[a:b] = _mm(h, w_down[e].t()).to(dtype).float()
+        y_NH[a:b] = _mm(h, w_down[e].t()).to(dtype).to(acc)
 
-    acc_TH = torch.zeros(T, H, dtype=torch.float32, device=x_TH.device)
+    acc_TH = torch.zeros(T, H, dtype=acc, device=x_TH.device)
     if s_gate is not None:
         h_shared, s_TH = _shared_forward(x_TH, s_gate, s_up, s_down, swiglu_limit)
         if s_out_gate_1H is not None:
-            acc_TH = s_TH.float() * torch.sigmoid(_mm(x_TH, s_out_gate_1H.t()))
+            acc_TH = s_TH.to(acc) * torch.sigmoid(_mm(x_TH, s_out_gate_1H.t()))
         else:
-            acc_TH = s_TH.float()
+            acc_TH = s_TH.to(acc)
     else:
         h_shared = x_TH.new_empty(0, 0)
 
     valid_TK = top_experts_TK >= 0
-    rw_TK = router_weights_TK.float()
+    rw_TK = router_weights_TK.to(acc)
     y_TKH = y_NH[schedule.route_slots_N.to(torch.int64)].view(T, K, H)
     for k in range(K):
         contrib = rw_TK[:, k, None] * y_TKH[:, k]
@@ -256,19 +264,20 @@ def moe_backward(
     dtype = x_TH.dtype
     offsets = _offsets_list(schedule)
     n_valid = offsets[E]
-    dyf = dy_TH.float()
+    acc = _acc_dtype(x_TH)
+    dyf = dy_TH.to(acc)
 
     sorted_N = schedule.sorted_routes_N.to(torch.int64)
     tokens_N = sorted_N // max(K, 1)
-    rw_N = router_weights_TK.float().reshape(-1)[sorted_N]
+    rw_N = router_weights_TK.to(acc).reshape(-1)[sorted_N]
     xs = x_TH[tokens_N[:n_valid]]
     dys = dyf[tokens_N[:n_valid]]
 
     grads = GradBuffers.allocate(
         grads, w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate_1H
     )
-    dx_N = torch.zeros(N, H, dtype=torch.float32, device=x_TH.device)
-    drw_N = torch.zeros(N, dtype=torch.float32, device=x_TH.device)
+    dx_N = torch.zeros(N, H, dtype=acc, device=x_TH.device)
+    drw_N = torch.zeros(N, dtype=acc, device=x_TH.device)
     for e in range(E):
         a, b = offsets[e], offsets[e + 1]
         wg, wu, wd = w_gate[e], w_up[e], w_down[e]
@@ -279,7 +288,7 @@ def moe_backward(
             continue
         xe, dye, he = xs[a:b], dys[a:b], h_NI[a:b]
         q = _mm(dye, wd)  # dy_t @ down[e]: [rows, I]
-        drw_N[a:b] = (q * he.float()).sum(-1)
+        drw_N[a:b] = (q * he.to(acc)).sum(-1)
         dye_w = (dye * rw_N[a:b, None]).to(dtype)  # the down GEMM's scaled input, as a kernel stores it
         dh = _mm(dye_w, wd)
         g, u = _mm(xe, wg.t()), _mm(xe, wu.t())
@@ -293,20 +302,20 @@ def moe_backward(
     valid_TK = top_experts_TK >= 0
     slots_TK = schedule.route_slots_N.to(torch.int64).view(T, K)
     dx_TKH = dx_N[slots_TK]
-    dx_TH = torch.zeros(T, H, dtype=torch.float32, device=x_TH.device)
+    dx_TH = torch.zeros(T, H, dtype=acc, device=x_TH.device)
     for k in range(K):
         dx_TH = dx_TH + torch.where(valid_TK[:, k, None], dx_TKH[:, k], torch.zeros_like(dx_TKH[:, k]))
     drw_TK = torch.where(valid_TK, drw_N[slots_TK], torch.zeros_like(drw_N[slots_TK]))
 
     if s_gate is not None:
         q = _mm(dy_TH, s_down)  # [T, Is]
-        hs = h_shared_TIs.float()
+        hs = h_shared_TIs.to(acc)
         if s_out_gate_1H is not None:
             gate_T1 = torch.sigmoid(_mm(x_TH, s_out_gate_1H.t()))
             d_gate_T1 = (q * hs).sum(-1, keepdim=True)  # <dy_t, s_t>
             d_logit_T1 = d_gate_T1 * gate_T1 * (1.0 - gate_T1)
-            _store(grads.d_s_out_gate, d_logit_T1.t() @ x_TH.float(), accumulate)
-            dx_TH = dx_TH + d_logit_T1 * s_out_gate_1H.float()
+            _store(grads.d_s_out_gate, d_logit_T1.t() @ x_TH.to(acc), accumulate)
+            dx_TH = dx_TH + d_logit_T1 * s_out_gate_1H.to(acc)
             dy_s = (dyf * gate_T1).to(dtype)
         else:
             dy_s = dy_TH.to(dtype)

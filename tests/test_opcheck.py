@@ -6,8 +6,10 @@ shared expert or not, shared output gate or not, swiglu_limit or not, float32 an
 
 gradcheck: SPEC accepts float32, bfloat16 and float16 activations only (float64 is rejected with a
 TypeError), so the finite-difference check runs in float32 with eps=1e-3 and a matching tolerance,
-at tiny shapes, through `mok_inductor.moe`. For the clamped SwiGLU the limit is chosen away from
-every pre-activation, so no finite difference straddles the clamp's kink.
+at tiny shapes, through `mok_inductor.moe`; and in float64 on the exact forward/backward pair the CPU ops
+run (ops._moe_fwd_impl / _moe_bwd_impl with the reference, which computes in float64 for float64 inputs),
+at gradcheck's default tolerances. For the clamped SwiGLU the limit is chosen away from every
+pre-activation, so no finite difference straddles the clamp's kink.
 
 Shape legend: T tokens, H hidden, I routed intermediate, Is shared intermediate, E experts, K routes.
 """
@@ -177,3 +179,48 @@ def test_gradcheck_float64_is_rejected():
     c = make_case(T=3, H=4, I=2, E=3, K=2, dtype=torch.float64)
     with pytest.raises(TypeError, match="^x: expected dtype float32 or bfloat16 or float16, got float64"):
         mok_inductor.moe(*c.args(), **c.kwargs())
+
+
+class _ImplPair(torch.autograd.Function):
+    """The exact forward/backward pair mok::moe_fwd / mok::moe_bwd run for CPU tensors
+    (ops._moe_fwd_impl / ops._moe_bwd_impl with the reference), bypassing only the dtype check of the user
+    API, so torch.autograd.gradcheck can check the hand-written backward in float64."""
+
+    @staticmethod
+    def forward(ctx, top_experts, limit, x, rw, gate_up, down, s_gate_up, s_down, s_gate):
+        from mok_inductor import ops, reference
+
+        sched = reference.build_schedule(top_experts, gate_up.shape[0])
+        y, h, hs = ops._moe_fwd_impl(reference, x, rw, top_experts, *sched, gate_up, down, s_gate_up, s_down,
+                                     s_gate, limit)
+        ctx.save_for_backward(x, rw, top_experts, *sched, gate_up, down, s_gate_up, s_down, s_gate, h, hs)
+        ctx.limit = limit
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from mok_inductor import ops, reference
+
+        x, rw, te, s0, s1, s2, gate_up, down, s_gate_up, s_down, s_gate, h, hs = ctx.saved_tensors
+        dx, drw, dgu, dd, dsgu, dsd, dsg = ops._moe_bwd_impl(reference, dy, x, rw, te, s0, s1, s2, gate_up, down,
+                                                             s_gate_up, s_down, s_gate, h, hs, ctx.limit)
+        return None, None, dx, drw, dgu, dd, dsgu, dsd, dsg
+
+
+@pytest.mark.parametrize("config", ["shared_gate", "shared_gate_limit", "dropped_repeat"])
+def test_gradcheck_float64_of_the_cpu_implementation(config):
+    # T=4, H=5, I=3, Is=2, E=3, K=2 in float64: central differences to ~1e-10, so gradcheck's default
+    # tolerances apply to every input, the shared expert and gate included
+    c = make_case(T=4, H=5, I=3, Is=2, E=3, K=2, shared=True, gate=True, dtype=torch.float32, seed=5,
+                  kind="repeat" if config == "dropped_repeat" else "random")
+    if config == "dropped_repeat":
+        c.top_experts[0] = torch.tensor([2, 2])
+        c.top_experts[1, 1] = -1
+    t = {k: v.detach().double().requires_grad_() for k, v in c.tensors().items()}
+    limit = None
+    if config.endswith("limit"):
+        limit, margin, v = _limit_away_from_preactivations(c, lo=0.05, hi=0.6)
+        assert margin > 1e-3 and (v > limit).any() and (v < limit).any(), "the limit must clip some values"
+    args = (t["x"], t["router_weights"], t["gate_up_proj"], t["down_proj"], t["shared_gate_up_proj"],
+            t["shared_down_proj"], t["shared_output_gate"])
+    assert torch.autograd.gradcheck(lambda *a: _ImplPair.apply(c.top_experts, limit, *a), args)
