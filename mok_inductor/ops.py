@@ -12,6 +12,14 @@
                     d_shared_down_proj, d_shared_output_gate); the shared gradients are [0]-shaped
                     when there is no shared expert / gate.
 
+Registration: the ops are defined on one `torch.library.Library("mok", "DEF")` with explicit schemas;
+the implementations sit at CompositeExplicitAutograd, fakes via `register_fake`, and moe_fwd's autograd
+is a `torch.autograd.Function` with a separate setup_context at its Autograd key (so torch.func.grad
+and vjp work; custom_op's generated Function does not support them). mok::moe_bwd's Autograd kernel
+only refuses double backward with a clear error. `call_moe` is the entry the user API uses: the op,
+or under torch.func.grad/vjp the same composite body applied from Python. mok::moe has a vmap rule
+(tokens batched, weights shared).
+
 What is saved for backward: x, router_weights, top_experts, the schedule, the weights, h and
 h_shared. What is recomputed: the gate/up pre-activations g, u (one gate/up GEMM in backward), the
 shared output gate sigmoid(x @ w^T), and never y_tk or s_t (their inner products with dy come from
