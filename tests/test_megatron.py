@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-megatron_core = pytest.importorskip("megatron.core")
+import megatron.core as megatron_core  # a pinned test dependency (requirements.txt): its absence must fail, not skip
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noqa: E402

@@ -23,7 +23,7 @@ from torch._dynamo.utils import counters
 import lowering  # noqa: F401  (registers backend="mok")
 from _pattern_models import MODELS, SEQ, VOCAB, build, loss_and_grads, rel
 
-pytest.importorskip("transformers")
+import transformers  # noqa: F401  (a pinned test dependency: its absence must fail, not skip)
 
 MOK_EAGER = {"mok_inner": "eager"}
 
