@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from . import _checks
+from . import mxfp8 as _mxfp8
 from . import ops as _ops  # noqa: F401  (registers the mok:: ops)
 
 
@@ -34,8 +35,10 @@ def moe(
         router_weights: [..., K] routing weights (float32; other float dtypes are upcast, and their
             gradient comes back in their own dtype).
         top_experts: [..., K] int32/int64 expert ids in [0, E), or -1 for "no route".
-        gate_up_proj: [E, 2*I, H] routed FC1, gate rows [0, I) then up rows [I, 2I).
-        down_proj: [E, H, I] routed FC2.
+        gate_up_proj: [E, 2*I, H] routed FC1, gate rows [0, I) then up rows [I, 2I); or its MXFP8 form,
+            `mok_inductor.mxfp8.quantize(w)` (or a list of E per-expert quantized [2*I, H] weights): the
+            weight gradient then goes to the quantized weight's `master` (docs/api.md, MXFP8).
+        down_proj: [E, H, I] routed FC2 (or its MXFP8 form, as gate_up_proj).
         shared_gate_up_proj: optional [2*Is, H] shared expert FC1 (gate rows, then up rows).
         shared_down_proj: optional [H, Is] shared expert FC2.
         shared_output_gate: optional [1, H]; the shared expert's output is scaled by
@@ -46,9 +49,11 @@ def moe(
         [..., H] in x.dtype: shared(x) * gate(x) + sum_k router_weights[k] * expert_{top_experts[k]}(x).
     """
     # Kinds first, so a wrong kind gets a TypeError naming it rather than a dispatcher error.
+    mx = _mxfp8.is_quantized_arg(gate_up_proj) or _mxfp8.is_quantized_arg(down_proj)
     for name, t in (("x", x), ("router_weights", router_weights), ("top_experts", top_experts),
                     ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-        _checks.require_tensor(name, t)
+        if not (mx and name in ("gate_up_proj", "down_proj")):
+            _checks.require_tensor(name, t)
     for name, t in (("shared_gate_up_proj", shared_gate_up_proj), ("shared_down_proj", shared_down_proj),
                     ("shared_output_gate", shared_output_gate)):
         _checks.require_tensor(name, t, optional=True)
@@ -67,6 +72,13 @@ def moe(
         )
     H = x.shape[-1]
     K = router_weights.shape[-1]
+    if mx:  # MXFP8 routed weights: mok::moe_mxfp8 (ops.py), each weight as (data, scale, data_t, scale_t, master)
+        y = _ops.call_moe_mxfp8(
+            x.reshape(-1, H), router_weights.reshape(-1, K), top_experts.reshape(-1, K),
+            *_mxfp8.op_args("gate_up_proj", gate_up_proj), *_mxfp8.op_args("down_proj", down_proj),
+            shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit,
+        )
+        return y.view(x.shape)
     y = _ops.call_moe(
         x.reshape(-1, H),
         router_weights.reshape(-1, K),

@@ -11,12 +11,25 @@ scaled element lies in [-448, 448], e4m3's finite range, and the block's largest
 mantissa bits; an all-zero block gets e = -127. The scale is taken over a block's finite elements; NaN
 stays NaN and +-Inf becomes e4m3's NaN (it has no Inf), so non-finite values propagate as NaN.
 
-Not yet consumed by `mok_inductor.moe` or the functional ABI (issue 8 items 2-5).
+Consumers (issue 8):
+- `mok_inductor.moe` takes an `MXFP8Weight` (or a list of E per-expert ones) in place of a routed
+  `gate_up_proj` / `down_proj`. The forward GEMMs read the row-wise pair; backward reads the
+  column-wise pair for the data gradient (dx, and dy @ down, which gives d router_weights and the
+  SwiGLU's input gradient) and the row-wise pair for the gate/up recompute.
+- Gradients (straight-through, MoK's semantics): an MXFP8 weight is the forward/dgrad operand of a bf16
+  master weight. `quantize(w)` keeps a reference to `w` in `.master` when `w.requires_grad` (or pass
+  `master=`; `with_master(q, w)` attaches one later). The weight gradient, computed from the activations
+  and dy exactly as for a bf16 weight (it needs no weights), is accumulated into `master.grad`, as if the
+  dequantized weight had been used. Without a master no weight gradient is computed.
+- `mok_inductor.functional` takes MoK's (data, scale) tuples (section 1.6 of shared/MEGATRON.md).
+- On the CPU (and in the reference path) the weights are dequantized to x.dtype and the one reference
+  implementation runs; on CUDA `mok_inductor.kernels.moe_mxfp8` reads e4m3 data + E8M0 scales in its
+  GEMMs' K loops.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -34,6 +47,7 @@ class MXFP8Weight(NamedTuple):
     data_t: Optional[torch.Tensor]  # float8_e4m3fn [..., K, M]
     scale_t: Optional[torch.Tensor]  # uint8 E8M0 [..., K, M/32]
     dtype: torch.dtype  # the dtype it was quantized from (what dequantize returns by default)
+    master: Optional[torch.Tensor] = None  # the high-precision weight that receives the weight gradient
 
 
 def _quantize_lastdim(w: torch.Tensor):
@@ -55,9 +69,16 @@ def _quantize_lastdim(w: torch.Tensor):
     return data, (e + E8M0_BIAS).to(torch.uint8).squeeze(-1)
 
 
-def quantize(weight: torch.Tensor, *, rowwise: bool = True, columnwise: bool = True) -> MXFP8Weight:
+_NO_MASTER = object()
+
+
+def quantize(weight: torch.Tensor, *, rowwise: bool = True, columnwise: bool = True,
+             master=_NO_MASTER) -> MXFP8Weight:
     """Quantize a bf16/fp16/fp32 weight [..., M, K] (at least 2-D) to MXFP8, row-wise (blocks along K) and
-    column-wise (blocks along M). The blocked dims must be multiples of 32."""
+    column-wise (blocks along M). The blocked dims must be multiples of 32.
+
+    `master`: the tensor that receives the weight gradient when the result is used in `mok_inductor.moe`;
+    by default `weight` itself when it requires grad, else None (pass `master=None` to drop it)."""
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight: expected a torch.Tensor, got {type(weight).__name__}")
     if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -71,13 +92,23 @@ def quantize(weight: torch.Tensor, *, rowwise: bool = True, columnwise: bool = T
         raise ValueError(f"weight: the row-wise layout needs the last dim K divisible by {BLOCK}, got shape {list(weight.shape)}")
     if columnwise and m % BLOCK:
         raise ValueError(f"weight: the column-wise layout needs dim -2 (M) divisible by {BLOCK}, got shape {list(weight.shape)}")
+    if master is _NO_MASTER:
+        master = weight if weight.requires_grad else None
     data = scale = data_t = scale_t = None
-    if rowwise:
-        data, scale = _quantize_lastdim(weight)
-    if columnwise:
-        data_t, scale_t = _quantize_lastdim(weight.transpose(-2, -1))
-        data_t = data_t.contiguous()
-    return MXFP8Weight(data, scale, data_t, scale_t, weight.dtype)
+    with torch.no_grad():
+        if rowwise:
+            data, scale = _quantize_lastdim(weight)
+        if columnwise:
+            data_t, scale_t = _quantize_lastdim(weight.transpose(-2, -1))
+            data_t = data_t.contiguous()
+    return MXFP8Weight(data, scale, data_t, scale_t, weight.dtype, master)
+
+
+def with_master(q: MXFP8Weight, master: Optional[torch.Tensor]) -> MXFP8Weight:
+    """`q` with `master` as the tensor that receives its weight gradient (None: no weight gradient)."""
+    if not isinstance(q, MXFP8Weight):
+        raise TypeError(f"q: expected an MXFP8Weight (from mok_inductor.mxfp8.quantize), got {type(q).__name__}")
+    return q._replace(master=master)
 
 
 def _dequantize_lastdim(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -102,3 +133,235 @@ def dequantize(q: MXFP8Weight, *, layout: str = "row", dtype: Optional[torch.dty
             raise ValueError("q: has no column-wise data (quantized with columnwise=False)")
         return _dequantize_lastdim(q.data_t, q.scale_t, dtype).transpose(-2, -1)
     raise ValueError(f"layout: expected 'row' or 'column', got {layout!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM operands: what the implementations (mok_inductor.ops, .functional, .kernels.moe_mxfp8) pass around
+
+Payload = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+class Operand(NamedTuple):
+    """One routed GEMM operand read as [E, n, k], k the reduction dim: float8_e4m3fn `data` [E, n, k] and
+    uint8 E8M0 `scale` [E, n, k/32] (blocks along k), or a plain float weight in `data` with `scale`
+    None. Each is a 3-D tensor (strided views are fine) or a sequence of E 2-D tensors (split per-expert
+    allocations)."""
+
+    data: Payload
+    scale: Optional[Payload]
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale is not None
+
+    def dequantized(self, dtype: torch.dtype) -> Payload:
+        """The operand as [E, n, k] (or E x [n, k]) in `dtype`."""
+        if self.scale is None:
+            return self.data
+        if isinstance(self.data, torch.Tensor):
+            return _dequantize_lastdim(self.data, self.scale, dtype)
+        return [_dequantize_lastdim(d, s, dtype) for d, s in zip(self.data, self.scale)]
+
+    def stacked(self) -> "Operand":
+        """3-D tensors (a split operand is stacked: one copy of the quantized bytes)."""
+        def stack(p):
+            return p if p is None or isinstance(p, torch.Tensor) else torch.stack(list(p))
+
+        return Operand(stack(self.data), stack(self.scale))
+
+
+def _narrow(p, dim: int, start: int, length: int):
+    if p is None or isinstance(p, torch.Tensor):
+        return None if p is None else p.narrow(dim, start, length)
+    return tuple(t.narrow(dim, start, length) for t in p)
+
+
+def _transposed(p):
+    if p is None or isinstance(p, torch.Tensor):
+        return None if p is None else p.transpose(-2, -1)
+    return tuple(t.transpose(-2, -1) for t in p)
+
+
+class RoutedOperands(NamedTuple):
+    """The routed experts' GEMM operands. Forward (row-wise): gate, up [E, I, H]; down [E, H, I].
+    Data gradient (column-wise, the transposed weights): gate_t, up_t [E, H, I]; down_t [E, I, H]; None
+    when the MXFP8 weight carries no column-wise data (forward only)."""
+
+    gate: Operand
+    up: Operand
+    down: Operand
+    gate_t: Optional[Operand]
+    up_t: Optional[Operand]
+    down_t: Optional[Operand]
+
+
+def routed_operands(gate_up, down) -> RoutedOperands:
+    """Operands of a combined FC1 `gate_up` ([E, 2I, H]) and `down` ([E, H, I]), each given as
+    (data, scale, data_t, scale_t): scale None means `data` is a plain float weight (its column-wise
+    operand is its transpose); data_t None means no column-wise data. I must be a multiple of 32 when
+    gate_up's column-wise data is given (the gate/up boundary must fall on a scale block)."""
+    gd, gs, gdt, gst = gate_up
+    dd, ds, ddt, dst = down
+    two_i = (gd.shape[-2] if isinstance(gd, torch.Tensor) else gd[0].shape[-2])
+    i = two_i // 2
+    gate = Operand(_narrow(gd, -2, 0, i), _narrow(gs, -2, 0, i))
+    up = Operand(_narrow(gd, -2, i, i), _narrow(gs, -2, i, i))
+    if gs is None:
+        gate_t, up_t = Operand(_transposed(gate.data), None), Operand(_transposed(up.data), None)
+    elif gdt is None:
+        gate_t = up_t = None
+    else:
+        gate_t = Operand(_narrow(gdt, -1, 0, i), _narrow(gst, -1, 0, i // BLOCK))
+        up_t = Operand(_narrow(gdt, -1, i, i), _narrow(gst, -1, i // BLOCK, i // BLOCK))
+    if ds is None:
+        down_t = Operand(_transposed(dd), None)
+    else:
+        down_t = None if ddt is None else Operand(ddt, dst)
+    return RoutedOperands(gate, up, Operand(dd, ds), gate_t, up_t, down_t)
+
+
+def dequantized_weights(ops: RoutedOperands, dtype: torch.dtype):
+    """(forward (gate, up, down), dgrad (gate, up, down) or None) as weights in their usual orientation
+    ([E, I, H], [E, I, H], [E, H, I]) in `dtype`: what the reference implementation computes with."""
+    fwd = tuple(o.dequantized(dtype) for o in (ops.gate, ops.up, ops.down))
+    if ops.gate_t is None or ops.down_t is None:
+        return fwd, None
+    return fwd, tuple(_transposed(o.dequantized(dtype)) for o in (ops.gate_t, ops.up_t, ops.down_t))
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation of a routed weight given as (data, scale, data_t, scale_t, master) tensors (metadata only)
+
+
+def _dt(t) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def check_weight(name: str, data, scale, data_t, scale_t, master, dtype: torch.dtype, device: torch.device,
+                 *, split_rows: bool = False) -> None:
+    """Errors (TypeError / ValueError naming `name`) for a routed weight [E, M, K] given as MXFP8 data
+    (float8_e4m3fn [E, M, K], scales uint8 [E, M, K/32], optional column-wise data [E, K, M] and scales
+    [E, K, M/32]) or, with scale None, as a plain `dtype` weight. `split_rows`: the weight is a combined
+    gate/up FC1 whose column-wise scale blocks must not straddle the gate/up boundary (I % 32 == 0)."""
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or an MXFP8Weight, got {type(data).__name__}")
+    if scale is None:
+        if data_t is not None or scale_t is not None:
+            raise ValueError(f"{name}: column-wise MXFP8 data given without the row-wise scales")
+        return
+    if data.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{name}: MXFP8 data must be float8_e4m3fn, got {_dt(data)}")
+    if data.dim() != 3:
+        raise ValueError(f"{name}: expected 3-D MXFP8 data [E, M, K], got shape {list(data.shape)}")
+    if data.device != device:
+        raise ValueError(f"{name}: expected MXFP8 data on {device} (the device of x), got one on {data.device}")
+    E, M, K = data.shape
+    if K % BLOCK:
+        raise ValueError(f"{name}: MXFP8 needs the reduction dim (the last, {K}) divisible by {BLOCK}")
+    for label, s, shape in (("scale", scale, (E, M, K // BLOCK)), ("scale_t", scale_t, (E, K, M // BLOCK))):
+        if s is None:
+            continue
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"{name}: MXFP8 {label} must be a torch.Tensor, got {type(s).__name__}")
+        if s.dtype != torch.uint8:
+            raise TypeError(f"{name}: MXFP8 {label} must be uint8 (biased E8M0 exponents), got {_dt(s)}")
+        if s.device != device:
+            raise ValueError(f"{name}: expected MXFP8 {label} on {device} (the device of x), got one on {s.device}")
+        if label == "scale_t" and M % BLOCK:
+            raise ValueError(f"{name}: the column-wise MXFP8 layout needs dim -2 ({M}) divisible by {BLOCK}")
+        if tuple(s.shape) != shape:
+            raise ValueError(f"{name}: expected MXFP8 {label} of shape {list(shape)}, got {list(s.shape)}")
+    if (data_t is None) != (scale_t is None):
+        raise ValueError(f"{name}: column-wise MXFP8 data and scales must be given together")
+    if data_t is not None:
+        if not isinstance(data_t, torch.Tensor) or data_t.dtype != torch.float8_e4m3fn:
+            got = _dt(data_t) if isinstance(data_t, torch.Tensor) else type(data_t).__name__
+            raise TypeError(f"{name}: column-wise MXFP8 data must be float8_e4m3fn, got {got}")
+        if tuple(data_t.shape) != (E, K, M):
+            raise ValueError(f"{name}: expected column-wise MXFP8 data of shape {[E, K, M]}, got {list(data_t.shape)}")
+        if data_t.device != device:
+            raise ValueError(f"{name}: expected MXFP8 data on {device} (the device of x), got one on {data_t.device}")
+        if split_rows and (M // 2) % BLOCK:
+            raise ValueError(
+                f"{name}: the column-wise MXFP8 layout of a combined gate/up weight needs I ({M // 2}) divisible by "
+                f"{BLOCK} (a scale block must not hold both gate and up rows)"
+            )
+    if master is not None:
+        if not isinstance(master, torch.Tensor):
+            raise TypeError(f"{name}: the master weight must be a torch.Tensor, got {type(master).__name__}")
+        if master.dtype != dtype:
+            raise TypeError(f"{name}: the master weight must have the dtype of x ({_dt_name(dtype)}), got {_dt(master)}")
+        if tuple(master.shape) != (E, M, K):
+            raise ValueError(f"{name}: expected the master weight of shape {[E, M, K]}, got {list(master.shape)}")
+        if master.device != device:
+            raise ValueError(f"{name}: expected the master weight on {device} (the device of x), got {master.device}")
+
+
+def _dt_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# ---------------------------------------------------------------------------------------------
+# mok_inductor.moe's routed-weight arguments -> the five tensors of mok::moe_mxfp8
+
+
+class _StackedMasters(torch.autograd.Function):
+    """A stand-in [E, M, K] for E per-expert master weights: no copy in forward (a zero-stride tensor the
+    op never reads); backward hands each master its slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, *masters):
+        return masters[0].new_empty(()).expand(len(masters), *masters[0].shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(grad.unbind(0))
+
+
+def is_quantized_arg(w) -> bool:
+    """Whether a routed-weight argument of mok_inductor.moe is MXFP8 (one MXFP8Weight, or a list of them)."""
+    if isinstance(w, MXFP8Weight):
+        return True
+    return isinstance(w, (list, tuple)) and len(w) > 0 and all(isinstance(q, MXFP8Weight) for q in w)
+
+
+def _live_master(m):
+    return m if isinstance(m, torch.Tensor) and m.requires_grad else None
+
+
+def op_args(name: str, w) -> tuple:
+    """(data, scale, data_t, scale_t, master) of a routed weight: an MXFP8Weight with 3-D data [E, M, K], a
+    list of E MXFP8Weights with 2-D data [M, K] (stacked: one copy of the quantized bytes), or a plain
+    tensor (scale None; it is its own master). The master is passed only when it requires grad."""
+    if isinstance(w, torch.Tensor):
+        return (w, None, None, None, _live_master(w))
+    if isinstance(w, MXFP8Weight):
+        if w.data is None:
+            raise ValueError(f"{name}: the MXFP8 weight has no row-wise data (quantized with rowwise=False)")
+        return (w.data, w.scale, w.data_t, w.scale_t, _live_master(w.master))
+    if not is_quantized_arg(w):
+        raise TypeError(f"{name}: expected a torch.Tensor, an MXFP8Weight or a list of MXFP8Weights, got "
+                        f"{type(w).__name__}")
+    for e, q in enumerate(w):
+        if q.data is None:
+            raise ValueError(f"{name}[{e}]: the MXFP8 weight has no row-wise data (quantized with rowwise=False)")
+        if not isinstance(q.data, torch.Tensor) or q.data.dim() != 2:
+            raise ValueError(f"{name}[{e}]: expected a per-expert MXFP8 weight with 2-D data [M, K], got "
+                             f"shape {list(q.data.shape)}")
+        if q.data.shape != w[0].data.shape:
+            raise ValueError(f"{name}[{e}]: expected the shape of {name}[0] {list(w[0].data.shape)}, got "
+                             f"{list(q.data.shape)}")
+        if (q.data_t is None) != (w[0].data_t is None):
+            raise ValueError(f"{name}[{e}]: every expert must have column-wise data, or none")
+    has = [q.master is not None for q in w]
+    if any(has) and not all(has):
+        raise ValueError(f"{name}: every per-expert MXFP8 weight needs a master weight, or none")
+
+    def stack(field):
+        parts = [getattr(q, field) for q in w]
+        return None if parts[0] is None else torch.stack(parts)
+
+    master = None
+    if all(has) and any(q.master.requires_grad for q in w):
+        master = _StackedMasters.apply(*[q.master for q in w])
+    return (stack("data"), stack("scale"), stack("data_t"), stack("scale_t"), master)

@@ -417,3 +417,245 @@ def _moe_vmap(info, in_dims, *args):
 
 
 torch.library.register_vmap("mok::moe", _moe_vmap)
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP8 routed weights (issue 8): mok::moe_mxfp8 (user-facing, composite), mok::moe_fwd_mxfp8,
+# mok::moe_bwd_mxfp8.
+#
+# Each routed weight is four tensors, `W, W_scale, W_t, W_scale_t`: float8_e4m3fn data [E, M, K] with
+# uint8 E8M0 scales [E, M, K/32] and the optional column-wise pair [E, K, M], [E, K, M/32]
+# (mok_inductor.mxfp8); or, with W_scale None, a plain float weight in x.dtype (so gate_up and down may
+# differ in kind). Weight gradients go to the `*_master` arguments (straight-through: the bf16 weight
+# the MXFP8 one was quantized from; for a plain weight, the weight itself). The ops never read a
+# master's values. Forward reads the row-wise data; backward the row-wise gate/up (recompute) and the
+# column-wise gate/up/down (dx, dy @ down -> d router weights and dh). CPU tensors dequantize to
+# x.dtype and run `mok_inductor.reference`; CUDA runs `mok_inductor.kernels.moe_mxfp8`.
+
+from . import mxfp8 as _mx  # noqa: E402
+
+_MX_FWD_W = ("Tensor gate_up, Tensor? gate_up_scale, Tensor? gate_up_t, Tensor? gate_up_scale_t, "
+             "Tensor? gate_up_master, Tensor down, Tensor? down_scale, Tensor? down_t, Tensor? down_scale_t, "
+             "Tensor? down_master")
+_MX_BWD_W = ("Tensor gate_up, Tensor? gate_up_scale, Tensor? gate_up_t, Tensor? gate_up_scale_t, "
+             "Tensor down, Tensor? down_scale, Tensor? down_t, Tensor? down_scale_t")
+
+
+def _mxfp8_kernels():
+    from .kernels import moe_mxfp8
+
+    return moe_mxfp8
+
+
+def mxfp8_forward(x, router_weights, top_experts, schedule, operands, s_gate=None, s_up=None, s_down=None,
+                  s_out_gate=None, swiglu_limit=None, *, triton_=None) -> reference.ForwardResult:
+    """The forward with routed weights given as `mxfp8.RoutedOperands`: the Triton kernels, or the
+    reference on the weights dequantized to x.dtype (`triton_`: force one; default `use_triton(x)`)."""
+    if use_triton(x) if triton_ is None else triton_:
+        return _mxfp8_kernels().moe_forward(x, router_weights, top_experts, schedule, operands, s_gate, s_up,
+                                            s_down, s_out_gate, swiglu_limit)
+    (wg, wu, wd), _ = _mx.dequantized_weights(operands, x.dtype)
+    return reference.moe_forward(x, router_weights, top_experts, schedule, wg, wu, wd, s_gate, s_up, s_down,
+                                 s_out_gate, swiglu_limit)
+
+
+def mxfp8_backward(dy, x, router_weights, top_experts, schedule, operands, h, s_gate=None, s_up=None,
+                   s_down=None, s_out_gate=None, h_shared=None, swiglu_limit=None, *, grads, accumulate=False,
+                   triton_=None) -> reference.BackwardResult:
+    """The backward with routed weights given as `mxfp8.RoutedOperands` (column-wise operands needed).
+    `grads`: destinations; a None routed entry means that weight gradient is not wanted."""
+    if operands.gate_t is None or operands.down_t is None:
+        which = "gate_up" if operands.gate_t is None else "down"
+        raise ValueError(f"{which}: the backward needs the column-wise MXFP8 data (quantize with columnwise=True)")
+    if use_triton(x) if triton_ is None else triton_:
+        return _mxfp8_kernels().moe_backward(dy, x, router_weights, top_experts, schedule, operands, h, s_gate,
+                                             s_up, s_down, s_out_gate, h_shared, swiglu_limit, grads=grads,
+                                             accumulate=accumulate)
+    (wg, wu, wd), dgrad = _mx.dequantized_weights(operands, x.dtype)
+    return reference.moe_backward(dy, x, router_weights, top_experts, schedule, wg, wu, wd, h, s_gate, s_up, s_down,
+                                  s_out_gate, h_shared, swiglu_limit, grads=grads, accumulate=accumulate,
+                                  dgrad=dgrad)
+
+
+def _mx_fwd_impl(use_tri, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots,
+                 gu, gus, gut, gust, gum, d, ds, dt, dst, dm, shared_gate_up_proj, shared_down_proj,
+                 shared_output_gate, swiglu_limit):
+    operands = _mx.routed_operands((gu, gus, gut, gust), (d, ds, dt, dst))
+    s_gate = s_up = None
+    if shared_gate_up_proj is not None:
+        s_gate, s_up = split_gate_up(shared_gate_up_proj)
+    out = mxfp8_forward(x, router_weights, top_experts, reference.Schedule(sorted_routes, expert_offsets, route_slots),
+                        operands, s_gate, s_up, shared_down_proj, shared_output_gate, swiglu_limit, triton_=use_tri)
+    return tuple(out)
+
+
+_lib.define(f"moe_fwd_mxfp8(Tensor x, Tensor router_weights, Tensor top_experts, Tensor sorted_routes, "
+            f"Tensor expert_offsets, Tensor route_slots, {_MX_FWD_W}, Tensor? shared_gate_up_proj, "
+            f"Tensor? shared_down_proj, Tensor? shared_output_gate, float? swiglu_limit) -> (Tensor, Tensor, Tensor)")
+_lib.impl("moe_fwd_mxfp8", lambda *args: _mx_fwd_impl(use_triton(args[0]), *args), "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mok::moe_fwd_mxfp8", lib=_lib)
+def _(x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gu, gus, gut, gust, gum, d, ds,
+      dt, dst, dm, shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit):
+    y, h, hs = fwd_output_shapes(x, top_experts, gu, shared_gate_up_proj)
+    return x.new_empty(y), x.new_empty(h), x.new_empty(hs)
+
+
+class _MoeFwdMxfp8Function(torch.autograd.Function):
+    """The autograd formula of mok::moe_fwd_mxfp8: the weight gradients go to the master arguments."""
+
+    @staticmethod
+    def forward(*args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.mok.moe_fwd_mxfp8(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (x, rw, te, sr, eo, rs, gu, gus, gut, gust, gum, d, ds, dt, dst, dm, sgu, sd, sg, limit) = inputs
+        _, h, h_shared = output
+        ctx.mark_non_differentiable(h, h_shared)
+        ctx.set_materialize_grads(False)
+        ctx.swiglu_limit = limit
+        ctx.has_shared = sgu is not None
+        ctx.has_gate = sg is not None
+        ctx.gate_up_grad = gum is not None
+        ctx.down_grad = dm is not None
+        ctx.save_for_backward(x, rw, te, sr, eo, rs, gu, gus, gut, gust, d, ds, dt, dst, sgu, sd, sg, h, h_shared)
+
+    @staticmethod
+    def backward(ctx, dy, _dh, _dh_shared):
+        (x, rw, te, sr, eo, rs, gu, gus, gut, gust, d, ds, dt, dst, sgu, sd, sg, h, h_shared) = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(x)
+        dx, drw, dgu, dd, dsgu, dsd, dsg = torch.ops.mok.moe_bwd_mxfp8(
+            dy, x, rw, te, sr, eo, rs, gu, gus, gut, gust, d, ds, dt, dst, sgu, sd, sg, h, h_shared,
+            ctx.swiglu_limit, ctx.gate_up_grad, ctx.down_grad,
+        )
+        none4 = (None, None, None, None)
+        return (
+            dx, drw, None, None, None, None, *none4, dgu if ctx.gate_up_grad else None, *none4,
+            dd if ctx.down_grad else None,
+            dsgu if ctx.has_shared else None, dsd if ctx.has_shared else None, dsg if ctx.has_gate else None, None,
+        )
+
+
+_lib.impl("moe_fwd_mxfp8", _MoeFwdMxfp8Function.apply, "Autograd")
+
+
+def _mx_bwd_impl(use_tri, dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots,
+                 gu, gus, gut, gust, d, ds, dt, dst, shared_gate_up_proj, shared_down_proj, shared_output_gate,
+                 h, h_shared, swiglu_limit, gate_up_grad, down_grad):
+    operands = _mx.routed_operands((gu, gus, gut, gust), (d, ds, dt, dst))
+    s_gate = s_up = None
+    if shared_gate_up_proj is not None:
+        s_gate, s_up = split_gate_up(shared_gate_up_proj)
+    wdt = x.dtype
+    d_gate_up = torch.empty(gu.shape if gate_up_grad else (0,), dtype=wdt, device=x.device)
+    d_down = torch.empty(d.shape if down_grad else (0,), dtype=wdt, device=x.device)
+    d_sgu, d_sd, d_sg = x.new_empty(0), x.new_empty(0), x.new_empty(0)
+    if shared_gate_up_proj is not None:
+        d_sgu = torch.empty(shared_gate_up_proj.shape, dtype=wdt, device=x.device)
+        d_sd = torch.empty(shared_down_proj.shape, dtype=wdt, device=x.device)
+    if shared_output_gate is not None:
+        d_sg = torch.empty(shared_output_gate.shape, dtype=shared_output_gate.dtype, device=x.device)
+    d_gate, d_up = split_gate_up(d_gate_up) if gate_up_grad else (None, None)
+    d_s_gate, d_s_up = split_gate_up(d_sgu) if shared_gate_up_proj is not None else (None, None)
+    grads = reference.GradBuffers(
+        d_gate, d_up, d_down if down_grad else None, d_s_gate, d_s_up,
+        d_sd if shared_gate_up_proj is not None else None, d_sg if shared_output_gate is not None else None,
+    )
+    out = mxfp8_backward(dy, x, router_weights, top_experts, reference.Schedule(sorted_routes, expert_offsets,
+                         route_slots), operands, h, s_gate, s_up, shared_down_proj, shared_output_gate, h_shared,
+                         swiglu_limit, grads=grads, triton_=use_tri)
+    return out.dx_TH, out.d_router_weights_TK.to(router_weights.dtype), d_gate_up, d_down, d_sgu, d_sd, d_sg
+
+
+_lib.define(f"moe_bwd_mxfp8(Tensor dy, Tensor x, Tensor router_weights, Tensor top_experts, Tensor sorted_routes, "
+            f"Tensor expert_offsets, Tensor route_slots, {_MX_BWD_W}, Tensor? shared_gate_up_proj, "
+            f"Tensor? shared_down_proj, Tensor? shared_output_gate, Tensor h, Tensor h_shared, float? swiglu_limit, "
+            f"bool gate_up_grad, bool down_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+_lib.impl("moe_bwd_mxfp8", lambda *args: _mx_bwd_impl(use_triton(args[1]), *args), "CompositeExplicitAutograd")
+
+
+def _moe_bwd_mxfp8_autograd(*args):
+    if (torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+            and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
+        raise RuntimeError(
+            "mok::moe_mxfp8 does not support double backward: its backward (mok::moe_bwd_mxfp8) is not "
+            "differentiable (call backward without create_graph=True)"
+        )
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.mok.moe_bwd_mxfp8(*args)
+
+
+_lib.impl("moe_bwd_mxfp8", _moe_bwd_mxfp8_autograd, "Autograd")
+
+
+@torch.library.register_fake("mok::moe_bwd_mxfp8", lib=_lib)
+def _(dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gu, gus, gut, gust, d, ds,
+      dt, dst, shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared, swiglu_limit, gate_up_grad,
+      down_grad):
+    empty = (0,)
+    return (
+        x.new_empty(x.shape), router_weights.new_empty(router_weights.shape),
+        x.new_empty(gu.shape if gate_up_grad else empty), x.new_empty(d.shape if down_grad else empty),
+        x.new_empty(shared_gate_up_proj.shape if shared_gate_up_proj is not None else empty),
+        x.new_empty(shared_down_proj.shape if shared_down_proj is not None else empty),
+        (shared_output_gate.new_empty(shared_output_gate.shape) if shared_output_gate is not None
+         else x.new_empty(empty)),
+    )
+
+
+_lib.define(f"moe_mxfp8(Tensor x, Tensor router_weights, Tensor top_experts, {_MX_FWD_W}, "
+            "Tensor? shared_gate_up_proj=None, Tensor? shared_down_proj=None, Tensor? shared_output_gate=None, "
+            "float? swiglu_limit=None) -> Tensor")
+
+
+def _logical(x, data, master):
+    """A stand-in with the logical weight's shape, x's dtype and device, for the common checks."""
+    if master is not None:
+        return master
+    if data.dtype == torch.float8_e4m3fn:
+        return x.new_empty(()).expand(data.shape)
+    return data
+
+
+def _moe_mxfp8_composite(x, router_weights, top_experts, gu, gus, gut, gust, gum, d, ds, dt, dst, dm,
+                         shared_gate_up_proj=None, shared_down_proj=None, shared_output_gate=None,
+                         swiglu_limit=None):
+    _checks.require_tensor("x", x)
+    _checks.require_dtype("x", x, _checks.ACTIVATION_DTYPES)
+    _mx.check_weight("gate_up_proj", gu, gus, gut, gust, gum, x.dtype, x.device, split_rows=True)
+    _mx.check_weight("down_proj", d, ds, dt, dst, dm, x.dtype, x.device)
+    _checks.check_moe_args(x, router_weights, top_experts, _logical(x, gu, gum), _logical(x, d, dm),
+                           shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit)
+    if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad
+            for t in (x, router_weights, gum, dm, shared_gate_up_proj, shared_down_proj, shared_output_gate)):
+        for name, scale, data_t in (("gate_up_proj", gus, gut), ("down_proj", ds, dt)):
+            if scale is not None and data_t is None:
+                raise ValueError(
+                    f"{name}: the backward needs the column-wise MXFP8 data (quantize with columnwise=True), or run "
+                    "under torch.no_grad()"
+                )
+    num_experts = gu.shape[0]
+    sorted_routes, expert_offsets, route_slots = torch.ops.mok.schedule(top_experts, num_experts)
+    y, _, _ = _MoeFwdMxfp8Function.apply(
+        x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gu, gus, gut, gust, gum, d, ds,
+        dt, dst, dm, shared_gate_up_proj, shared_down_proj, shared_output_gate,
+        None if swiglu_limit is None else float(swiglu_limit),
+    )
+    return y
+
+
+def call_moe_mxfp8(*args):
+    """Run mok::moe_mxfp8 (or, under torch.func.grad / vjp, its composite body from Python)."""
+    if _under_functorch_autodiff():
+        return _moe_mxfp8_composite(*args)
+    return torch.ops.mok.moe_mxfp8(*args)
+
+
+_lib.impl("moe_mxfp8", _moe_mxfp8_composite, "CompositeImplicitAutograd")
+_register_functional_rule("mok::moe_fwd_mxfp8", lambda *args: _mx_fwd_impl(True, *args))
+_register_functional_rule("mok::moe_bwd_mxfp8", lambda *args: _mx_bwd_impl(True, *args))

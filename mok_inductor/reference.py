@@ -249,6 +249,7 @@ def moe_backward(
     *,
     grads: Optional["GradBuffers"] = None,
     accumulate: bool = False,
+    dgrad: Optional[tuple] = None,
 ) -> BackwardResult:
     """Gradients of every input. `h_NI`, `h_shared_TIs` are the saved forward activations; g and u are
     recomputed. dx comes back in x.dtype, d_router_weights in float32.
@@ -256,6 +257,10 @@ def moe_backward(
     Weight gradients go into `grads` (each entry a 3-D tensor or a sequence of E 2-D tensors, any
     float dtype; None entries are allocated in the weight's dtype): written, or ADDED when
     `accumulate` (Megatron's main_grad accumulation). They are computed in float32 and rounded once.
+
+    `dgrad`: optional routed (gate, up, down) weights for the data-gradient GEMMs (dy @ down, dg @ gate,
+    du @ up) when they differ from the forward's: MXFP8's column-wise operands, dequantized
+    (`mok_inductor.mxfp8`). The gate/up recompute always uses w_gate, w_up.
     """
     T, H = x_TH.shape
     K = top_experts_TK.shape[1]
@@ -281,23 +286,24 @@ def moe_backward(
     for e in range(E):
         a, b = offsets[e], offsets[e + 1]
         wg, wu, wd = w_gate[e], w_up[e], w_down[e]
+        dg_w, du_w, dd_w = (wg, wu, wd) if dgrad is None else (dgrad[0][e], dgrad[1][e], dgrad[2][e])
         if a == b:
             if not accumulate:  # an expert with no routes has zero weight gradients
                 for buf in (grads.d_gate[e], grads.d_up[e], grads.d_down[e]):
                     buf.zero_()
             continue
         xe, dye, he = xs[a:b], dys[a:b], h_NI[a:b]
-        q = _mm(dye, wd)  # dy_t @ down[e]: [rows, I]
+        q = _mm(dye, dd_w)  # dy_t @ down[e]: [rows, I]
         drw_N[a:b] = (q * he.to(acc)).sum(-1)
         dye_w = (dye * rw_N[a:b, None]).to(dtype)  # the down GEMM's scaled input, as a kernel stores it
-        dh = _mm(dye_w, wd)
+        dh = _mm(dye_w, dd_w)
         g, u = _mm(xe, wg.t()), _mm(xe, wu.t())
         dg, du = swiglu_backward(dh, g, u, swiglu_limit)
         dg, du = dg.to(dtype), du.to(dtype)
         _store(grads.d_down[e], _mm(dye_w.t(), he), accumulate)
         _store(grads.d_gate[e], _mm(dg.t(), xe), accumulate)
         _store(grads.d_up[e], _mm(du.t(), xe), accumulate)
-        dx_N[a:b] = _mm(dg, wg) + _mm(du, wu)
+        dx_N[a:b] = _mm(dg, dg_w) + _mm(du, du_w)
 
     valid_TK = top_experts_TK >= 0
     slots_TK = schedule.route_slots_N.to(torch.int64).view(T, K)
