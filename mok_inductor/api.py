@@ -27,6 +27,7 @@ def moe(
     shared_down_proj: Optional[torch.Tensor] = None,
     shared_output_gate: Optional[torch.Tensor] = None,
     swiglu_limit: Optional[float] = None,
+    group=None,
 ) -> torch.Tensor:
     """A Mixture-of-Experts layer with SwiGLU experts (shared/SPEC.md section 1).
 
@@ -44,6 +45,10 @@ def moe(
         shared_output_gate: optional [1, H]; the shared expert's output is scaled by
             sigmoid(x @ shared_output_gate^T) per token.
         swiglu_limit: optional clamp of the SwiGLU: gate clamped above, up clamped to [-limit, limit].
+        group: optional torch.distributed process group for expert parallelism (docs/distributed.md):
+            each rank passes its own tokens, global expert ids in [-1, E_local * world_size), and the
+            weights of its E_local experts (rank r owns [r*E_local, (r+1)*E_local)). None, or a group
+            of one rank, is the one-device call.
 
     Returns:
         [..., H] in x.dtype: shared(x) * gate(x) + sum_k router_weights[k] * expert_{top_experts[k]}(x).
@@ -79,6 +84,14 @@ def moe(
             shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit,
         )
         return y.view(x.shape)
+    if group is not None:
+        from . import distributed as _distributed
+
+        if _distributed.group_size(group) > 1:
+            y = _distributed.moe(x.reshape(-1, H), router_weights.reshape(-1, K), top_experts.reshape(-1, K),
+                                 gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate,
+                                 swiglu_limit, group=group)
+            return y.view(x.shape)
     y = _ops.call_moe(
         x.reshape(-1, H),
         router_weights.reshape(-1, K),

@@ -33,8 +33,11 @@ row offsets as the weights. With split per-expert buffers, `main_grad_storage_ta
 (gate_table, up_table, down_table), each a sequence of E tensors (gate_table is up_table for a
 combined FC1 buffer); the routed entries of `main_grads` are then representatives, returned as is.
 
-One device: `group=None` (or a process group of size 1). Expert parallelism over a real process
-group is issue 9 and raises NotImplementedError.
+One device: `group=None` (or a process group of size 1). Expert parallelism: a workspace of a larger
+group makes `build_schedule` plan the dispatch (global expert ids; one host synchronisation, the
+exchange of the per-rank row counts) and `forward` / `backward` exchange the rows with
+torch.distributed and run the same implementation on the received rows (`mok_inductor.distributed`,
+docs/distributed.md). The routed weights are then the rank's local experts.
 
 Shape legend: T tokens, H hidden, I routed intermediate, Is shared intermediate, E local experts,
 K routes per token, N = T*K.
@@ -145,6 +148,7 @@ class MoKWorkspace:
     hidden_size: int  # H
     topk: int  # K
     ep_size: int = 1
+    group: Any = None  # the expert-parallel process group (None on one device)
 
 
 def _normalize_device(device) -> torch.device:
@@ -160,8 +164,8 @@ def _normalize_device(device) -> torch.device:
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_workspace(device: torch.device, T: int, H: int, K: int) -> MoKWorkspace:
-    return MoKWorkspace(device, T, H, K)
+def _cached_workspace(device: torch.device, T: int, H: int, K: int, group=None, ep_size: int = 1) -> MoKWorkspace:
+    return MoKWorkspace(device, T, H, K, ep_size, group)
 
 
 def _group_size(group) -> int:
@@ -177,23 +181,21 @@ def get_workspace(config: MoKConfig, group, *, device, num_local_tokens: int, hi
     """The workspace for [T, H] tokens with K routes each on `device`, cached per (device, T, H, K).
 
     `group=None` (or a process group of size 1) means one device and no expert parallelism. A larger
-    group raises NotImplementedError: expert parallelism over torch.distributed is issue 9.
+    group is recorded: schedules, forwards and backwards on this workspace are expert-parallel over it
+    (collective calls: every rank of the group makes them, in the same order).
     """
     _require_config(config)
+    size = 1
     if group is not None:
         size = _group_size(group)
-        if size != 1:
-            raise NotImplementedError(
-                f"group: expert parallelism over a process group of size {size} is not implemented yet "
-                "(issue 9, 'Expert parallelism over torch.distributed'); pass group=None for one device"
-            )
+    ep_group = group if size > 1 else None
     for name, value, lo in (("num_local_tokens", num_local_tokens, 0), ("hidden_size", hidden_size, 1),
                             ("topk", topk, 1)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
         if value < lo:
             raise ValueError(f"{name}: expected an int >= {lo}, got {value}")
-    return _cached_workspace(_normalize_device(device), num_local_tokens, hidden_size, topk)
+    return _cached_workspace(_normalize_device(device), num_local_tokens, hidden_size, topk, ep_group, size)
 
 
 def _require_workspace(workspace) -> MoKWorkspace:
@@ -218,6 +220,8 @@ class MoKSchedule(NamedTuple):
     padded_expert_offsets: int32 [E+1], the row offsets with each expert padded to a multiple of
         `expert_padding` (MoK's row layout; the implementation here computes unpadded).
     top_experts: the [T, K] expert ids the schedule was built from.
+    ep: with expert parallelism, the `mok_inductor.distributed.EPPlan` (the dispatch); the fields
+        above then describe the local experts' schedule over the rows this rank RECEIVES.
     """
 
     sorted_routes: torch.Tensor
@@ -228,6 +232,7 @@ class MoKSchedule(NamedTuple):
     top_experts: torch.Tensor
     num_local_experts: int
     expert_padding: int
+    ep: Any = None
 
     def as_reference(self) -> reference.Schedule:
         return reference.Schedule(self.sorted_routes, self.expert_offsets, self.route_slots)
@@ -237,7 +242,12 @@ def build_schedule(workspace: MoKWorkspace, config: MoKConfig, top_experts: torc
                    num_local_experts: int, expert_padding: int = 256) -> MoKSchedule:
     """Sort the routes of `top_experts` [T, K] (int32/int64; values in [-1, E), -1 = no route) by
     expert with `torch.ops.mok.schedule`. Values out of range raise eagerly on the CPU and trip a
-    device-side assert on CUDA."""
+    device-side assert on CUDA.
+
+    With an expert-parallel workspace, `top_experts` holds global ids in [-1, W * num_local_experts) and
+    this is a collective: it exchanges the per-rank row counts (one host synchronisation; ids out of
+    range on any rank then raise ValueError on every rank) and the rows' local ids, and sorts the
+    received routes by local expert."""
     ws = _require_workspace(workspace)
     _require_config(config)
     for name, value in (("num_local_experts", num_local_experts), ("expert_padding", expert_padding)):
@@ -253,11 +263,19 @@ def build_schedule(workspace: MoKWorkspace, config: MoKConfig, top_experts: torc
         raise ValueError(
             f"top_experts: expected a tensor on {ws.device} (the workspace's device), got {top_experts.device}"
         )
-    sorted_routes, offsets, slots = torch.ops.mok.schedule(top_experts, num_local_experts)
+    ep = None
+    if ws.ep_size > 1:
+        from . import distributed
+
+        ep = distributed.plan(top_experts, num_local_experts, ws.group, hidden_size=ws.hidden_size, dtype=None)
+        sorted_routes, offsets, slots = ep.schedule_R
+    else:
+        sorted_routes, offsets, slots = torch.ops.mok.schedule(top_experts, num_local_experts)
     counts = offsets[1:] - offsets[:-1]
     padded = torch.zeros_like(offsets)
     padded[1:] = torch.cumsum((counts + (expert_padding - 1)) // expert_padding * expert_padding, 0)
-    return MoKSchedule(sorted_routes, offsets, slots, counts, padded, top_experts, num_local_experts, expert_padding)
+    return MoKSchedule(sorted_routes, offsets, slots, counts, padded, top_experts, num_local_experts, expert_padding,
+                       ep)
 
 
 def _require_schedule(schedule, ws: MoKWorkspace) -> MoKSchedule:
@@ -267,6 +285,11 @@ def _require_schedule(schedule, ws: MoKWorkspace) -> MoKSchedule:
         raise ValueError(
             f"schedule: built for top_experts of shape {list(schedule.top_experts.shape)}, but the workspace is "
             f"for [T, K] = [{ws.num_local_tokens}, {ws.topk}]"
+        )
+    if (schedule.ep is not None) != (ws.ep_size > 1):
+        raise ValueError(
+            f"schedule: built for {'an expert-parallel' if schedule.ep is not None else 'a one-device'} workspace, "
+            f"but this workspace has ep_size={ws.ep_size}"
         )
     return schedule
 
@@ -509,6 +532,7 @@ class MoKForwardContext:
     swiglu_limit: Optional[float]
     num_tokens: int
     num_local_experts: int
+    ep: Any = None  # expert parallelism: the distributed.EPForwardState (received rows, saved activations)
 
 
 def forward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, x: torch.Tensor,
@@ -519,6 +543,14 @@ def forward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, x
     ws, sch, w, limit = _check_common(config, workspace, schedule, x, router_weights,
                                       (shared_gate, shared_up, shared_down, routed_gate, routed_up, routed_down),
                                       shared_output_gate_weight, swiglu_limit)
+    if ws.ep_size > 1:  # expert parallelism: dispatch, the same implementation on the received rows, combine
+        from . import distributed
+
+        y, state = distributed.forward(sch.ep, x, router_weights, w.gate, w.up, w.down, w.s_gate, w.s_up, w.s_down,
+                                       w.s_out_gate, limit)
+        ctx = MoKForwardContext(state.h_NI, state.h_shared_TIs, w.s_out_gate is not None, w.s_gate is not None,
+                                limit, ws.num_local_tokens, w.E, state)
+        return y, ctx
     impl = ops.impl_module(x)
     res = impl.moe_forward(x, router_weights, sch.top_experts, sch.as_reference(), w.gate, w.up, w.down,
                            w.s_gate, w.s_up, w.s_down, w.s_out_gate, limit)
@@ -643,6 +675,8 @@ def backward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, 
             f"forward_context: recorded T={fctx.num_tokens}, E={fctx.num_local_experts}, but the arguments have "
             f"T={T}, E={w.E}"
         )
+    if (fctx.ep is not None) != (ws.ep_size > 1):
+        raise ValueError("forward_context: made by a forward on a workspace of another expert-parallel size")
     if fctx.gated and w.s_out_gate is None:
         raise ValueError("shared_output_gate_weight: the forward context is gated, so the gate weight is required")
     if not fctx.gated and w.s_out_gate is not None:
@@ -716,12 +750,20 @@ def backward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, 
         gmg = (torch.zeros if accumulate else torch.empty)(1, H, dtype=torch.float32, device=device)
 
     grads = reference.GradBuffers(dg, du, dd, ds[0], ds[1], ds[2], gmg if w.s_out_gate is not None else None)
-    impl = ops.impl_module(x)
-    res = impl.moe_backward(
-        grad_output, x, router_weights, sch.top_experts, sch.as_reference(), w.gate, w.up, w.down,
-        fctx.hidden_routed, w.s_gate, w.s_up, w.s_down, w.s_out_gate, fctx.hidden_shared, limit,
-        grads=grads, accumulate=accumulate,
-    )
+    if ws.ep_size > 1:  # expert parallelism: the forward's exchange in reverse (collective, no host sync)
+        from . import distributed
+
+        dx, d_rw = distributed.backward(sch.ep, fctx.ep, grad_output, x, router_weights, w.gate, w.up, w.down,
+                                        w.s_gate, w.s_up, w.s_down, w.s_out_gate, limit, grads=grads,
+                                        accumulate=accumulate)
+        res = reference.BackwardResult(dx, d_rw, grads)
+    else:
+        impl = ops.impl_module(x)
+        res = impl.moe_backward(
+            grad_output, x, router_weights, sch.top_experts, sch.as_reference(), w.gate, w.up, w.down,
+            fctx.hidden_routed, w.s_gate, w.s_up, w.s_down, w.s_out_gate, fctx.hidden_shared, limit,
+            grads=grads, accumulate=accumulate,
+        )
     d_rw = res.d_router_weights_TK
     if d_rw.dtype != torch.float32:
         d_rw = d_rw.float()

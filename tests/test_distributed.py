@@ -1,0 +1,346 @@
+"""Expert parallelism (mok_inductor.distributed) on real gloo process groups, against one process.
+
+Each test spawns one process group (world sizes 2 and 4) and runs several cases inside it, to keep
+the spawn cost down. In every case every rank builds the SAME global problem from a shared seed
+(all ranks' tokens and all E experts), runs its own share through the EP path (its tokens, its
+E_local = E / W experts), and checks forward and every gradient against the float64 oracle
+computing all experts over all ranks' tokens in one process: the output, d x and d router weights
+rows of this rank, the local experts' slice of the weight gradients, and the shared expert's
+gradients summed over the ranks (a data-parallel all-reduce). Cases: balanced random routing, every
+token to rank 0's experts, a rank with T = 0, `-1` routes (and a token with none), the shared expert
+with its output gate, swiglu_limit, bf16, K = 1; the functional ABI with a group (fresh gradients
+and main_grads accumulation, dense and split layouts); errors raised on every rank; determinism.
+
+Shapes: T in [0, 16] per rank, H=32, I=16, Is=24, E=8, K=2 (K=1 once). Tolerances: SPEC section 2.
+"""
+
+import datetime
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+H, I, IS, E = 32, 16, 24, 8
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+
+
+# ---------------------------------------------------------------------------------------------- spawning
+
+
+def _worker(rank, world, init_file, seed, suite):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        for fn in SUITES[suite]:
+            try:
+                fn(rank, world, seed)
+            except Exception as exc:
+                raise AssertionError(f"rank {rank}/{world}, {fn.__name__}: {exc}\n{traceback.format_exc()}") from exc
+            seed += 1000
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world, suite, tmp_path):
+    seed = int(torch.randint(0, 2**30, ()))  # fresh inputs every run; the ranks share it
+    mp.spawn(_worker, args=(world, str(tmp_path / "pg_init"), seed, suite), nprocs=world, join=True)
+
+
+# ---------------------------------------------------------------------------------------------- problems
+
+
+def _problem(world, seed, *, T=None, K=2, kind="random", dtype=torch.float32, shared=True, gate=True, limit=None):
+    """The global problem, identical on every rank: per-rank tokens, all E experts, dy."""
+    g = torch.Generator().manual_seed(seed)
+    T = T if T is not None else [int(t) for t in torch.randint(8, 17, (world,), generator=g)]
+    El = E // world
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    ranks = []
+    for r in range(world):
+        t = T[r]
+        if kind == "rank0":  # every route of every token to rank 0's experts
+            te = torch.stack([torch.randperm(El, generator=g)[:K] for _ in range(t)]) if t else \
+                torch.empty(0, K, dtype=torch.int64)
+        else:
+            te = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]) if t else \
+                torch.empty(0, K, dtype=torch.int64)
+        te = te.reshape(t, K)
+        if kind == "drop" and t:
+            te = torch.where(torch.rand(t, K, generator=g) < 0.3, torch.full_like(te, -1), te)
+            te[0] = -1  # a token with no route at all
+        ranks.append(dict(
+            x=randn(t, H), rw=(torch.rand(t, K, generator=g, dtype=torch.float64) + 0.1).float(),
+            te=te.to(torch.int32 if r % 2 else torch.int64), dy=randn(t, H),
+        ))
+    p = dict(
+        ranks=ranks, T=T, K=K, El=El, dtype=dtype, limit=limit,
+        gate_up=randn(E, 2 * I, H, scale=H ** -0.5), down=randn(E, H, I, scale=I ** -0.5),
+        sgu=randn(2 * IS, H, scale=H ** -0.5) if shared else None, sd=randn(H, IS, scale=IS ** -0.5) if shared else None,
+        sog=randn(1, H, scale=H ** -0.5) if (shared and gate) else None,
+    )
+    return p
+
+
+def _oracle(p):
+    """Float64 forward and gradients of ALL ranks' tokens through ALL experts, in one process."""
+    from oracle import oracle_moe
+
+    cat = {k: torch.cat([r[k] for r in p["ranks"]]) for k in ("x", "rw", "te", "dy")}
+    leaves = dict(x=cat["x"].double().requires_grad_(), rw=cat["rw"].double().requires_grad_())
+    for k in ("gate_up", "down", "sgu", "sd", "sog"):
+        if p[k] is not None:
+            leaves[k] = p[k].double().requires_grad_()
+    y = oracle_moe(leaves["x"], leaves["rw"], cat["te"].long(), leaves["gate_up"], leaves["down"], leaves.get("sgu"),
+                   leaves.get("sd"), leaves.get("sog"), p["limit"])
+    y.backward(cat["dy"].double())
+    grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v)) for k, v in leaves.items()}
+    return y.detach(), grads
+
+
+def _rows(p, rank):
+    start = sum(p["T"][:rank])
+    return slice(start, start + p["T"][rank])
+
+
+def _local(p, rank):
+    return slice(rank * p["El"], (rank + 1) * p["El"])
+
+
+def _rel(out, ref):
+    out, ref = out.detach().double(), ref.detach().double()
+    assert out.shape == ref.shape, (tuple(out.shape), tuple(ref.shape))
+    if out.numel() == 0:
+        return 0.0
+    den = ref.norm().item()
+    return (out - ref).norm().item() / den if den > 0 else out.norm().item()
+
+
+def _check(name, out, ref, dtype):
+    err = _rel(out, ref)
+    assert err <= TOL[dtype], f"{name}: relative error {err:.3e} vs the float64 oracle exceeds {TOL[dtype]:.0e}"
+
+
+def _sum_over_ranks(t):
+    t = t.detach().double().clone()
+    dist.all_reduce(t)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------- the user API
+
+
+def _run_api(p, rank, group=None):
+    import mok_inductor
+
+    mine = p["ranks"][rank]
+    loc = _local(p, rank)
+    leaf = lambda t: None if t is None else t.detach().clone().requires_grad_()  # noqa: E731
+    args = dict(x=leaf(mine["x"]), rw=leaf(mine["rw"]), gate_up=leaf(p["gate_up"][loc]), down=leaf(p["down"][loc]),
+                sgu=leaf(p["sgu"]), sd=leaf(p["sd"]), sog=leaf(p["sog"]))
+    y = mok_inductor.moe(args["x"], args["rw"], mine["te"], args["gate_up"], args["down"], shared_gate_up_proj=args["sgu"],
+                         shared_down_proj=args["sd"], shared_output_gate=args["sog"], swiglu_limit=p["limit"],
+                         group=dist.group.WORLD if group is None else group)
+    y.backward(mine["dy"])
+    return y.detach(), {k: (v.grad if v is not None else None) for k, v in args.items()}
+
+
+def _check_api_case(rank, world, seed, **kw):
+    p = _problem(world, seed, **kw)
+    y, grads = _run_api(p, rank)
+    y_ref, g_ref = _oracle(p)
+    dt = p["dtype"]
+    rows, loc = _rows(p, rank), _local(p, rank)
+    assert y.dtype == dt and y.shape == (p["T"][rank], H)
+    _check("y", y, y_ref[rows], dt)
+    _check("d x", grads["x"], g_ref["x"][rows], dt)
+    assert grads["rw"].dtype == torch.float32
+    _check("d router_weights", grads["rw"], g_ref["rw"][rows], dt)
+    assert torch.all(grads["rw"][p["ranks"][rank]["te"] < 0] == 0), "a -1 route got a router-weight gradient"
+    _check("d gate_up_proj (local experts)", grads["gate_up"], g_ref["gate_up"][loc], dt)
+    _check("d down_proj (local experts)", grads["down"], g_ref["down"][loc], dt)
+    for k in ("sgu", "sd", "sog"):
+        if p[k] is not None:
+            # each rank's shared gradient covers its own tokens; data parallelism sums them
+            _check(f"d {k} (summed over ranks)", _sum_over_ranks(grads[k]), g_ref[k], dt)
+    return p, y, grads
+
+
+def case_balanced(rank, world, seed):
+    _check_api_case(rank, world, seed, limit=None)
+
+
+def case_balanced_limit(rank, world, seed):
+    _check_api_case(rank, world, seed, limit=1.0)
+
+
+def case_all_to_rank0(rank, world, seed):
+    _check_api_case(rank, world, seed, kind="rank0")
+
+
+def case_empty_rank(rank, world, seed):
+    T = [11, 0] + [7, 16][: world - 2]
+    _check_api_case(rank, world, seed, T=T, kind="drop")
+
+
+def case_minus_one_routes(rank, world, seed):
+    _check_api_case(rank, world, seed, kind="drop", shared=True, gate=False, limit=0.8)
+
+
+def case_no_shared_k1(rank, world, seed):
+    _check_api_case(rank, world, seed, K=1, shared=False)
+
+
+def case_bf16(rank, world, seed):
+    _check_api_case(rank, world, seed, dtype=torch.bfloat16, limit=1.0)
+
+
+def case_all_tokens_empty(rank, world, seed):
+    """No rank has a token (every collective moves nothing); output and gradients are empty."""
+    p, y, grads = _check_api_case(rank, world, seed, T=[0] * world)
+    assert grads["gate_up"].abs().sum() == 0 and grads["down"].abs().sum() == 0
+
+
+def case_matches_one_device_and_is_deterministic(rank, world, seed):
+    """The EP result equals the one-device megakernel on the concatenated tokens (fp32, tight), and
+    two EP runs are bitwise identical."""
+    import mok_inductor
+
+    p = _problem(world, seed, limit=1.5)
+    y1, g1 = _run_api(p, rank)
+    y2, g2 = _run_api(p, rank)
+    assert torch.equal(y1, y2), "two EP runs differ"
+    for k in g1:
+        if g1[k] is not None:
+            assert torch.equal(g1[k], g2[k]), f"two EP runs differ in d {k}"
+    cat = {k: torch.cat([r[k] for r in p["ranks"]]) for k in ("x", "rw", "te", "dy")}
+    x = cat["x"].clone().requires_grad_()
+    w = p["gate_up"].clone().requires_grad_()
+    y = mok_inductor.moe(x, cat["rw"], cat["te"].long(), w, p["down"], shared_gate_up_proj=p["sgu"],
+                         shared_down_proj=p["sd"], shared_output_gate=p["sog"], swiglu_limit=p["limit"])
+    y.backward(cat["dy"])
+    rows, loc = _rows(p, rank), _local(p, rank)
+    assert _rel(y1, y[rows]) <= 1e-6
+    assert _rel(g1["x"], x.grad[rows]) <= 1e-6
+    assert _rel(g1["gate_up"], w.grad[loc]) <= 1e-6
+
+
+def case_errors_on_every_rank(rank, world, seed):
+    """A bad expert id on one rank raises ValueError on every rank (nobody is left in a collective);
+    so does a rank holding a different number of local experts. The group stays usable."""
+    import mok_inductor
+
+    p = _problem(world, seed)
+    mine = p["ranks"][rank]
+    loc = _local(p, rank)
+    te = mine["te"].clone()
+    if rank == 1:
+        te[0, 0] = E  # out of [-1, E)
+    with pytest.raises(ValueError) as info:
+        mok_inductor.moe(mine["x"], mine["rw"], te, p["gate_up"][loc], p["down"][loc], group=dist.group.WORLD)
+    msg = str(info.value)
+    if rank == 1:
+        assert msg == f"top_experts: expected global expert indices in [-1, {E}) (-1 means no route; E = " \
+                      f"{p['El']} local experts x {world} ranks), found {E}", msg
+    else:
+        assert msg == f"top_experts: rank 1 of the expert-parallel group passed expert indices outside [-1, {E})", msg
+
+    gu, dn = p["gate_up"][loc], p["down"][loc]
+    if rank == 0:
+        gu, dn = torch.cat([gu, gu]), torch.cat([dn, dn])  # twice the local experts
+    with pytest.raises(ValueError, match="^group: the ranks disagree on"):
+        mok_inductor.moe(mine["x"], mine["rw"], mine["te"].clamp(max=p["El"] - 1), gu, dn, group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="^top_experts: expected shape"):
+        mok_inductor.moe(mine["x"], mine["rw"], mine["te"][:, :1], p["gate_up"][loc], p["down"][loc],
+                         group=dist.group.WORLD)  # a local shape error: raised before any collective, on every rank
+    case_balanced(rank, world, seed + 1)  # the group still works
+
+
+# ---------------------------------------------------------------------------------------------- the functional ABI
+
+
+def _functional_case(rank, world, seed, *, layout, main_grads, dtype=torch.float32):
+    from mok_inductor import functional as mf
+
+    p = _problem(world, seed, dtype=dtype, limit=1.0, kind="drop")
+    mine = p["ranks"][rank]
+    loc = _local(p, rank)
+    T, K, El = p["T"][rank], p["K"], p["El"]
+    cfg = mf.MoKConfig()
+    ws = mf.get_workspace(cfg, dist.group.WORLD, device="cpu", num_local_tokens=T, hidden_size=H, topk=K)
+    assert ws.group is dist.group.WORLD and ws.ep_size == world
+    sch = mf.build_schedule(ws, cfg, mine["te"], num_local_experts=El)
+    gu, dn = p["gate_up"][loc].clone(), p["down"][loc].clone()
+    if layout == "split":
+        rg = ru = mf.SplitRoutedWeight(tuple(gu.unbind(0)))
+        rd = list(dn.unbind(0))
+    else:
+        rg, ru, rd = gu, gu, dn
+    sgu, sd, sog = p["sgu"], p["sd"], p["sog"]
+    s_gate, s_up = sgu[:IS], sgu[IS:]
+    y, fctx = mf.forward(cfg, ws, sch, mine["x"], mine["rw"], s_gate, s_up, sd, rg, ru, rd, swiglu_limit=1.0,
+                         shared_output_gate_weight=sog)
+    kw = {}
+    g = torch.Generator().manual_seed(seed + rank)
+    if main_grads:
+        mg_gu = torch.randn(El, 2 * I, H, generator=g)  # poisoned: the gradients are ADDED
+        mg_dn = torch.randn(El, H, I, generator=g)
+        mg_sgu, mg_sd = torch.randn(2 * IS, H, generator=g), torch.randn(H, IS, generator=g)
+        mg_sog = torch.randn(1, H, generator=g)
+        before = [t.clone() for t in (mg_gu, mg_dn, mg_sgu, mg_sd, mg_sog)]
+        kw = dict(main_grads=(mg_sgu[:IS], mg_gu, mg_sgu[IS:], mg_gu, mg_sd, mg_dn),
+                  shared_output_gate_main_grad=mg_sog)
+    out = mf.backward(cfg, ws, sch, fctx, mine["dy"], mine["x"], mine["rw"], s_gate, s_up, sd, rg, ru, rd,
+                      swiglu_limit=1.0, shared_output_gate_weight=sog, **kw)
+    d_x, d_rw, d_rg, d_ru, d_rd, d_sg, d_su, d_sd, d_sog = out
+    y_ref, g_ref = _oracle(p)
+    rows = _rows(p, rank)
+    _check("y", y, y_ref[rows], dtype)
+    _check("d x", d_x, g_ref["x"][rows], dtype)
+    _check("d router_weights", d_rw, g_ref["rw"][rows], dtype)
+    if main_grads:
+        assert d_rg is mg_gu and d_ru is mg_gu and d_rd is mg_dn and d_sog is mg_sog
+        _check("main_grad gate_up", mg_gu - before[0], g_ref["gate_up"][loc], dtype)
+        _check("main_grad down", mg_dn - before[1], g_ref["down"][loc], dtype)
+        _check("main_grad shared fc1", _sum_over_ranks(mg_sgu - before[2]), g_ref["sgu"], dtype)
+        _check("main_grad shared fc2", _sum_over_ranks(mg_sd - before[3]), g_ref["sd"], dtype)
+        _check("main_grad shared gate", _sum_over_ranks(mg_sog - before[4]), g_ref["sog"], dtype)
+    else:
+        d_gu = torch.stack(list(d_rg.data if isinstance(d_rg, mf.SplitRoutedWeight) else d_rg))
+        _check("d routed fc1", d_gu, g_ref["gate_up"][loc], dtype)
+        _check("d routed down", torch.stack(list(d_rd)), g_ref["down"][loc], dtype)
+        _check("d shared fc1", _sum_over_ranks(torch.cat([d_sg, d_su])), g_ref["sgu"], dtype)
+        _check("d shared gate", _sum_over_ranks(d_sog), g_ref["sog"], dtype)
+
+
+def case_functional_dense(rank, world, seed):
+    _functional_case(rank, world, seed, layout="dense", main_grads=False)
+
+
+def case_functional_main_grads(rank, world, seed):
+    _functional_case(rank, world, seed, layout="dense", main_grads=True)
+
+
+def case_functional_split(rank, world, seed):
+    _functional_case(rank, world, seed, layout="split", main_grads=False)
+
+
+SUITES = {
+    "api2": [case_balanced, case_all_to_rank0, case_empty_rank, case_minus_one_routes, case_no_shared_k1, case_bf16,
+             case_all_tokens_empty, case_matches_one_device_and_is_deterministic, case_errors_on_every_rank,
+             case_functional_dense, case_functional_main_grads, case_functional_split],
+    "api4": [case_balanced_limit, case_all_to_rank0, case_empty_rank, case_minus_one_routes, case_bf16,
+             case_matches_one_device_and_is_deterministic, case_errors_on_every_rank, case_functional_main_grads,
+             case_functional_split],
+}
+
+
+@pytest.mark.parametrize("world,suite", [(2, "api2"), (4, "api4")])
+def test_expert_parallel_against_one_process(world, suite, tmp_path):
+    _spawn(world, suite, tmp_path)
