@@ -331,6 +331,89 @@ def case_functional_split(rank, world, seed):
     _functional_case(rank, world, seed, layout="split", main_grads=False)
 
 
+# ---------------------------------------------------------------------------------------------- Megatron
+
+
+def case_megatron_ep(rank, world, seed):
+    """An MCore MoELayer with expert_model_parallel_size = W on the MoK backend: the backend's
+    output and gradients (to hidden states, probs, local expert and shared weights) against the
+    float64 oracle over all ranks' tokens and all experts; then the whole layer (router included) runs."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import router as router_mod
+    from mok_inductor import megatron as mkm
+    from mok_inductor.megatron.route_adapter import routing_map_to_mok_inputs
+    import test_megatron as tm
+    from oracle import oracle_moe
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    original_gating = router_mod.Router.gating
+    router_mod.Router.gating = lambda self, inp: F.linear(inp.float(), self.weight.float())  # as test_megatron
+    try:
+        torch.manual_seed(seed)
+        cfg = tm.make_config(torch.float32, expert_model_parallel_size=world)
+        layer = tm.build_layer(cfg)
+        El = layer.num_local_experts
+        assert El * world == tm.E
+        for name, prm in layer.named_parameters():  # replicated parameters are equal on every rank
+            if not name.startswith("experts."):
+                dist.broadcast(prm.data, 0)
+        mkm.enable_mok_backend(layer)
+        backend = layer.megakernel_experts
+        assert backend.ep_size == world and backend.ep_group is not None
+
+        g = torch.Generator().manual_seed(seed + 1 + rank)
+        x = torch.randn(tm.S, tm.B, tm.H, generator=g)
+        dy = torch.randn(tm.S, tm.B, tm.H, generator=g)
+        with torch.no_grad():
+            probs, routing_map = layer.route(x)
+        xl = x.clone().requires_grad_()
+        pl = probs.detach().clone().requires_grad_()
+        out = backend(xl, pl, routing_map)
+        out.backward(dy)
+
+        def gather(t):
+            parts = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(parts, t.contiguous())
+            return torch.cat(parts)
+
+        T = tm.S * tm.B
+        xs, ps, ms, dys = (gather(t.reshape(T, -1)) for t in (x, probs.detach(), routing_map.to(torch.uint8), dy))
+        experts = layer.experts.local_experts
+        fc1 = gather(torch.stack([m.linear_fc1.weight.detach() for m in experts]))
+        fc2 = gather(torch.stack([m.linear_fc2.weight.detach() for m in experts]))
+        sh = layer.shared_experts
+        leaves = [t.double().requires_grad_() for t in (xs, ps, fc1, fc2, sh.linear_fc1.weight.detach(),
+                                                        sh.linear_fc2.weight.detach(), sh.gate_weight.detach())]
+        _, te = routing_map_to_mok_inputs(ps, ms.bool(), tm.K)  # the routed ids only
+        te = te.long()
+        rw = torch.where(te >= 0, leaves[1].gather(1, te.clamp(min=0)), torch.zeros((), dtype=torch.float64))
+        y_ref = oracle_moe(leaves[0], rw, te, *leaves[2:], swiglu_limit=cfg.activation_func_clamp_value)
+        y_ref.backward(dys.double())
+        rows = slice(rank * T, (rank + 1) * T)
+        loc = slice(rank * El, (rank + 1) * El)
+        dt = torch.float32
+        _check("megatron y", out.reshape(T, -1), y_ref[rows], dt)
+        _check("megatron d hidden_states", xl.grad.reshape(T, -1), leaves[0].grad[rows], dt)
+        _check("megatron d probs", pl.grad, leaves[1].grad[rows], dt)
+        _check("megatron d local fc1", torch.stack([m.linear_fc1.weight.grad for m in experts]), leaves[2].grad[loc], dt)
+        _check("megatron d local fc2", torch.stack([m.linear_fc2.weight.grad for m in experts]), leaves[3].grad[loc], dt)
+        _check("megatron d shared fc1", _sum_over_ranks(sh.linear_fc1.weight.grad), leaves[4].grad, dt)
+        _check("megatron d shared gate", _sum_over_ranks(sh.gate_weight.grad), leaves[6].grad, dt)
+
+        # the whole layer: router -> MoK EP -> output, and its backward
+        layer.zero_grad(set_to_none=True)
+        xl2 = x.clone().requires_grad_()
+        out2, bias = layer(xl2)
+        assert bias is None
+        assert torch.equal(out2, out.detach())
+        out2.backward(dy)
+        assert xl2.grad is not None and layer.router.weight.grad is not None
+    finally:
+        router_mod.Router.gating = original_gating
+        parallel_state.destroy_model_parallel()
+
+
 SUITES = {
     "api2": [case_balanced, case_all_to_rank0, case_empty_rank, case_minus_one_routes, case_no_shared_k1, case_bf16,
              case_all_tokens_empty, case_matches_one_device_and_is_deterministic, case_errors_on_every_rank,
@@ -338,9 +421,14 @@ SUITES = {
     "api4": [case_balanced_limit, case_all_to_rank0, case_empty_rank, case_minus_one_routes, case_bf16,
              case_matches_one_device_and_is_deterministic, case_errors_on_every_rank, case_functional_main_grads,
              case_functional_split],
+    "megatron2": [case_megatron_ep],
 }
 
 
 @pytest.mark.parametrize("world,suite", [(2, "api2"), (4, "api4")])
 def test_expert_parallel_against_one_process(world, suite, tmp_path):
     _spawn(world, suite, tmp_path)
+
+
+def test_megatron_backend_with_an_expert_parallel_group(tmp_path):
+    _spawn(2, "megatron2", tmp_path)

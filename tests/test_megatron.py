@@ -413,7 +413,7 @@ def test_enable_is_idempotent_and_disable_restores():
     (dict(tensor_model_parallel_size=2), ValueError, "tensor parallelism"),
     (dict(moe_shared_expert_overlap=True), ValueError, "moe_shared_expert_overlap"),
     (dict(add_bias_linear=True), ValueError, "add_bias_linear"),
-    (dict(expert_model_parallel_size=2), NotImplementedError, "issue 9"),
+    (dict(expert_model_parallel_size=2), ValueError, "expert_model_parallel_size=2, but the expert-parallel group"),
 ])
 def test_config_checks(overrides, exc, match):
     layer = build_layer(make_config())

@@ -5,6 +5,10 @@
 
 It runs the shared expert (with its optional sigmoid output gate) and the routed experts of one MoE
 layer in one `mok_inductor.functional` forward/backward, through `mok_inductor.runtime._MoKAutograd`.
+With an expert-parallel group of more than one rank (`expert_model_parallel_size > 1`), that
+functional call is expert-parallel over the group (docs/distributed.md): each rank routes its own
+tokens over all experts, holds its `num_local_experts`, and the tokens travel to their experts' ranks
+and back through torch.distributed; the shared expert runs locally.
 
 Parameters are ALIASES: the backend registers the very Parameter objects of the Megatron modules
 (routed `routed_fc1_weight{e}` / `routed_fc2_weight{e}` for per-expert layouts, `routed_fc1_weight` /
@@ -64,8 +68,8 @@ def _scopes(value) -> list:
 
 
 def check_megatron_config(config) -> None:
-    """Raise ValueError (NotImplementedError for expert parallelism) for TransformerConfig settings the
-    MoK backend cannot honour; names the setting and what to change."""
+    """Raise ValueError for TransformerConfig settings the MoK backend cannot honour; names the setting
+    and what to change. Expert parallelism (expert_model_parallel_size > 1) is supported."""
 
     def need(cond, msg):
         if not cond:
@@ -106,11 +110,6 @@ def check_megatron_config(config) -> None:
     need(isinstance(k, int) and 1 <= k <= config.num_moe_experts,
          f"moe_router_topk must be in [1, num_moe_experts], got {k}")
     need(getattr(config, "moe_ffn_hidden_size", None), "moe_ffn_hidden_size must be set")
-    if getattr(config, "expert_model_parallel_size", 1) > 1:
-        raise NotImplementedError(
-            "MoK backend: expert_model_parallel_size > 1 is not implemented yet (issue 9, 'Expert parallelism over "
-            "torch.distributed')"
-        )
 
 
 def _group_size(group) -> int:
@@ -128,7 +127,11 @@ class MoKMegakernel(MegatronModule):
 
     Args:
         config: the layer's TransformerConfig (checked by `check_megatron_config`).
-        ep_group: the expert-parallel process group, or None; its size must be 1 (issue 9).
+        ep_group: the expert-parallel process group, or None. With more than one rank the layer is
+            expert-parallel over it (mok_inductor.distributed): the router's probs / routing_map cover
+            all num_local_experts * ep_size experts, this rank holds experts
+            [rank * num_local_experts, (rank + 1) * num_local_experts), and tokens travel to their experts'
+            ranks and back inside the functional forward / backward.
         routed_experts: the layer's experts module (SequentialMLP, GroupedMLP, TEGroupedMLP-like).
         shared_experts: the layer's SharedExpertMLP (with or without its gate), or None.
         num_local_experts: experts on this rank.
@@ -140,16 +143,24 @@ class MoKMegakernel(MegatronModule):
                  mok_config=None):
         super().__init__(config=config)
         check_megatron_config(config)
-        if _group_size(ep_group) != 1:
-            raise NotImplementedError(
-                f"MoK backend: an expert-parallel group of size {_group_size(ep_group)} is not implemented yet "
-                "(issue 9, 'Expert parallelism over torch.distributed')"
-            )
         if isinstance(num_local_experts, bool) or not isinstance(num_local_experts, int) or num_local_experts < 1:
             raise ValueError(f"num_local_experts: expected a positive int, got {num_local_experts}")
         if routed_experts is None:
             raise ValueError("routed_experts: the MoK backend needs the layer's routed experts module")
-        self.ep_group = None  # one device; functional.get_workspace's group
+        self.ep_size = _group_size(ep_group)
+        ep_config = getattr(config, "expert_model_parallel_size", 1) or 1
+        if ep_config != self.ep_size:
+            raise ValueError(
+                f"MoK backend: expert_model_parallel_size={ep_config}, but the expert-parallel group (ep_group) has "
+                f"{self.ep_size} rank(s)"
+            )
+        num_experts = getattr(config, "num_moe_experts", None)
+        if num_experts is not None and num_experts != num_local_experts * self.ep_size:
+            raise ValueError(
+                f"num_local_experts: {num_local_experts} local experts on each of {self.ep_size} expert-parallel "
+                f"ranks do not make num_moe_experts={num_experts}"
+            )
+        self.ep_group = ep_group if self.ep_size > 1 else None  # functional.get_workspace's group
         self.num_local_experts = num_local_experts
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.moe_ffn_hidden_size
@@ -353,10 +364,11 @@ class MoKMegakernel(MegatronModule):
             )
         x = hidden_states.reshape(-1, H).contiguous()  # MoK's x is a contiguous [T, H]
         T = x.shape[0]
-        if probs.dim() != 2 or probs.shape[0] != T or probs.shape[1] != self.num_local_experts:
+        num_experts = self.num_local_experts * self.ep_size
+        if probs.dim() != 2 or probs.shape[0] != T or probs.shape[1] != num_experts:
             raise ValueError(
-                f"probs: expected shape [{T}, {self.num_local_experts}] (tokens of hidden_states, local experts), got "
-                f"{list(probs.shape)}"
+                f"probs: expected shape [{T}, {num_experts}] (tokens of hidden_states, all experts of the "
+                f"expert-parallel group), got {list(probs.shape)}"
             )
         router_weights, top_experts = routing_map_to_mok_inputs(probs, routing_map, self.topk)
         out = _MoKAutograd.apply(self, x, router_weights, top_experts, self.shared_output_gate_weight,
@@ -389,7 +401,8 @@ class MoKMegakernel(MegatronModule):
         return result
 
     def extra_repr(self) -> str:
-        return (f"layout={self._layout}, num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
+        return (f"layout={self._layout}, num_local_experts={self.num_local_experts}, ep_size={self.ep_size}, "
+                f"hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, "
                 f"shared_intermediate_size={self.shared_intermediate_size}, "
                 f"topk={self.topk}, gated={self.shared_output_gate_weight is not None}, "
