@@ -414,6 +414,45 @@ def case_megatron_ep(rank, world, seed):
         parallel_state.destroy_model_parallel()
 
 
+# ---------------------------------------------------------------------------------------------- transformers
+
+
+def case_transformers_shard_experts(rank, world, seed):
+    """A tiny Qwen2-MoE on "mok" with its experts sharded over the group (shard_experts): each rank's
+    logits equal the unsharded model's (eager experts) on that rank's sequences, and the gradients,
+    summed over the ranks for replicated parameters, equal the unsharded model's over all ranks'
+    sequences (the local experts' slice for the sharded ones)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from mok_inductor.integrations import transformers as hf
+
+    cfg = Qwen2MoeConfig(hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                         vocab_size=64, shared_expert_intermediate_size=24)
+    torch.manual_seed(seed)  # identical models on every rank
+    ref = Qwen2MoeForCausalLM._from_config(cfg, experts_implementation="eager", dtype=torch.float32)
+    model = Qwen2MoeForCausalLM._from_config(cfg, experts_implementation="mok", dtype=torch.float32)
+    model.load_state_dict(ref.state_dict())
+    sharded = hf.shard_experts(model, dist.group.WORLD)
+    assert len(sharded) == 2 * cfg.num_hidden_layers
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (world, 2, 7), generator=g)  # rank r's batch: ids[r]
+    proj = torch.randn(world, 2, 7, 64, generator=g)
+
+    logits = model(input_ids=ids[rank]).logits
+    (logits * proj[rank]).sum().backward()
+    logits_ref = ref(input_ids=ids.reshape(world * 2, 7)).logits
+    (logits_ref * proj.reshape(world * 2, 7, 64)).sum().backward()
+    _check("transformers logits", logits.detach(), logits_ref.detach()[2 * rank:2 * rank + 2], torch.float32)
+    ref_params = dict(ref.named_parameters())
+    El = cfg.num_experts // world
+    for name, prm in model.named_parameters():
+        want = ref_params[name].grad
+        if name in sharded:
+            _check(f"d {name}", prm.grad, want[rank * El:(rank + 1) * El], torch.float32)
+        elif want is not None and want.abs().sum() > 0:
+            _check(f"d {name} (summed over ranks)", _sum_over_ranks(prm.grad), want, torch.float32)
+
+
 SUITES = {
     "api2": [case_balanced, case_all_to_rank0, case_empty_rank, case_minus_one_routes, case_no_shared_k1, case_bf16,
              case_all_tokens_empty, case_matches_one_device_and_is_deterministic, case_errors_on_every_rank,
@@ -421,7 +460,7 @@ SUITES = {
     "api4": [case_balanced_limit, case_all_to_rank0, case_empty_rank, case_minus_one_routes, case_bf16,
              case_matches_one_device_and_is_deterministic, case_errors_on_every_rank, case_functional_main_grads,
              case_functional_split],
-    "megatron2": [case_megatron_ep],
+    "integrations2": [case_megatron_ep, case_transformers_shard_experts],
 }
 
 
@@ -430,5 +469,5 @@ def test_expert_parallel_against_one_process(world, suite, tmp_path):
     _spawn(world, suite, tmp_path)
 
 
-def test_megatron_backend_with_an_expert_parallel_group(tmp_path):
-    _spawn(2, "megatron2", tmp_path)
+def test_megatron_backend_and_transformers_experts_over_a_group(tmp_path):
+    _spawn(2, "integrations2", tmp_path)

@@ -361,11 +361,20 @@ def mok_experts_forward(
             plan = _experts_plan_at_trace_time(self)
     else:
         plan = experts_plan(self)
+    group = getattr(self, _EP_GROUP_ATTR, None)
     if not plan.supported:
+        if group is not None:
+            raise RuntimeError(f"{type(self).__qualname__}: its experts were sharded by shard_experts, but MoK cannot "
+                               f"run them: {plan.reason}")
         return _grouped_mm_fallback(self, hidden_states, top_k_index, top_k_weights)
     gate_up_E2IH, down_EHI, _ = _weights(self)
     num_experts = gate_up_E2IH.shape[0]
     top_TK = top_k_index
+    if group is not None:  # shard_experts: this rank's tokens, global ids, local experts
+        x_TH = hidden_states.to(gate_up_E2IH.dtype)
+        limit = None if plan.limit_attr is None else float(getattr(self, plan.limit_attr))
+        return _moe(x_TH, top_k_weights, top_TK, gate_up_E2IH, down_EHI, swiglu_limit=limit,
+                    group=group).to(hidden_states.dtype)
     if getattr(self, "_is_expert_parallel", False):
         # EP marks routes to other ranks' experts with ids >= E: MoK's "no route"
         top_TK = torch.where(top_TK >= num_experts, torch.full_like(top_TK, -1), top_TK)
@@ -373,6 +382,46 @@ def mok_experts_forward(
     limit = None if plan.limit_attr is None else float(getattr(self, plan.limit_attr))
     y_TH = _moe(x_TH, top_k_weights, top_TK, gate_up_E2IH, down_EHI, swiglu_limit=limit)
     return y_TH.to(hidden_states.dtype)
+
+
+_EP_GROUP_ATTR = "_mok_ep_group"
+
+
+def shard_experts(model: torch.nn.Module, group) -> list:
+    """Expert parallelism for a "mok" model (docs/distributed.md): keep only this rank's experts.
+
+    For every experts module of `model` (E experts, E divisible by the group's size W), rank r keeps
+    experts [r*E/W, (r+1)*E/W) of gate_up_proj / down_proj as new Parameters and records `group`; the
+    "mok" experts function then sends each token to the ranks owning its experts
+    (`mok_inductor.moe(..., group=group)`). Every rank runs the model on its own tokens. Call it on
+    every rank, on identical models (same weights), before building the optimizer. Returns the names
+    of the sharded parameters (they differ per rank: keep them out of data-parallel gradient averaging).
+    """
+    import torch.distributed as dist
+
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    names = []
+    for mname, module in model.named_modules():
+        if not (hasattr(module, "down_proj") and hasattr(module, "has_bias")):
+            continue
+        plan = experts_plan(module)
+        if not plan.supported:
+            raise ValueError(f"model.{mname}: MoK cannot run these experts ({plan.reason}), so they cannot be sharded")
+        E = module.gate_up_proj.shape[0]
+        if E % W != 0:
+            raise ValueError(f"model.{mname}: {E} experts do not split over {W} ranks")
+        el = E // W
+        for pname in ("gate_up_proj", "down_proj"):
+            old = getattr(module, pname)
+            new = torch.nn.Parameter(old.detach()[r * el:(r + 1) * el].clone(), requires_grad=old.requires_grad)
+            setattr(module, pname, new)
+            names.append(f"{mname}.{pname}" if mname else pname)
+        if hasattr(module, "num_experts"):
+            module.num_experts = el
+        object.__setattr__(module, _EP_GROUP_ATTR, group)
+    if not names:
+        raise ValueError("model: contains no transformers experts module to shard")
+    return names
 
 
 # ---------------------------------------------------------------------------------------------
