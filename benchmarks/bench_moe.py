@@ -127,6 +127,13 @@ def moe_grouped_mm_compiled(x, rw, te, w_gu, w_d):
     return _compiled["f"](x, rw, te, w_gu, w_d)
 
 
+def moe_liger(x, rw, te, w_gu, w_d):
+    """Liger-Kernel's Triton fused MoE (liger-kernel 0.8.5): the closest peer written in Triton."""
+    from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+    return LigerFusedMoEFunction.apply(x, w_gu, w_d, te.to(torch.int32), rw.to(x.dtype))
+
+
 class GraphedMok:
     """mok's forward captured in a CUDA graph (the op is capturable: no host sync), timed by replay:
     launch overhead out of the way, as in a CUDA-graphed decode step."""
@@ -149,7 +156,7 @@ class GraphedMok:
 
 
 CONTENDERS = {"mok": moe_mok, "mok_graph": GraphedMok(), "grouped_mm": moe_grouped_mm, "grouped_mm_compiled": moe_grouped_mm_compiled,
-              "eager": moe_eager}
+              "eager": moe_eager, "liger": moe_liger}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +261,7 @@ def table(results):
     rows = {}
     for r in results:
         rows.setdefault((r.shape, r.routing), {})[(r.contender, r.mode)] = r
-    names = ["dense", "mok", "mok_graph", "grouped_mm", "grouped_mm_compiled", "eager", "floor"]
+    names = ["dense", "mok", "mok_graph", "grouped_mm", "grouped_mm_compiled", "liger", "eager", "floor"]
     out = ["| shape | routing | " + " | ".join(f"{n} fwd / fwd+bwd" for n in names) + " | mok vs compiled fwd+bwd |",
            "|" + " --- |" * (len(names) + 3)]
     for (shape, routing), d in rows.items():
@@ -280,7 +287,7 @@ def plot(results, path):
     except ImportError:
         return False
     keys = sorted({(r.shape, r.routing) for r in results if not r.shape.endswith("decode")})
-    names = ["dense", "mok", "grouped_mm", "grouped_mm_compiled", "eager"]
+    names = ["dense", "mok", "grouped_mm", "grouped_mm_compiled", "liger", "eager"]
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     for ax, mode in zip(axes, ["fwd", "fwd+bwd"]):
         w = 0.8 / len(names)

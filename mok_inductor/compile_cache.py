@@ -7,7 +7,7 @@ trap 1). Both caches do hash the `uuid()` of every `CustomGraphPass` installed i
 
 - `fingerprint()` is a sha256 of the package version and of the bytes of every `*.py` file under
   `mok_inductor/` and `lowering/` (paths relative to the package root, sorted);
-- `install()` adds a no-op `CacheKeyPass` whose `uuid()` is that fingerprint to
+- `install()` adds a `CacheKeyPass` (a no-op but for one torch 2.11 fix-up, see its docstring) whose `uuid()` is that fingerprint to
   `torch._inductor.config.post_grad_custom_post_pass`, keeping whatever pass was there (appended to a list
   on torch >= 2.12, chained in front of it in 2.11's single slot). It runs on every compile, so graphs that
   call `mok::moe` directly, without the pattern pass, are keyed too. `import mok_inductor` calls it, so every
@@ -107,7 +107,8 @@ def as_tuple(p) -> tuple:
 
 
 class CacheKeyPass(CustomGraphPass):
-    """A post-grad pass that changes nothing; its uuid() keys the compile caches on this package."""
+    """A post-grad pass whose uuid() keys the compile caches on this package. It changes nothing in a graph
+    except, on torch 2.11, the metadata fix-up of `kernels._inductor_compat` for our dynamic-shape launches."""
 
     def __init__(self, chained=None):
         self.chained = chained  # 2.11 single slot: the pass that was there, run first
@@ -115,6 +116,10 @@ class CacheKeyPass(CustomGraphPass):
 
     def __call__(self, graph, *args, **kwargs) -> None:
         _call_all(as_tuple(self.chained), graph, *args, **kwargs)
+        # the one thing it does to graphs: torch 2.11's dynamic-shape fix-up for our Triton launches
+        from .kernels._inductor_compat import strip_eager_input_vals
+
+        strip_eager_input_vals(graph)
 
     def uuid(self) -> Optional[str]:
         return chained_uuid("mok-cache-key:" + fingerprint(), as_tuple(self.chained))

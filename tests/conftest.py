@@ -22,3 +22,12 @@ torch.set_num_threads(1)
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="mok-inductor-cache-"))
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_runtest_logreport(report):
+    """MOK_FAILLOG=path: append each failure's traceback to that file as it happens (device runs end at a
+    time limit, possibly before pytest's summary)."""
+    path = os.environ.get("MOK_FAILLOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"\n===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
