@@ -146,3 +146,33 @@ def test_cuda_stride0_gradient_and_max_autotune():
     compiled = torch.compile(layer, fullgraph=True, mode="max-autotune-no-cudagraphs")
     got = fwd_bwd(compiled, inputs, None, sum_loss=True)  # y.sum(): the incoming gradient is expanded, stride 0
     assert_same(got, fwd_bwd(layer, inputs, None, sum_loss=True))
+
+
+def test_dynamic_shape_fixup_strips_only_our_symbolic_launches():
+    """torch 2.11 asserts while decomposing functional Triton nodes that carry `eager_input_vals` under symbolic
+    shapes (kernels/_inductor_compat.py): the fix-up drops that entry from OUR kernels' symbolic nodes only."""
+    import triton
+    import triton.language as tl
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from mok_inductor.kernels import _inductor_compat, moe_fwd
+
+    @triton.jit
+    def foreign_kernel(x_ptr, n, BLOCK: tl.constexpr):
+        pass
+
+    env = ShapeEnv()
+    sym = env.create_unbacked_symint()
+    hop = torch.ops.higher_order.triton_kernel_wrapper_functional
+    g = torch.fx.Graph()
+    nodes = {}
+    for name, kernel, vals in (("ours_symbolic", moe_fwd._combine_kernel, ((), {"n": sym})),
+                               ("ours_static", moe_fwd._combine_kernel, ((), {"n": 7})),
+                               ("foreign_symbolic", foreign_kernel, ((), {"n": sym}))):
+        node = g.call_function(hop, (), {"kernel_idx": kernel_side_table.add_kernel(kernel), "kwargs": {}})
+        node.meta["eager_input_vals"] = vals
+        nodes[name] = node
+    assert _inductor_compat.strip_eager_input_vals(g, force=True) == 1
+    assert "eager_input_vals" not in nodes["ours_symbolic"].meta
+    assert "eager_input_vals" in nodes["ours_static"].meta and "eager_input_vals" in nodes["foreign_symbolic"].meta
