@@ -23,7 +23,9 @@ Routed weight layouts (gate, up: [E, I, H]; down: [E, H, I]):
 - combined FC1: the SAME object passed as `routed_gate` and `routed_up`, covering [E, 2I, H] (or E
   tensors [2I, H]); the gate is rows [0, I) and up rows [I, 2I) of each expert, taken as zero-copy
   views. The shared expert accepts the same aliasing ([2Is, H] passed twice).
-- MXFP8 (data, scale) tuples are not supported yet (issue 8) and raise a TypeError saying so.
+- MXFP8 (issue 8): MoK's (data, scale) tuples for a combined FC1 and the down weight (see `_mxfp8_routed`);
+  forward reads the row-wise pairs, backward the column-wise ones for dgrad. Split per-expert MXFP8
+  (SplitRoutedWeight) and swizzled scale layouts are not supported yet.
 
 Gradient destinations (`backward`): `main_grads` = six buffers in MoK's order (shared_gate, routed_gate,
 shared_up, routed_up, shared_down, routed_down), float32 or bfloat16; weight gradients are ADDED
@@ -313,9 +315,92 @@ def _is_mxfp8_piece(v) -> bool:
 
 def _mxfp8_error(name: str) -> TypeError:
     return TypeError(
-        f"{name}: MXFP8 weights ((data, scale) tuples or float8 tensors) are not supported yet (issue 8, "
-        "'MXFP8 routed weights'); pass bfloat16, float16 or float32 tensors"
+        f"{name}: MXFP8 is accepted only for the routed experts, as (data, scale) tuples of a combined FC1 and "
+        "the down weight (not bare float8 tensors, not the shared expert, which is bf16 as in MoK); pass "
+        "bfloat16, float16 or float32 tensors"
     )
+
+
+# MXFP8 routed weights (shared/MEGATRON.md section 1.6; logical, unswizzled scales). Forward: (data, scale)
+# per weight, [E, M, K] float8_e4m3fn and [E, M, K/32] uint8 (E8M0). Backward: gate/up as
+# (data, scale, data_t, scale_t) or TE's native (data, scale, col_data [E, M, K], col_scale [E, M/32, K], True);
+# down as its column-wise pair (data_t [E, K, M], scale_t [E, K, M/32]), (col_data, col_scale, True) native, or
+# a 4-tuple. A combined FC1 is the same tuple passed as routed_gate and routed_up. An MXFP8Weight
+# (mok_inductor.mxfp8.quantize) is accepted wherever a tuple is.
+
+
+def _is_mxfp8_tuple(v) -> bool:
+    return (isinstance(v, tuple) and not isinstance(v, SplitRoutedWeight) and len(v) >= 2
+            and isinstance(v[0], torch.Tensor) and v[0].dtype == torch.float8_e4m3fn)
+
+
+def _mx_native_col(data, scale):
+    """TE's native column-wise pair ([E, M, K] data, [E, M/32, K] scales) as (data_t, scale_t) views."""
+    return data.transpose(-2, -1), scale.transpose(-2, -1)
+
+
+def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
+    """(RoutedOperands, stand-ins for the three routed arguments) when they are MXFP8 tuples, else
+    (None, the arguments). The stand-ins are x-dtype zero-stride tensors of the logical weight shapes
+    (aliasing kept for a combined FC1), so the common checks and buffer logic apply unchanged."""
+    from . import mxfp8
+
+    args = (routed_gate, routed_up, routed_down)
+    if isinstance(routed_gate, mxfp8.MXFP8Weight) or isinstance(routed_down, mxfp8.MXFP8Weight):
+        args = tuple(a[:4] if isinstance(a, mxfp8.MXFP8Weight) else a for a in args)
+        if routed_gate is routed_up:
+            args = (args[0], args[0], args[2])
+    gate, up, down = args
+    kinds = [_is_mxfp8_tuple(a) for a in args]
+    if not any(kinds):
+        for n, a in zip(("routed_gate", "routed_up", "routed_down"), args):
+            if isinstance(a, SplitRoutedWeight) and any(_is_mxfp8_piece(v) for v in a.data):
+                raise TypeError(f"{n}: split per-expert MXFP8 weights (SplitRoutedWeight) are not supported yet; "
+                                "pass stacked (data, scale) tuples or bf16 weights")
+        return None, args
+    if not all(kinds):
+        bad = ("routed_gate", "routed_up", "routed_down")[kinds.index(False)]
+        raise TypeError(f"{bad}: expected MXFP8 (data, scale) tuples for all routed weights, as the others")
+    if gate is not up:
+        raise TypeError("routed_gate: MXFP8 routed weights are supported as a combined FC1 (the same (data, scale) "
+                        "tuple passed as routed_gate and routed_up)")
+    names = ("routed_gate", "routed_down")
+
+    def gate_up_parts(t):
+        if not backward:
+            return t[0], t[1], None, None
+        if len(t) == 5 and t[4] is True:
+            return (t[0], t[1], *_mx_native_col(t[2], t[3]))
+        if len(t) == 4:
+            return tuple(t)
+        raise ValueError("routed_gate: the backward needs the MXFP8 gate/up as (data, scale, data_t, scale_t) or "
+                         "(data, scale, col_data, col_scale, True)")
+
+    gu = gate_up_parts(gate)
+    mxfp8.check_weight("routed_gate", *gu, None, x.dtype, x.device, split_rows=True)
+    E, two_i, H = gu[0].shape
+    if backward:
+        t = down
+        if len(t) == 3 and t[2] is True:
+            dt, st = _mx_native_col(t[0], t[1])
+        elif len(t) == 4:
+            dt, st = t[2], t[3]
+        elif len(t) == 2:
+            dt, st = t
+        else:
+            raise ValueError("routed_down: the backward needs the MXFP8 down as its column-wise (data_t, scale_t), "
+                             "(col_data, col_scale, True) or a 4-tuple")
+        mxfp8.check_weight("routed_down (column-wise)", dt, st, None, None, None, x.dtype, x.device)
+        standin_down = x.new_empty(()).expand(dt.shape[0], dt.shape[2], dt.shape[1])
+        dn = (standin_down, None, None, None)
+        ops_ = mxfp8.routed_operands(gu, dn)._replace(down_t=mxfp8.Operand(dt, st))
+    else:
+        dn = (down[0], down[1], None, None)
+        mxfp8.check_weight(names[1], *dn, None, x.dtype, x.device)
+        ops_ = mxfp8.routed_operands(gu, dn)
+        standin_down = x.new_empty(()).expand(dn[0].shape)
+    standin_fc1 = x.new_empty(()).expand(E, two_i, H)
+    return ops_, (standin_fc1, standin_fc1, standin_down)
 
 
 def _payload(name: str, obj, dim: int):
@@ -540,9 +625,12 @@ def forward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, x
             routed_down, swiglu_limit: Optional[float] = None,
             shared_output_gate_weight: Optional[torch.Tensor] = None):
     """The MoE forward: returns (y [T, H] in x.dtype, MoKForwardContext)."""
+    mx, (routed_gate, routed_up, routed_down) = _mxfp8_routed(x, routed_gate, routed_up, routed_down, backward=False)
     ws, sch, w, limit = _check_common(config, workspace, schedule, x, router_weights,
                                       (shared_gate, shared_up, shared_down, routed_gate, routed_up, routed_down),
                                       shared_output_gate_weight, swiglu_limit)
+    if mx is not None and ws.ep_size > 1:
+        raise NotImplementedError("routed_gate: MXFP8 routed weights with expert parallelism are not supported yet")
     if ws.ep_size > 1:  # expert parallelism: dispatch, the same implementation on the received rows, combine
         from . import distributed
 
@@ -551,9 +639,13 @@ def forward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, x
         ctx = MoKForwardContext(state.h_NI, state.h_shared_TIs, w.s_out_gate is not None, w.s_gate is not None,
                                 limit, ws.num_local_tokens, w.E, state)
         return y, ctx
-    impl = ops.impl_module(x)
-    res = impl.moe_forward(x, router_weights, sch.top_experts, sch.as_reference(), w.gate, w.up, w.down,
-                           w.s_gate, w.s_up, w.s_down, w.s_out_gate, limit)
+    if mx is not None:
+        res = ops.mxfp8_forward(x, router_weights, sch.top_experts, sch.as_reference(), mx, w.s_gate, w.s_up,
+                                w.s_down, w.s_out_gate, limit)
+    else:
+        impl = ops.impl_module(x)
+        res = impl.moe_forward(x, router_weights, sch.top_experts, sch.as_reference(), w.gate, w.up, w.down,
+                               w.s_gate, w.s_up, w.s_down, w.s_out_gate, limit)
     ctx = MoKForwardContext(res.h_NI, res.h_shared_TIs, w.s_out_gate is not None, w.s_gate is not None, limit,
                             ws.num_local_tokens, w.E)
     return res.y_TH, ctx
@@ -662,6 +754,7 @@ def backward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, 
     `shared_output_gate_main_grad` ([1, H], float32/bfloat16) likewise receives the gate's gradient.
     Every argument is validated before anything is written.
     """
+    mx, (routed_gate, routed_up, routed_down) = _mxfp8_routed(x, routed_gate, routed_up, routed_down, backward=True)
     ws, sch, w, limit = _check_common(config, workspace, schedule, x, router_weights,
                                       (shared_gate, shared_up, shared_down, routed_gate, routed_up, routed_down),
                                       shared_output_gate_weight, swiglu_limit)
@@ -750,6 +843,8 @@ def backward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, 
         gmg = (torch.zeros if accumulate else torch.empty)(1, H, dtype=torch.float32, device=device)
 
     grads = reference.GradBuffers(dg, du, dd, ds[0], ds[1], ds[2], gmg if w.s_out_gate is not None else None)
+    if mx is not None and ws.ep_size > 1:
+        raise NotImplementedError("routed_gate: MXFP8 routed weights with expert parallelism are not supported yet")
     if ws.ep_size > 1:  # expert parallelism: the forward's exchange in reverse (collective, no host sync)
         from . import distributed
 
@@ -757,6 +852,10 @@ def backward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, 
                                         w.s_gate, w.s_up, w.s_down, w.s_out_gate, limit, grads=grads,
                                         accumulate=accumulate)
         res = reference.BackwardResult(dx, d_rw, grads)
+    elif mx is not None:
+        res = ops.mxfp8_backward(grad_output, x, router_weights, sch.top_experts, sch.as_reference(), mx,
+                                 fctx.hidden_routed, w.s_gate, w.s_up, w.s_down, w.s_out_gate, fctx.hidden_shared,
+                                 limit, grads=grads, accumulate=accumulate)
     else:
         impl = ops.impl_module(x)
         res = impl.moe_backward(

@@ -350,16 +350,23 @@ def test_rejected_call_writes_nothing():
 # ---------------------------------------------------------------------------------------------- bad input
 
 
-def test_mxfp8_tuples_are_rejected_with_a_clear_error():
+def test_mxfp8_where_it_is_not_accepted_is_a_clear_error():
+    # MXFP8 tuples themselves are tested in tests/test_mxfp8.py; a mix with bf16, a bare float8 tensor and
+    # an MXFP8 shared expert (bf16 only, as in MoK) are errors naming the argument
     p = make_problem("cpu", torch.bfloat16)
     cfg, ws, sch = setup(p)
     data = p["gate_up"].to(torch.float8_e4m3fn)
     scale = torch.zeros(E, 2 * I, H // 32, dtype=torch.uint8)
-    with pytest.raises(TypeError, match="MXFP8.*issue 8"):
-        mf.forward(cfg, ws, sch, p["x"], p["rw"], *shared_args(p), (data, scale), (data, scale), p["down"])
+    with pytest.raises(TypeError, match="^routed_down: expected MXFP8 .* tuples for all routed weights"):
+        fc1 = (data, scale)
+        mf.forward(cfg, ws, sch, p["x"], p["rw"], *shared_args(p), fc1, fc1, p["down"])
     with pytest.raises(TypeError, match="routed_down: MXFP8"):
         mf.forward(cfg, ws, sch, p["x"], p["rw"], *shared_args(p), p["gate_up"], p["gate_up"],
                    p["down"].to(torch.float8_e4m3fn))
+    sg, su, sd = shared_args(p)
+    with pytest.raises(TypeError, match="shared_gate: MXFP8"):
+        mf.forward(cfg, ws, sch, p["x"], p["rw"], sg.to(torch.float8_e4m3fn), su, sd, p["gate_up"], p["gate_up"],
+                   p["down"])
 
 
 def test_bad_arguments_name_themselves():

@@ -392,3 +392,90 @@ def test_split_list_errors():
     parts[1] = mxfp8.quantize(p["gu"][1, :32])
     with pytest.raises(ValueError, match=r"^gate_up_proj\[1\]: expected the shape of gate_up_proj\[0\] \[64, 64\]"):
         _mx_call(parts, mxfp8.quantize(p["d"]), p=p)
+
+
+# ---------------------------------------------------------------------------------------------- functional ABI
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("layout", ["legacy", "native"])
+def test_functional_abi_with_mxfp8_tuples_and_main_grads(monkeypatch, device, path, layout):
+    from mok_inductor import functional as mf
+
+    _backend(monkeypatch, path, device)
+    p = _problem(torch.bfloat16, device, shared=True, seed=21)
+    q1 = mxfp8.quantize(p["gu"])
+    o1 = mxfp8.quantize(torch.randn(p["gu"].shape, generator=torch.Generator().manual_seed(3)).to(p["gu"]) * p["gu"].std())
+    q1 = q1._replace(data_t=o1.data_t, scale_t=o1.scale_t)  # a distinct column-wise pair (see above)
+    q2 = mxfp8.quantize(p["d"])
+    cfg = mf.MoKConfig()
+    ws = mf.get_workspace(cfg, None, device=p["x"].device, num_local_tokens=T, hidden_size=H, topk=K)
+    sch = mf.build_schedule(ws, cfg, p["te"], num_local_experts=E)
+    sgu, sd, sg = p["sgu"], p["sd"], p["sg"]
+    shared = (sgu[:IS], sgu[IS:], sd)
+    fc1_fwd = (q1.data, q1.scale)
+    y, fctx = mf.forward(cfg, ws, sch, p["x"], p["rw"], *shared, fc1_fwd, fc1_fwd, (q2.data, q2.scale),
+                         shared_output_gate_weight=sg)
+    if layout == "legacy":
+        fc1_bwd = (q1.data, q1.scale, q1.data_t, q1.scale_t)
+        fc2_bwd = (q2.data_t, q2.scale_t)
+    else:  # TE's native column-wise storage: [E, M, K] data, [E, M/32, K] scales, flagged True
+        fc1_bwd = (q1.data, q1.scale, q1.data_t.transpose(1, 2).contiguous(), q1.scale_t.transpose(1, 2).contiguous(),
+                   True)
+        fc2_bwd = (q2.data_t.transpose(1, 2).contiguous(), q2.scale_t.transpose(1, 2).contiguous(), True)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(y)
+    g = torch.Generator().manual_seed(8)
+    main = [torch.randn(s, generator=g).to(p["x"].device) for s in
+            ((IS, H), (E, 2 * I, H), (IS, H), (E, 2 * I, H), (H, IS), (E, H, I))]
+    main[3] = main[1]  # one combined routed FC1 buffer, passed twice
+    start = [m.clone() for m in main]
+    out = mf.backward(cfg, ws, sch, fctx, dy, p["x"], p["rw"], *shared, fc1_bwd, fc1_bwd, fc2_bwd,
+                      main_grads=main, shared_output_gate_weight=sg)
+    assert out[2] is main[1] and out[4] is main[5]
+
+    leaves = {n: p[n].detach().cpu().double().requires_grad_(True) for n in ("x", "rw", "sgu", "sd", "sg")}
+    (gr, gc), (dr, dc) = _dual(p["gu"], q1), _dual(p["d"], q2)
+    gr.requires_grad_(True)
+    dr.requires_grad_(True)
+    y64 = _oracle(leaves["x"], leaves["rw"], p["te"].cpu(), gr, gc, dr, dc, leaves["sgu"], leaves["sd"], leaves["sg"])
+    y64.backward(dy.cpu().double())
+    tol = TOLERANCE[torch.bfloat16]
+    assert rel_err(y, y64) <= tol
+    assert rel_err(out[0], leaves["x"].grad) <= tol
+    assert rel_err(out[1], leaves["rw"].grad) <= tol
+    assert rel_err(main[1] - start[1], gr.grad) <= tol
+    assert rel_err(main[5] - start[5], dr.grad) <= tol
+    assert rel_err(main[0] - start[0], leaves["sgu"].grad[:IS]) <= tol
+    assert rel_err(main[4] - start[4], leaves["sd"].grad) <= tol
+
+
+def test_functional_abi_mxfp8_errors():
+    from mok_inductor import functional as mf
+
+    p = _problem(torch.bfloat16, "cpu")
+    q1, q2 = mxfp8.quantize(p["gu"]), mxfp8.quantize(p["d"])
+    cfg = mf.MoKConfig()
+    ws = mf.get_workspace(cfg, None, device="cpu", num_local_tokens=T, hidden_size=H, topk=K)
+    sch = mf.build_schedule(ws, cfg, p["te"], num_local_experts=E)
+    fwd = lambda gate, up, down: mf.forward(cfg, ws, sch, p["x"], p["rw"], None, None, None, gate, up, down)  # noqa
+    fc1 = (q1.data, q1.scale)
+    cases = [
+        (TypeError, (fc1, fc1, p["d"]), "routed_down: expected MXFP8 (data, scale) tuples for all routed weights, as "
+                                        "the others"),
+        (TypeError, (fc1, (q1.data, q1.scale), (q2.data, q2.scale)),
+         "routed_gate: MXFP8 routed weights are supported as a combined FC1 (the same (data, scale) tuple passed as "
+         "routed_gate and routed_up)"),
+        (TypeError, ((q1.data, q1.scale.float()),) * 2 + ((q2.data, q2.scale),),  # one tuple, passed twice
+         "routed_gate: MXFP8 scale must be uint8 (biased E8M0 exponents), got float32"),
+    ]
+    for exc, args, message in cases:
+        with pytest.raises(exc) as info:
+            fwd(*args)
+        assert str(info.value) == message
+    y, fctx = fwd(fc1, fc1, (q2.data, q2.scale))
+    with pytest.raises(ValueError) as info:
+        mf.backward(cfg, ws, sch, fctx, torch.ones_like(y), p["x"], p["rw"], None, None, None, fc1, fc1,
+                    (q2.data_t, q2.scale_t))
+    assert str(info.value).startswith("routed_gate: the backward needs the MXFP8 gate/up as (data, scale, data_t, "
+                                      "scale_t)")
