@@ -155,7 +155,44 @@ class GraphedMok:
         return self.out
 
 
-CONTENDERS = {"mok": moe_mok, "mok_graph": GraphedMok(), "grouped_mm": moe_grouped_mm, "grouped_mm_compiled": moe_grouped_mm_compiled,
+class MokMxfp8:
+    """mok with MXFP8 routed weights (issue 8): the bf16 weights quantized once (outside the timing, as a
+    trainer quantizes once per step), each quantized weight keeping its bf16 master for the weight gradients."""
+
+    def __init__(self):
+        self.cache = {}
+
+    def quantized(self, w):
+        from mok_inductor import mxfp8
+
+        key = (w.data_ptr(), tuple(w.shape), w.requires_grad)
+        if key not in self.cache:
+            self.cache[key] = mxfp8.quantize(w)
+        return self.cache[key]
+
+    def __call__(self, x, rw, te, w_gu, w_d):
+        import mok_inductor
+
+        return mok_inductor.moe(x, rw, te, self.quantized(w_gu), self.quantized(w_d))
+
+
+class GraphedMokMxfp8(GraphedMok):
+    """mok_mxfp8's forward captured in a CUDA graph (the decode comparison against mok_graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mx = MokMxfp8()
+
+    def __call__(self, x, rw, te, w_gu, w_d):
+        global moe_mok
+        inner, moe_mok = moe_mok, self.mx
+        try:
+            return super().__call__(x, rw, te, w_gu, w_d)
+        finally:
+            moe_mok = inner
+
+
+CONTENDERS = {"mok": moe_mok, "mok_mxfp8": MokMxfp8(), "mok_mxfp8_graph": GraphedMokMxfp8(), "mok_graph": GraphedMok(), "grouped_mm": moe_grouped_mm, "grouped_mm_compiled": moe_grouped_mm_compiled,
               "eager": moe_eager, "liger": moe_liger}
 
 
@@ -237,10 +274,10 @@ def run_shape(name, kind, contenders, results, log):
             wu, rp = (2, 10) if quick else (25, 100)
             with torch.no_grad():
                 ms = bench(lambda: f(*args), wu, rp)
-            peak = float("nan") if c == "mok_graph" else \
+            peak = float("nan") if c.endswith("_graph") else \
                 peak_fwd_mib(lambda *a: f(*a), (leaves[0], leaves[1], te, leaves[2], leaves[3]))
             add(c, "fwd", *ms, fwd_flops, peak, err, f"(first call + warmup {time.time() - t0:.0f}s)")
-            if decode or c == "mok_graph":
+            if decode or c.endswith("_graph"):
                 continue
 
             def step():
@@ -314,6 +351,7 @@ def main():
     p.add_argument("--routing", default="balanced")
     p.add_argument("--skewed-shapes", default="qwen3-30b-a3b")
     p.add_argument("--contenders", default="mok,grouped_mm,grouped_mm_compiled,eager")
+    p.add_argument("--mxfp8", action="store_true", help="add mok with MXFP8 routed weights (mok_mxfp8)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "bench.log"), "a")
@@ -337,6 +375,10 @@ def main():
         contenders = [c for c in args.contenders.split(",") if c != "eager" or s in ("qwen3-decode", "gpt-oss-20b")]
         if s.endswith("decode"):
             contenders.insert(1, "mok_graph")
+        if args.mxfp8:
+            contenders.insert(1, "mok_mxfp8")
+            if s.endswith("decode"):
+                contenders.insert(2, "mok_mxfp8_graph")
         run_shape(s, r, contenders, results, log)
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump(dict(meta=meta, results=[dataclasses.asdict(x) for x in results]), f, indent=1)
