@@ -30,10 +30,17 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 # ---------------------------------------------------------------------------------------------- spawning
 
 
-def _worker(rank, world, init_file, seed, suite):
+_DEVICE = "cpu"  # the device of the spawned workers' tensors (cuda: an NCCL group)
+
+
+def _worker(rank, world, init_file, seed, suite, device):
+    global _DEVICE
+    _DEVICE = device
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         for fn in SUITES[suite]:
             try:
@@ -45,9 +52,9 @@ def _worker(rank, world, init_file, seed, suite):
         dist.destroy_process_group()
 
 
-def _spawn(world, suite, tmp_path):
+def _spawn(world, suite, tmp_path, device="cpu"):
     seed = int(torch.randint(0, 2**30, ()))  # fresh inputs every run; the ranks share it
-    mp.spawn(_worker, args=(world, str(tmp_path / "pg_init"), seed, suite), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(tmp_path / "pg_init"), seed, suite, device), nprocs=world, join=True)
 
 
 # ---------------------------------------------------------------------------------------------- problems
@@ -453,6 +460,33 @@ def case_transformers_shard_experts(rank, world, seed):
             _check(f"d {name} (summed over ranks)", _sum_over_ranks(prm.grad), want, torch.float32)
 
 
+# ---------------------------------------------------------------------------------------------- one rank, EP code path
+
+
+def case_ep_code_path_on_one_rank(rank, world, seed):
+    """mok_inductor.distributed.moe on a group of ONE rank (moe(group=...) would take the one-device
+    path): the plan, the exchanges (gloo on CPU, NCCL on CUDA) and the local megakernel of the EP path
+    against the float64 oracle, balanced and with -1 routes; and T = 0."""
+    from mok_inductor import distributed
+
+    for j, kw in enumerate([dict(limit=1.0), dict(kind="drop", gate=False), dict(T=[0]), dict(dtype=torch.bfloat16)]):
+        p = _problem(world, seed + j, **kw)
+        mine = p["ranks"][0]
+        dev = _DEVICE
+        leaf = lambda t: None if t is None else t.detach().to(dev).clone().requires_grad_()  # noqa: E731
+        a = dict(x=leaf(mine["x"]), rw=leaf(mine["rw"]), gate_up=leaf(p["gate_up"]), down=leaf(p["down"]),
+                 sgu=leaf(p["sgu"]), sd=leaf(p["sd"]), sog=leaf(p["sog"]))
+        y = distributed.moe(a["x"], a["rw"], mine["te"].to(dev), a["gate_up"], a["down"], a["sgu"], a["sd"], a["sog"],
+                            p["limit"], group=dist.group.WORLD)
+        y.backward(mine["dy"].to(dev))
+        y_ref, g_ref = _oracle(p)
+        dt = p["dtype"]
+        _check("y", y.cpu(), y_ref, dt)
+        for k, v in a.items():
+            if v is not None:
+                _check(f"d {k}", v.grad.cpu(), g_ref[k], dt)
+
+
 SUITES = {
     "api2": [case_balanced, case_all_to_rank0, case_empty_rank, case_minus_one_routes, case_no_shared_k1, case_bf16,
              case_all_tokens_empty, case_matches_one_device_and_is_deterministic, case_errors_on_every_rank,
@@ -460,6 +494,7 @@ SUITES = {
     "api4": [case_balanced_limit, case_all_to_rank0, case_empty_rank, case_minus_one_routes, case_bf16,
              case_matches_one_device_and_is_deterministic, case_errors_on_every_rank, case_functional_main_grads,
              case_functional_split],
+    "one_rank": [case_ep_code_path_on_one_rank],
     "integrations2": [case_megatron_ep, case_transformers_shard_experts],
 }
 
@@ -467,6 +502,13 @@ SUITES = {
 @pytest.mark.parametrize("world,suite", [(2, "api2"), (4, "api4")])
 def test_expert_parallel_against_one_process(world, suite, tmp_path):
     _spawn(world, suite, tmp_path)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_ep_code_path_on_one_rank(device, tmp_path):
+    """The EP code path on one rank: gloo on CPU, NCCL on CUDA (one GPU is enough)."""
+    _spawn(1, "one_rank", tmp_path, device)
 
 
 def test_megatron_backend_and_transformers_experts_over_a_group(tmp_path):
