@@ -98,7 +98,7 @@ def test_every_mok_op_is_checked():
     import mok_inductor.ops  # noqa: F401
 
     ops = {name for name in dir(torch.ops.mok) if isinstance(getattr(torch.ops.mok, name), torch._ops.OpOverloadPacket)}
-    assert ops == {"moe", "schedule", "moe_fwd", "moe_bwd"}, sorted(ops)
+    assert ops == {"moe", "schedule", "moe_fwd", "moe_bwd", "moe_mxfp8", "moe_fwd_mxfp8", "moe_bwd_mxfp8"}, sorted(ops)
 
 
 def test_double_backward_is_clear():
