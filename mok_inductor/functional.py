@@ -80,8 +80,9 @@ _MAIN_GRAD_NAMES = ("shared_gate", "routed_gate", "shared_up", "routed_up", "sha
 class MoKConfig:
     """MoK's launch configuration, with MoK's field names and defaults.
 
-    All six fields are validated as MoK validates them, and all six are IGNORED on one device
-    (group=None), where this implementation runs:
+    All six fields are validated as MoK validates them, and all six are IGNORED, on one device
+    (group=None) and with expert parallelism too (whose exchanges are plain all_to_all_singles sized by
+    the exchanged counts, docs/distributed.md):
     - fwd_num_comm_sms / bwd_num_comm_sms: SMs MoK reserves for expert-parallel communication
       (positive, even). There is no communication on one device.
     - minibatch_size / macrobatch_size: MoK's token pipelining granularity (minibatch a multiple of

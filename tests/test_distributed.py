@@ -499,6 +499,16 @@ SUITES = {
 }
 
 
+def test_group_without_torch_distributed_is_a_value_error(monkeypatch):
+    import mok_inductor
+    from _helpers import make_case
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    c = make_case(T=4, H=8, I=4, E=2, K=2, requires_grad=False)
+    with pytest.raises(ValueError, match="^group: a process group was given but torch.distributed is not initialized$"):
+        mok_inductor.moe(*c.args(), group=object())
+
+
 @pytest.mark.parametrize("world,suite", [(2, "api2"), (4, "api4")])
 def test_expert_parallel_against_one_process(world, suite, tmp_path):
     _spawn(world, suite, tmp_path)
