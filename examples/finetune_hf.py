@@ -99,7 +99,7 @@ def make_loss_fn(model):
 def train(model, impl: str, batches, *, compiled: bool, lr: float, device: str, warmup: int) -> RunResult:
     model.set_experts_implementation(impl)
     if impl == "mok":
-        # decide each experts module's plan eagerly (torch < 2.13 cannot fold it while tracing)
+        # decide each experts module's plan eagerly (optional: a compiled first call decides it while tracing)
         mok_inductor.integrations.transformers.prepare(model)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -58,11 +58,15 @@ def fwd_bwd(fn, inputs, dy, *, sum_loss=False):
 
 def assert_same(got, want):
     """Compiled vs eager on CUDA: the same kernels, but Inductor re-benchmarks the autotune configs, so a
-    different tile config (another fp32 summation order) may win. Equal up to that."""
+    different tile config (another fp32 summation order) may win, and Inductor compiles the small torch
+    reductions around the kernels (the sum over the partial router-weight gradients, the output gate's GEMV)
+    with its own summation order. Equal up to that: 1e-5 in a float32 case; 4e-3 in a bfloat16/float16 case,
+    float32 outputs included (the router-weight gradient sums bfloat16 products)."""
+    case_dtype = got[0].dtype  # y is in the dtype of x
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.dtype == b.dtype
         err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-        assert err <= (1e-5 if a.dtype == torch.float32 else 4e-3), err
+        assert err <= (1e-5 if case_dtype == torch.float32 else 4e-3), err
 
 
 def test_cpu_compiled_graph_calls_cpu_implementation():

@@ -39,6 +39,7 @@ Shape legend: T tokens, H hidden, I intermediate, E experts, K routes per token.
 from __future__ import annotations
 
 import ast
+import ctypes
 import importlib.abc
 import importlib.util
 import math
@@ -313,16 +314,18 @@ def experts_plan(module) -> ExpertsPlan:
 _PLAN_ATTR = "_mok_experts_plan"
 
 
-def _experts_plan_at_trace_time(module) -> ExpertsPlan:
+def _experts_plan_at_trace_time(module_id: int) -> ExpertsPlan:
     """experts_plan for Dynamo: marked `assume_constant_result` at registration, so Dynamo runs it at trace
-    time and bakes the plan in (torch 2.13 folds it with a module argument; 2.11 cannot, hence `prepare`)."""
-    return experts_plan(module)
+    time and bakes the plan in. It takes `id(module)`, not the module: torch 2.11's Dynamo cannot fold the
+    call with a module argument (it is not a constant), but it folds `id(module)` (guarded on the module's
+    identity) on every version from 2.11 to 2.13. The module is alive while it is traced, so its id names it."""
+    return experts_plan(ctypes.cast(module_id, ctypes.py_object).value)
 
 
 def prepare(model: torch.nn.Module) -> int:
     """Decide, eagerly, the plan of every experts module of `model` (returns how many). Compiled code
-    then reads the stored plan and never runs the probe while tracing; needed on torch < 2.13 when the
-    model's first "mok" call is a compiled one, harmless elsewhere."""
+    then reads the stored plan and never runs the probe while tracing. Optional: a compiled first call
+    decides the plan at trace time anyway (`_experts_plan_at_trace_time`)."""
     n = 0
     for module in model.modules():
         if hasattr(module, "down_proj") and hasattr(module, "has_bias"):
@@ -358,7 +361,7 @@ def mok_experts_forward(
     if torch.compiler.is_compiling():
         plan = getattr(self, _PLAN_ATTR, None)
         if plan is None:
-            plan = _experts_plan_at_trace_time(self)
+            plan = _experts_plan_at_trace_time(id(self))
     else:
         plan = experts_plan(self)
     group = getattr(self, _EP_GROUP_ATTR, None)
