@@ -77,6 +77,17 @@ def moe(
         )
     H = x.shape[-1]
     K = router_weights.shape[-1]
+    if group is not None:
+        from . import distributed as _distributed
+
+        if _distributed.group_size(group) > 1:
+            if mx:
+                raise TypeError("gate_up_proj/down_proj: MXFP8 routed weights are not supported with expert "
+                                "parallelism (group= of more than one rank) yet; pass bf16 weights")
+            y = _distributed.moe(x.reshape(-1, H), router_weights.reshape(-1, K), top_experts.reshape(-1, K),
+                                 gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate,
+                                 swiglu_limit, group=group)
+            return y.view(x.shape)
     if mx:  # MXFP8 routed weights: mok::moe_mxfp8 (ops.py), each weight as (data, scale, data_t, scale_t, master)
         y = _ops.call_moe_mxfp8(
             x.reshape(-1, H), router_weights.reshape(-1, K), top_experts.reshape(-1, K),
@@ -84,14 +95,6 @@ def moe(
             shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit,
         )
         return y.view(x.shape)
-    if group is not None:
-        from . import distributed as _distributed
-
-        if _distributed.group_size(group) > 1:
-            y = _distributed.moe(x.reshape(-1, H), router_weights.reshape(-1, K), top_experts.reshape(-1, K),
-                                 gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate,
-                                 swiglu_limit, group=group)
-            return y.view(x.shape)
     y = _ops.call_moe(
         x.reshape(-1, H),
         router_weights.reshape(-1, K),

@@ -11,7 +11,7 @@ synchronisation (capturable in a CUDA graph). Ids outside [-1, E) are counted pe
 checked with torch._assert_async; they are treated as `-1` so no write goes out of bounds.
 
 Shape legend: T tokens, K routes per token, N = T*K routes, E experts, G = E + 1 keys, C chunks of
-BLOCK routes.
+BLOCK routes (the last chunk is empty, see build_schedule).
 """
 
 from __future__ import annotations
@@ -90,7 +90,10 @@ def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
         return Schedule(empty, torch.zeros(G, dtype=torch.int32, device=dev), empty.clone())
     g_pow2 = _launch.next_pow2(G)
     block = _block(g_pow2)
-    C = triton.cdiv(N, block)
+    # One chunk more than the routes fill (it holds none: its counts are zeros). Under dynamic shapes C is a
+    # symbolic expression of the token count; at C == 1 Inductor specialises the [C, G] reductions below to
+    # their size-1 case and guards on it, so a later T with C >= 2 recompiled (seen on the H200). C >= 2 always.
+    C = triton.cdiv(N, block) + 1
     counts_CG = torch.empty(C, G, dtype=torch.int32, device=dev)
     bad_C = torch.empty(C, dtype=torch.int32, device=dev)
     _launch.launch(_schedule_count_kernel, (C,), te_N, counts_CG, bad_C, N, E, G_POW2=g_pow2, BLOCK=block)
