@@ -29,6 +29,8 @@ from ._fx import (Reject, arg, dtype, flat_source, getitem_of, is_fn, is_method,
                   strip_noop_casts, transposed_last2)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+IDS_MAPS = {"sentinel": "ids >= E -> -1 (sentinel masks)", "clamp": "clamp(0, E-1)",
+            "clamp_sentinel": "ids >= E -> -1 (masked routing weights), clamp(0, E-1)"}
 
 
 @dataclasses.dataclass
@@ -46,6 +48,10 @@ class MoEMatch:
     shared: Optional[tuple] = None  # (gate [Is, H], up [Is, H], down [H, Is], output_gate [1, H] or None)
     nodes: set = dataclasses.field(default_factory=set)  # block nodes that may be erased once unused
     out_view: Optional[fx.Node] = None  # a view of the [T, H] result whose shape `output` has (shared fusion)
+    # how the graph maps the ids before the experts see them, which the replacement must reproduce on
+    # `top_experts`: None (as is), "sentinel" (ids >= E contribute nothing: -1 for MoK), "clamp" (clamp(0, E-1)),
+    # "clamp_sentinel" (ids >= E -> -1, the rest clamp(0, E-1))
+    ids_map: Optional[str] = None
 
     def describe(self) -> str:
         T, H = shape(self.x)
@@ -57,6 +63,8 @@ class MoEMatch:
             extra = ", shared expert" + (" + sigmoid gate" if self.shared[3] is not None else "")
         if self.swiglu_limit is not None:
             extra += f", swiglu_limit={self.swiglu_limit}"
+        if self.ids_map is not None:
+            extra += f", ids: {IDS_MAPS[self.ids_map]}"
         return (f"{self.formulation} -> {self.output.name}: T={T} H={H} I={I} E={E} K={K}, "
                 f"dtype={str(dtype(self.x)).replace('torch.', '')}{extra}")
 
@@ -352,6 +360,96 @@ def check_weights(x, gate_up, down, num_experts):
 
 
 # ---------------------------------------------------------------------------------------------------
+# expert-parallel sentinel masks (transformers' grouped_mm: always applied in 5.17, only under
+# `_is_expert_parallel` in later versions). A sorted id >= E is a sentinel: `histc(max=E-1)` leaves it out of
+# the offsets, so the GEMMs skip its row, and three fills with one mask `(ids_g >= E).unsqueeze(-1)` zero it:
+# in place on the gathered rows (before the first GEMM reads them) and on both GEMM outputs. `ids_g.clamp_(
+# max=E-1)` after the last read of `ids_g` only keeps bias gathers in range. Together that is exactly MoK's
+# -1 route (no output, no gradient), so the replacement passes `top_experts.masked_fill(top_experts >= E, -1)`.
+
+SENTINEL_FILLS = ("gathered rows", "first GEMM output", "down GEMM output")
+
+
+def masked_fill_parts(n, inplace: bool):
+    """n = src.masked_fill(mask, value) (masked_fill_ when inplace) -> (src, mask, value), else None."""
+    if (is_method(n, "masked_fill_") if inplace else (is_method(n, "masked_fill") or is_fn(n, torch.masked_fill))) \
+            and len(n.args) >= 2:
+        return n.args[0], n.args[1], arg(n, 2, "value")
+    return None
+
+
+def masked_fill_user(src, inplace: bool) -> Optional[fx.Node]:
+    """The (first) masked_fill(_) of `src` among its users, else None."""
+    for u in src.users:
+        mf = masked_fill_parts(u, inplace)
+        if mf is not None and mf[0] is src:
+            return u
+    return None
+
+
+def _positions(graph: fx.Graph) -> dict:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def sentinel_masks(fills: dict, xs, ids_g, sort, num_experts, nodes: set) -> Optional[str]:
+    """Check the sentinel handling found around a grouped block (`fills`: SENTINEL_FILLS -> masked_fill node or
+    None; `xs` the gathered rows; `ids_g` the ids the offsets count) -> "sentinel", or None if there is none."""
+    present = {k: v for k, v in fills.items() if v is not None}
+    clamps = [u for u in ids_g.users if is_method(u, "clamp_", "clip_") and u.args[0] is ids_g] \
+        if isinstance(ids_g, fx.Node) else []
+    if not present and not clamps:
+        return None
+    if not present:
+        raise Reject(f"{clamps[0].name}: the sorted expert ids are clamped in place without the sentinel masks")
+    if len(present) != len(SENTINEL_FILLS):
+        missing = [k for k in SENTINEL_FILLS if k not in present]
+        raise Reject(f"partial sentinel masks (none on the {', '.join(missing)}); MoK's -1 route equals the "
+                     "three masks together")
+    if sort is None or getitem_of(ids_g, 0) is not sort:
+        raise Reject("sentinel masks, but the offsets do not count the sorted expert ids")
+    masks = set()
+    for where, n in present.items():
+        _, mask, value = masked_fill_parts(n, inplace=(where == SENTINEL_FILLS[0]))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != 0:
+            raise Reject(f"{n.name}: the {where} are filled with {getattr(value, 'name', value)}, not 0")
+        masks.add(mask)
+    if len(masks) != 1:
+        raise Reject("the gathered rows and the GEMM outputs are masked with different masks")
+    (mask,) = masks
+    col = unsqueezed_column(mask)
+    if col is None:
+        raise Reject(f"{getattr(mask, 'name', mask)}: the sentinel mask is not a [N, 1] column")
+    ge = col
+    if not ((is_fn(ge, operator.ge, torch.ge) or is_method(ge, "ge", "__ge__")) and len(ge.args) == 2):
+        raise Reject(f"{getattr(ge, 'name', ge)}: the sentinel mask is not (ids >= E)")
+    if ge.args[0] is not ids_g:
+        raise Reject(f"{ge.name}: the sentinel mask is not computed from the sorted expert ids {ids_g.name}")
+    bound = ge.args[1]
+    if isinstance(bound, bool) or not isinstance(bound, (int, torch.SymInt)) or not same(bound, num_experts):
+        raise Reject(f"{ge.name}: the sentinel mask is ids >= {getattr(bound, 'name', bound)}, not ids >= E={num_experts}")
+    if set(mask.users) != set(present.values()) or set(ge.users) != {mask}:
+        raise Reject(f"{mask.name}: the sentinel mask is also used outside the block")
+    pos = _positions(ids_g.graph)
+    pre = present[SENTINEL_FILLS[0]]
+    if any(pos[u] < pos[pre] for u in xs.users if u is not pre):
+        raise Reject(f"{xs.name}: the gathered rows are read before their sentinel mask {pre.name}")
+    if len(clamps) > 1:
+        raise Reject(f"{ids_g.name}: clamped in place more than once")
+    for c in clamps:
+        lo, hi = arg(c, 1, "min"), arg(c, 2, "max")
+        if lo not in (None, 0) or isinstance(hi, bool) or not isinstance(hi, (int, torch.SymInt)) or \
+                not same(hi, num_experts - 1):
+            raise Reject(f"{c.name}: the sorted ids are clamped to [{lo}, {hi}], not to max=E-1={num_experts - 1}")
+        # the block's own reads (the histogram, the mask) must see the unclamped ids; a later reader outside the
+        # block (a bias gather) keeps the clamp, which the rewrite leaves in place for it
+        late = [u for u in ids_g.users if u is not c and pos[u] > pos[c] and (u in nodes or u is ge)]
+        if late:
+            raise Reject(f"{late[0].name} reads the sorted expert ids after their in-place clamp {c.name}")
+    nodes.update((*present.values(), mask, ge, *clamps))
+    return "sentinel"
+
+
+# ---------------------------------------------------------------------------------------------------
 # the grouped core: anchor + body + routing + dispatch
 
 
@@ -366,9 +464,10 @@ class GroupedCore:
     gate_up: Union[fx.Node, tuple]
     down: fx.Node
     swiglu_limit: Optional[float]
-    y_N: fx.Node  # the down GEMM's output, in sorted route order
+    y_N: fx.Node  # the down GEMM's output (after its sentinel mask, if any), in sorted route order
     uses_fallback: bool
     nodes: set
+    ids_map: Optional[str] = None  # "sentinel" when the expert-parallel sentinel masks were matched
 
 
 def chain(start, end, nodes: set) -> None:
@@ -392,9 +491,15 @@ def grouped_core(offs, gemms: list) -> GroupedCore:
     chain(b2, down, nodes)
     gate, up, limit = swiglu(a2, nodes)
     chain(a2, strip_noop_casts(a2), nodes)
+    fills = dict.fromkeys(SENTINEL_FILLS)
+    fills[SENTINEL_FILLS[2]] = masked_fill_user(down_gemm, inplace=False)
     if len(gemms) == 2:
         g1 = gemms[0]
         src = chunk_halves(gate, up, nodes)
+        mf = masked_fill_parts(src, inplace=False)
+        if mf is not None and strip_noop_casts(mf[0]) is g1:  # a sentinel mask, checked below
+            fills[SENTINEL_FILLS[1]] = src
+            src = mf[0]
         if strip_noop_casts(src) is not g1:
             raise Reject(f"the SwiGLU input {src.name} is not the first grouped GEMM {g1.name}")
         chain(src, g1, nodes)
@@ -424,6 +529,7 @@ def grouped_core(offs, gemms: list) -> GroupedCore:
         raise Reject(f"{xs.name}: router weights are applied to the expert inputs (score before experts); "
                      "MoK scales the expert outputs")
     x, idx = dispatch(xs, nodes)
+    fills[SENTINEL_FILLS[0]] = masked_fill_user(strip_noop_casts(xs), inplace=True)
     perm, k = token_index(idx, nodes)
     sort, te_flat = sort_perm(perm)
     te = flat_source(te_flat)
@@ -435,8 +541,10 @@ def grouped_core(offs, gemms: list) -> GroupedCore:
     nodes.update(n for n in (perm, te_flat, sort, ids if getitem_of(ids, 0) is sort else None) if n is not None)
     check_routing_shapes(x, te, k, num_experts)
     check_weights(x, gate_up, down, num_experts)
+    ids_map = sentinel_masks(fills, strip_noop_casts(xs), ids, sort, num_experts, nodes)
+    y_N = fills[SENTINEL_FILLS[2]] if ids_map is not None else down_gemm
     uses_fallback = any(is_fn(g, *_hf_fallback_targets()) for g in gemms)
-    return GroupedCore(x, idx, perm, te, gate_up, down, limit, down_gemm, uses_fallback, nodes)
+    return GroupedCore(x, idx, perm, te, gate_up, down, limit, y_N, uses_fallback, nodes, ids_map)
 
 
 def unsqueezed_column(n):

@@ -26,9 +26,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from ._experts import (GroupedCore, MoEMatch, check_routing_shapes, check_weights, chunk_halves,
-                       router_weights_of, scaled_by, swiglu)
-from ._fx import (Reject, arg, dtype, flat_source, is_fn, is_method, same_shape, shape, strip_noop_casts)
+from ._experts import (GroupedCore, MoEMatch, _clamp_bounds, check_routing_shapes, check_weights, chunk_halves,
+                       masked_fill_parts, router_weights_of, scaled_by, swiglu)
+from ._fx import (Reject, arg, dtype, flat_source, is_fn, is_method, same, same_shape, shape, strip_noop_casts)
 
 
 def _sum_over_k(r, T, K, H, nodes: set):
@@ -88,7 +88,7 @@ def combine_grouped(core: GroupedCore) -> MoEMatch:
                 out = _output_in_x_dtype(s, core.x, nodes)
                 name = "hf_grouped_mm_fallback" if core.uses_fallback else "hf_grouped_mm"
                 return MoEMatch(name, out, core.x, rw, core.top_experts, core.gate_up, core.down,
-                                core.swiglu_limit, None, nodes)
+                                core.swiglu_limit, None, nodes, ids_map=core.ids_map)
         raise Reject(f"{m.name}: the weighted outputs are not un-permuted with y[inverse(perm)]")
     raise Reject(f"{core.y_N.name}: the down GEMM output is not scaled by the sorted routing weights")
 
@@ -103,6 +103,26 @@ def _gathered_weight(n):
             len(shape(n.args[1]) or ()) == 1 and dtype(n.args[1]) in (torch.int32, torch.int64):
         return n.args[0], n.args[1]
     return None
+
+
+def _sentinel_weights(mf, sw, flat_ids, ids_map, num_experts, nodes: set):
+    """sw = rw_flat.masked_fill(flat_ids >= E, 0) with the ids clamped for the gathers -> rw_flat."""
+    src, mask, value = mf
+    if ids_map != "clamp":
+        raise Reject(f"{sw.name}: routing weights masked, but the expert ids are not clamped to [0, E-1]")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != 0:
+        raise Reject(f"{sw.name}: the routing weights are filled with {getattr(value, 'name', value)}, not 0")
+    ge = mask
+    if not ((is_fn(ge, operator.ge, torch.ge) or is_method(ge, "ge", "__ge__")) and len(ge.args) == 2) or \
+            ge.args[0] is not flat_ids:
+        raise Reject(f"{getattr(mask, 'name', mask)}: the routing-weight mask is not (expert ids >= E)")
+    bound = ge.args[1]
+    if isinstance(bound, bool) or not isinstance(bound, (int, torch.SymInt)) or not same(bound, num_experts):
+        raise Reject(f"{ge.name}: the routing-weight mask is ids >= {getattr(bound, 'name', bound)}, not ids >= E={num_experts}")
+    if set(ge.users) != {sw}:
+        raise Reject(f"{ge.name}: the sentinel mask is also used outside the block")
+    nodes.update((sw, ge))
+    return src
 
 
 def bmm_candidates(graph: fx.Graph):
@@ -162,11 +182,18 @@ def match_batched(b2: fx.Node) -> MoEMatch:
         raise Reject(f"{xcol.name}: the expert input is not x.repeat_interleave(K, dim=0)")
     x, k = xr.args[0], arg(xr, 1, "repeats")
     nodes.update((b1.args[0], xcol, xr))
-    te = flat_source(ids)
+    num_experts = shape(down)[0]
+    flat_ids, ids_map = ids, None
+    cl = _clamp_bounds(ids)
+    if cl is not None and flat_source(cl[0]) is not None:  # the expert-parallel clamp (always there in 5.17)
+        if cl[1] != 0 or isinstance(cl[2], bool) or not isinstance(cl[2], (int, torch.SymInt)) or \
+                not same(cl[2], num_experts - 1):
+            raise Reject(f"{ids.name}: expert ids clamped to [{cl[1]}, {cl[2]}], not [0, E-1={num_experts - 1}]")
+        flat_ids, ids_map = cl[0], "clamp"
+    te = flat_source(flat_ids)
     if te is None:
         raise Reject(f"{ids.name}: expert ids are not top_experts.reshape(-1)")
-    nodes.add(ids)
-    num_experts = shape(down)[0]
+    nodes.update((ids, flat_ids))
     check_routing_shapes(x, te, k, num_experts)
     check_weights(x, gate_up, down, num_experts)
     y = _squeezed(b2, nodes)
@@ -176,9 +203,12 @@ def match_batched(b2: fx.Node) -> MoEMatch:
         sw = scaled_by(m, y)
         if sw is None:
             continue
+        mf = masked_fill_parts(sw, inplace=False)
+        if mf is not None:  # routing weights zeroed at the sentinels (transformers >= 5.2x under expert parallelism)
+            sw, ids_map = _sentinel_weights(mf, sw, flat_ids, ids_map, num_experts, nodes), "clamp_sentinel"
         rw = router_weights_of(sw, None, te, nodes)
         nodes.update((m, *[a for a in m.args if isinstance(a, fx.Node) and a is not y]))
         s = _sum_over_k(m, T, K, H, nodes)
         out = _output_in_x_dtype(s, x, nodes)
-        return MoEMatch("hf_batched_mm", out, x, rw, te, gate_up, down, limit, None, nodes)
+        return MoEMatch("hf_batched_mm", out, x, rw, te, gate_up, down, limit, None, nodes, ids_map=ids_map)
     raise Reject(f"{y.name}: the down bmm output is not scaled by the routing weights")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 from typing import Optional
 
@@ -28,7 +29,7 @@ from torch._dynamo.utils import counters
 
 from . import cache, match_hf, match_megatron, match_shared, match_titan
 from ._experts import MoEMatch, group_by_offs, grouped_core
-from ._fx import Reject, check_not_mutated, is_mutating, val
+from ._fx import Reject, check_not_mutated, is_mutating, shape, val
 
 _log = logging.getLogger(__name__)
 if os.environ.get("MOK_PATTERNS_LOG", "0") not in ("0", ""):
@@ -126,8 +127,35 @@ def _erase_unused(graph: fx.Graph, nodes: set) -> None:
         graph.erase_node(n)
 
 
+def _method(graph: fx.Graph, name: str, *args) -> fx.Node:
+    n = graph.call_method(name, args)
+    ev = _fake(lambda t, *rest: getattr(t, name)(*rest), *args)
+    if ev is not None:
+        n.meta["example_value"] = ev
+    return n
+
+
+def _mapped_ids(graph: fx.Graph, m: MoEMatch) -> fx.Node:
+    """top_experts as the matched block's experts saw them (`MoEMatch.ids_map`), in MoK's convention."""
+    te = m.top_experts
+    if m.ids_map is None:
+        return te
+    E = shape(m.down)[0]
+    out = te
+    if m.ids_map in ("clamp", "clamp_sentinel"):
+        out = _method(graph, "clamp", te, 0, E - 1)
+    if m.ids_map in ("sentinel", "clamp_sentinel"):
+        sentinel = graph.call_function(operator.ge, (te, E))
+        ev = _fake(operator.ge, te, E)
+        if ev is not None:
+            sentinel.meta["example_value"] = ev
+        out = _method(graph, "masked_fill", out, sentinel, -1)
+    return out
+
+
 def _replace(graph: fx.Graph, m: MoEMatch) -> fx.Node:
     with graph.inserting_before(m.output):
+        top_experts = _mapped_ids(graph, m)
         gate_up = _cat(graph, m.gate_up, 1) if isinstance(m.gate_up, tuple) else m.gate_up
         sgu = sd = sog = None
         if m.shared is not None:
@@ -135,7 +163,7 @@ def _replace(graph: fx.Graph, m: MoEMatch) -> fx.Node:
             sgu = _cat(graph, (wsg, wsu), 0)
         new = graph.call_function(
             torch.ops.mok.moe.default,
-            (m.x, m.router_weights, m.top_experts, gate_up, m.down, sgu, sd, sog, m.swiglu_limit),
+            (m.x, m.router_weights, top_experts, gate_up, m.down, sgu, sd, sog, m.swiglu_limit),
         )
         if m.out_view is not None:  # back to the shape of the replaced node, with the view's own arguments
             new.meta["example_value"] = m.out_view.args[0].meta.get("example_value")

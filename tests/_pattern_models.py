@@ -69,3 +69,15 @@ def loss_and_grads(model, ids, dy_seed: int = 1):
     dy = torch.randn(logits.shape, generator=g).to(logits.dtype)
     (logits * dy).sum().backward()
     return logits.detach(), {k.replace("_orig_mod.", ""): p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def traces_sentinel_handling(impl: str) -> bool:
+    """Whether this transformers' `impl` ("grouped_mm" / "batched_mm") experts function applies its
+    expert-parallel sentinel handling always (transformers 5.17: grouped_mm's masks and in-place clamp,
+    batched_mm's clamp) instead of only under `self._is_expert_parallel` (5.23). The traced graph, and so the
+    rewritten one (which maps `top_experts` the same way), differs between the two."""
+    import inspect
+
+    from transformers.integrations import moe
+
+    return "_is_expert_parallel" not in inspect.getsource(getattr(moe, f"{impl}_experts_forward"))

@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 import lowering
 import mok_inductor
 from lowering import patterns
+from _pattern_models import traces_sentinel_handling
 from oracle import oracle_moe
 
 import transformers  # a pinned test dependency (requirements.txt): its absence must fail, not skip
@@ -161,6 +162,115 @@ def test_clamped_swiglu_becomes_swiglu_limit(impl):
     assert float((out.double() - gold).norm() / gold.norm()) <= 1e-4
 
 
+# ---------------------------------------------------------------------------------------------------
+# expert-parallel sentinel ids (>= E): transformers' masks and clamps, MoK's -1 route
+
+
+def _with_sentinels(idx, seed=13):
+    """idx with about a third of its routes replaced by the sentinel id E (both routes of a token may be)."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.where(torch.rand(idx.shape, generator=g) < 0.35, torch.full_like(idx, E), idx)
+    assert (out == E).any() and (out < E).any()
+    return out
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_sentinel_ids_match_eager_and_the_oracle(impl):
+    """Routes with id >= E under the expert-parallel handling (always on in transformers 5.17, behind
+    `_is_expert_parallel` in 5.23): forward and every gradient equal HF eager, and the oracle with those
+    routes dropped (grouped_mm masks them) or clamped to expert E-1 (5.17's batched_mm only clamps)."""
+    experts = make_experts(impl, dtype=torch.float32)
+    experts._is_expert_parallel = True
+    x, idx, w = routing_inputs(torch.float32)
+    idx = _with_sentinels(idx)
+    params = [experts.gate_up_proj, experts.down_proj]
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(14))
+
+    def step(fn):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(xg, idx, wg)
+        return out.detach(), torch.autograd.grad(out, [xg, wg, *params], dy)
+
+    ref, gref = step(experts)
+    _, records, _ = rewritten(experts, x, idx, w)
+    assert counters["mok_inductor"]["moe_replaced"] == 1, [str(r) for r in records]
+    torch._dynamo.reset()
+    out, g = step(torch.compile(experts, backend="mok", options={"mok_inner": "aot_eager"}, fullgraph=True))
+    assert counters["mok_inductor"]["moe_replaced"] == 2
+    clamp_only = impl == "batched_mm" and SENTINELS_ALWAYS["batched_mm"]
+    assert any(("clamp(0, E-1)" if clamp_only else "ids >= E -> -1") in r.detail for r in records if r.replaced)
+    gold = oracle_moe(x, w, idx.clamp(0, E - 1) if clamp_only else idx, *params)
+    assert float((out.double() - gold).norm() / gold.norm()) <= 1e-5
+    assert float((ref.double() - gold).norm() / gold.norm()) <= 1e-5
+    for a, b in zip(g, gref):
+        assert float((a - b).norm() / b.norm()) <= 1e-5
+    if not clamp_only:  # a dropped route gets no router-weight gradient
+        assert torch.all(g[1][idx == E] == 0) and torch.all(gref[1][idx == E] == 0)
+
+
+def _sentinel_block(x, top_k_index, top_k_weights, gate_up, down, variant=""):
+    """A grouped_mm block with transformers' sentinel handling written out by hand; `variant` breaks one part."""
+    k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1)
+    ids, perm = torch.sort(flat)
+    xs = x[perm // k]
+    sw = top_k_weights.reshape(-1)[perm]
+    offs = torch.cumsum(torch.histc(ids.float(), bins=E, min=0, max=E - 1), dim=0, dtype=torch.int32)
+    if variant == "clamp_first":
+        ids.clamp_(max=E - 1)
+    src = flat if variant == "unsorted_mask" else ids
+    mask = (src >= (E - 1 if variant == "bound" else E)).unsqueeze(-1)
+    if variant != "clamp_first":
+        ids.clamp_(max=E - 2 if variant == "clamp_bound" else E - 1)
+    xs.masked_fill_(mask, 0.0)
+    h = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)
+    if variant != "partial":
+        h = h.masked_fill(mask, 0.0)
+    gate, up = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
+    y = y.masked_fill(mask, 1.0 if variant == "fill" else 0.0) * sw.unsqueeze(-1)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.shape[0])
+    return y[inv].view(-1, k, y.shape[-1]).sum(dim=1)
+
+
+SENTINEL_NEAR_MISSES = {
+    "bound": "not ids >= E",  # the mask is ids >= E-1: it drops expert E-1's routes too
+    "fill": "not 0",  # the down output is filled with 1
+    "partial": "partial sentinel masks",  # no mask on the first GEMM output
+    "unsorted_mask": "not computed from the sorted expert ids",  # mask rows in route order, GEMM rows sorted
+    "clamp_first": "after their in-place clamp",  # the mask sees the clamped ids: it is all False
+    "clamp_bound": "not to max=E-1",
+}
+
+
+@pytest.mark.parametrize("variant", ["", *sorted(SENTINEL_NEAR_MISSES)])
+def test_sentinel_masks_canonical_and_near_misses(variant, caplog):
+    g = torch.Generator().manual_seed(15)
+    gate_up = (0.3 * torch.randn(E, 2 * I, H, generator=g)).bfloat16()
+    down = (0.3 * torch.randn(E, H, I, generator=g)).bfloat16()
+    x, idx, w = routing_inputs(torch.bfloat16)
+    if variant not in ("clamp_first", "unsorted_mask"):  # these two leak rows the GEMMs never wrote (garbage)
+        idx = _with_sentinels(idx)
+
+    def f(x, idx, w, gate_up, down):
+        return _sentinel_block(x, idx, w, gate_up, down, variant)
+
+    with caplog.at_level(logging.INFO, logger="lowering.patterns"):
+        gm, records, out = rewritten(f, x, idx, w, gate_up, down)
+    if not variant:
+        assert counters["mok_inductor"]["moe_replaced"] == 1, [str(r) for r in records]
+        gold = oracle_moe(x, w, idx, gate_up, down)
+        assert float((out.double() - gold).norm() / gold.norm()) <= 1e-2
+        return
+    reason = SENTINEL_NEAR_MISSES[variant]
+    assert counters["mok_inductor"]["moe_replaced"] == 0
+    assert any(reason in r.detail for r in records), [str(r) for r in records]
+    assert any(reason in m for m in caplog.messages), caplog.messages
+    assert "mok.moe" not in gm.code
+    torch.testing.assert_close(out, f(x, idx, w, gate_up, down), rtol=0, atol=0)
+
+
 def test_grouped_mm_outside_a_moe_block_is_left_alone(caplog):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(12, H, generator=g).bfloat16()
@@ -257,29 +367,89 @@ def test_titan_scores_before_experts_is_left_alone():
 # pinned rewritten graphs, one canonical block per formulation
 
 
+# transformers 5.17 traces the expert-parallel sentinel handling of each experts backend unconditionally,
+# 5.23 only under `_is_expert_parallel`: the graphs below are pinned for both (the branch taken depends on the
+# installed transformers; CI runs 5.23, the 5.17 branch is checked in the torch 2.11 + transformers 5.17 env)
+SENTINELS_ALWAYS = {impl: traces_sentinel_handling(impl) for impl in ("grouped_mm", "batched_mm")}
+
+
 class TestRewrittenGraphs(expecttest.TestCase):
-    def _experts_graph(self, impl, dtype):
+    def _experts_graph(self, impl, dtype, expert_parallel=False):
         experts = make_experts(impl, dtype=dtype)
+        if expert_parallel:  # what transformers' expert-parallel sharding sets on the experts module
+            experts._is_expert_parallel = True
         x, idx, w = routing_inputs(dtype)
         gm, records, _ = rewritten(experts, x, idx, w)
         self.assertEqual(counters["mok_inductor"]["moe_replaced"], 1, [str(r) for r in records])
         return graph_text(gm)
 
     def test_hf_grouped_mm_bf16(self):
-        self.assertExpectedInline(self._experts_graph("grouped_mm", torch.bfloat16), """\
+        text = self._experts_graph("grouped_mm", torch.bfloat16)
+        if SENTINELS_ALWAYS["grouped_mm"]:  # sentinel ids (>= E) become MoK's -1 routes
+            self.assertExpectedInline(text, """\
+ge_1 = l_args_1_ >= 4
+masked_fill_2 = l_args_1_.masked_fill(ge_1, -1)
+moe_default = torch.ops.mok.moe.default(l_args_0_, l_args_2_, masked_fill_2, l_self_parameters_gate_up_proj_, l_self_parameters_down_proj_, None, None, None, None)
+to_2 = moe_default.to(torch.bfloat16)
+return (to_2,)""")
+        else:
+            self.assertExpectedInline(text, """\
 moe_default = torch.ops.mok.moe.default(l_args_0_, l_args_2_, l_args_1_, l_self_parameters_gate_up_proj_, l_self_parameters_down_proj_, None, None, None, None)
 to_2 = moe_default.to(torch.bfloat16)
 return (to_2,)""")
 
     def test_hf_grouped_mm_fallback_fp32(self):
-        self.assertExpectedInline(self._experts_graph("grouped_mm", torch.float32), """\
+        text = self._experts_graph("grouped_mm", torch.float32)
+        if SENTINELS_ALWAYS["grouped_mm"]:
+            self.assertExpectedInline(text, """\
+ge_1 = l_args_1_ >= 4
+masked_fill_2 = l_args_1_.masked_fill(ge_1, -1)
+moe_default = torch.ops.mok.moe.default(l_args_0_, l_args_2_, masked_fill_2, l_self_parameters_gate_up_proj_, l_self_parameters_down_proj_, None, None, None, None)
+to_2 = moe_default.to(torch.float32)
+return (to_2,)""")
+        else:
+            self.assertExpectedInline(text, """\
 moe_default = torch.ops.mok.moe.default(l_args_0_, l_args_2_, l_args_1_, l_self_parameters_gate_up_proj_, l_self_parameters_down_proj_, None, None, None, None)
 to_2 = moe_default.to(torch.float32)
 return (to_2,)""")
 
     def test_hf_batched_mm(self):
-        self.assertExpectedInline(self._experts_graph("batched_mm", torch.float32), """\
+        text = self._experts_graph("batched_mm", torch.float32)
+        if SENTINELS_ALWAYS["batched_mm"]:  # the experts see clamp(ids, 0, E-1), and so does MoK
+            self.assertExpectedInline(text, """\
+clamp_1 = l_args_1_.clamp(0, 3)
+moe_default = torch.ops.mok.moe.default(l_args_0_, l_args_2_, clamp_1, l_self_parameters_gate_up_proj_, l_self_parameters_down_proj_, None, None, None, None)
+to = moe_default.to(torch.float32)
+return (to,)""")
+        else:
+            self.assertExpectedInline(text, """\
 moe_default = torch.ops.mok.moe.default(l_args_0_, l_args_2_, l_args_1_, l_self_parameters_gate_up_proj_, l_self_parameters_down_proj_, None, None, None, None)
+to = moe_default.to(torch.float32)
+return (to,)""")
+
+    def test_hf_grouped_mm_expert_parallel_bf16(self):
+        """`_is_expert_parallel`: the sentinel masks in any version (5.17 ignores the flag: it always masks)."""
+        self.assertExpectedInline(self._experts_graph("grouped_mm", torch.bfloat16, expert_parallel=True), """\
+ge_1 = l_args_1_ >= 4
+masked_fill_2 = l_args_1_.masked_fill(ge_1, -1)
+moe_default = torch.ops.mok.moe.default(l_args_0_, l_args_2_, masked_fill_2, l_self_parameters_gate_up_proj_, l_self_parameters_down_proj_, None, None, None, None)
+to_2 = moe_default.to(torch.bfloat16)
+return (to_2,)""")
+
+    def test_hf_batched_mm_expert_parallel(self):
+        text = self._experts_graph("batched_mm", torch.float32, expert_parallel=True)
+        if SENTINELS_ALWAYS["batched_mm"]:  # 5.17: the clamp only (its routing weights are not masked)
+            self.assertExpectedInline(text, """\
+clamp_1 = l_args_1_.clamp(0, 3)
+moe_default = torch.ops.mok.moe.default(l_args_0_, l_args_2_, clamp_1, l_self_parameters_gate_up_proj_, l_self_parameters_down_proj_, None, None, None, None)
+to = moe_default.to(torch.float32)
+return (to,)""")
+        else:  # clamped ids for the gathers, routing weights zeroed at ids >= E
+            self.assertExpectedInline(text, """\
+clamp_1 = l_args_1_.clamp(0, 3)
+ge_1 = l_args_1_ >= 4
+masked_fill_1 = clamp_1.masked_fill(ge_1, -1)
+moe_default = torch.ops.mok.moe.default(l_args_0_, l_args_2_, masked_fill_1, l_self_parameters_gate_up_proj_, l_self_parameters_down_proj_, None, None, None, None)
 to = moe_default.to(torch.float32)
 return (to,)""")
 
@@ -292,6 +462,23 @@ return (to,)""")
         gm, records, out = rewritten(block, x)
         self.assertEqual(counters["mok_inductor"]["moe_replaced"], 1, [str(r) for r in records])
         torch.testing.assert_close(out, block(x), rtol=1e-4, atol=1e-5)
+        if SENTINELS_ALWAYS["grouped_mm"]:
+            self.assertExpectedInline(graph_text(gm), """\
+hidden_states_reshaped = l_hidden_states_.view(-1, 16)
+hidden_states = hidden_states_reshaped.reshape(-1, 16)
+router_logits = torch._C._nn.linear(hidden_states, l_self_modules_gate_parameters_weight_)
+router_probs = torch.nn.functional.softmax(router_logits, dtype = torch.float32, dim = -1)
+topk = torch.topk(router_probs, 2, dim = -1)
+router_top_value = topk[0]
+router_indices = topk[1]
+router_top_value_1 = router_top_value.to(torch.float32)
+ge_1 = router_indices >= 4
+masked_fill_2 = router_indices.masked_fill(ge_1, -1)
+cat = torch.cat([l_self_modules_shared_expert_modules_gate_proj_parameters_weight_, l_self_modules_shared_expert_modules_up_proj_parameters_weight_], dim = 0)
+moe_default = torch.ops.mok.moe.default(hidden_states_reshaped, router_top_value_1, masked_fill_2, l_self_modules_experts_parameters_gate_up_proj_, l_self_modules_experts_parameters_down_proj_, cat, l_self_modules_shared_expert_modules_down_proj_parameters_weight_, l_self_modules_shared_expert_gate_parameters_weight_, None)
+expert_output_2 = moe_default.reshape(1, 7, 16)
+return (expert_output_2,)""")
+            return
         self.assertExpectedInline(graph_text(gm), """\
 hidden_states_reshaped = l_hidden_states_.view(-1, 16)
 hidden_states = hidden_states_reshaped.reshape(-1, 16)
