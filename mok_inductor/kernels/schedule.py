@@ -1,14 +1,17 @@
-"""The expert schedule on the device: a stable counting sort of the routes by expert.
+"""The expert schedule on the device: a stable counting sort of the routes by expert, in three launches.
 
     top_experts_TK --_schedule_count_kernel--> counts_CG [C, G] (routes per key per chunk), bad_C [C]
-    counts_CG --int32 cumsums (torch)--> expert_offsets_E1, base_CG (first slot of key g in chunk c)
-    top_experts_TK, base_CG --_schedule_scatter_kernel--> sorted_routes_N, route_slots_N
+    counts_CG --_schedule_prefix_kernel--> base_CG (exclusive prefix over the chunks, per key), totals_G
+    top_experts_TK, base_CG, totals_G --_schedule_scatter_kernel--> sorted_routes_N, route_slots_N,
+        expert_offsets_E1 (the exclusive prefix of totals_G over the keys, computed in every program)
 
 Keys: the expert id, with `-1` routes as key E (so they sort last, in route order). Stable because
 chunk c's routes of key g take the slots after those of chunks < c, in route order inside a chunk
 (a one-hot prefix sum). Integer arithmetic only: deterministic. Static shapes, no host
 synchronisation (capturable in a CUDA graph). Ids outside [-1, E) are counted per chunk in bad_C and
-checked with torch._assert_async; they are treated as `-1` so no write goes out of bounds.
+checked with torch._assert_async; they are treated as `-1` so no write goes out of bounds. The prefix
+sums are our own kernel rather than torch.cumsum: one launch instead of five, and no Inductor-generated
+scan over a strided dim inside compiled graphs.
 
 Shape legend: T tokens, K routes per token, N = T*K routes, E experts, G = E + 1 keys, C chunks of
 BLOCK routes (the last chunk is empty, see build_schedule).
@@ -52,22 +55,51 @@ def _schedule_count_kernel(
 
 
 @triton.jit
+def _schedule_prefix_kernel(
+    counts_ptr,  # int32 [C, G]
+    base_ptr,  # int32 [C, G] out: routes of key g in chunks < c
+    totals_ptr,  # int32 [G] out: routes of key g
+    C, G,
+    BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    """One program per strip of BLOCK_G keys: a running exclusive prefix down the chunks, BLOCK_C at a time."""
+    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    gmask = g < G
+    carry = tl.zeros((BLOCK_G,), dtype=tl.int32)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        m = (c[:, None] < C) & gmask[None, :]
+        offs = c[:, None] * G + g[None, :]
+        cnt = tl.load(counts_ptr + offs, mask=m, other=0)
+        incl = tl.cumsum(cnt, axis=0)
+        tl.store(base_ptr + offs, carry[None, :] + incl - cnt, mask=m)
+        carry += tl.sum(cnt, axis=0)
+    tl.store(totals_ptr + g, carry, mask=gmask)
+
+
+@triton.jit
 def _schedule_scatter_kernel(
     te_ptr,  # top_experts [N]
-    base_ptr,  # int32 [C, G]: first slot of key g's routes of chunk c
+    base_ptr,  # int32 [C, G]: routes of key g in chunks < c
+    totals_ptr,  # int32 [G]: routes of key g
     sorted_ptr,  # int32 [N] out: route held by each slot
     slots_ptr,  # int32 [N] out: slot of each route
+    offsets_ptr,  # int32 [G] out (program 0): first slot of each key = expert_offsets_E1
     N, E,
     G_POW2: tl.constexpr, BLOCK: tl.constexpr,
 ):
     c = tl.program_id(0)
+    g = tl.arange(0, G_POW2)
+    totals = tl.load(totals_ptr + g, mask=g <= E, other=0)
+    start = tl.cumsum(totals, axis=0) - totals  # first slot of each key
+    tl.store(offsets_ptr + g, start, mask=(g <= E) & (c == 0))  # program 0 writes the offsets
     routes = c * BLOCK + tl.arange(0, BLOCK)
     keys, mask, _ = _keys(te_ptr, routes, N, E)
-    g = tl.arange(0, G_POW2)
     onehot = ((keys[:, None] == g[None, :]) & mask[:, None]).to(tl.int32)
     rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # earlier routes of the same key
+    key_start = tl.sum(onehot * start[None, :], axis=1)  # start[keys], without a gather
     base = tl.load(base_ptr + c * (E + 1) + keys, mask=mask, other=0)
-    slot = base + rank
+    slot = key_start + base + rank
     tl.store(sorted_ptr + slot, routes, mask=mask)
     tl.store(slots_ptr + routes, slot, mask=mask)
 
@@ -91,18 +123,22 @@ def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
     g_pow2 = _launch.next_pow2(G)
     block = _block(g_pow2)
     # One chunk more than the routes fill (it holds none: its counts are zeros). Under dynamic shapes C is a
-    # symbolic expression of the token count; at C == 1 Inductor specialises the [C, G] reductions below to
-    # their size-1 case and guards on it, so a later T with C >= 2 recompiled (seen on the H200). C >= 2 always.
+    # symbolic expression of the token count; at C == 1 Inductor specialised the torch reductions over C
+    # (then the cumsums of counts_CG, now bad_C.sum) to their size-1 case and guarded on it, so a later T
+    # with C >= 2 recompiled (seen on the H200). With C >= 2 always, no such guard.
     C = triton.cdiv(N, block) + 1
     counts_CG = torch.empty(C, G, dtype=torch.int32, device=dev)
     bad_C = torch.empty(C, dtype=torch.int32, device=dev)
     _launch.launch(_schedule_count_kernel, (C,), te_N, counts_CG, bad_C, N, E, G_POW2=g_pow2, BLOCK=block)
     torch._assert_async(bad_C.sum() == 0, f"top_experts: expected expert indices in [-1, {E})")
-    totals_G = counts_CG.sum(0, dtype=torch.int32)
-    start_G = torch.cumsum(totals_G, 0, dtype=torch.int32) - totals_G  # first slot of each key
-    base_CG = (torch.cumsum(counts_CG, 0, dtype=torch.int32) - counts_CG) + start_G[None, :]
+    base_CG = torch.empty(C, G, dtype=torch.int32, device=dev)
+    totals_G = torch.empty(G, dtype=torch.int32, device=dev)
+    block_g = 16 if not _launch.INTERPRET else min(16, g_pow2)
+    _launch.launch(_schedule_prefix_kernel, (triton.cdiv(G, block_g),), counts_CG, base_CG, totals_G, C, G,
+                   BLOCK_C=64, BLOCK_G=block_g)
     sorted_N = torch.empty(N, dtype=torch.int32, device=dev)
     slots_N = torch.empty(N, dtype=torch.int32, device=dev)
-    _launch.launch(_schedule_scatter_kernel, (C,), te_N, base_CG, sorted_N, slots_N, N, E,
+    start_G = torch.empty(G, dtype=torch.int32, device=dev)
+    _launch.launch(_schedule_scatter_kernel, (C,), te_N, base_CG, totals_G, sorted_N, slots_N, start_G, N, E,
                    G_POW2=g_pow2, BLOCK=block)
     return Schedule(sorted_N, start_G, slots_N)
