@@ -15,8 +15,14 @@
     y = bmm(down_proj[ids], (silu(gate) * up).unsqueeze(-1)).squeeze(-1)
     out = (y * top_k_weights.reshape(-1).unsqueeze(-1)).view(T, K, H).sum(dim=1)
 
-Biases (`out.add_(bias)`), `is_transposed=True` weights, other activations, custom `_apply_gate` and the
-expert-parallel sentinel masks all differ from these graphs and are rejected with a reason.
+Expert-parallel sentinel handling (traced always by transformers 5.17, under `_is_expert_parallel` by 5.23):
+grouped_mm adds `mask = (ids_g >= E).unsqueeze(-1)`, `ids_g.clamp_(max=E-1)`, `xs.masked_fill_(mask, 0.)` and
+`.masked_fill(mask, 0.)` on both GEMM outputs (matched in `_experts.sentinel_masks`; sentinels become -1
+routes); batched_mm clamps `ids = ids.clamp(0, E-1)` before the gathers (MoK gets the clamped ids) and, in
+5.23, zeroes `sample_weights` at `ids >= E` (those become -1 routes too).
+
+Biases (`out.add_(bias)`), `is_transposed=True` weights, other activations, custom `_apply_gate` and any
+other mask or clamp differ from these graphs and are rejected with a reason.
 """
 
 from __future__ import annotations

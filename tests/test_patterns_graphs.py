@@ -564,16 +564,26 @@ def test_enable_chains_the_pass_already_installed(lists, monkeypatch):
 
 
 def test_backend_is_found_by_name_in_a_fresh_process():
-    """`torch.compile(backend="mok")` without importing lowering: the installed entry point (pip install -e .)."""
+    """`torch.compile(backend="mok")` without importing lowering: the installed entry point (pip install -e .).
+    This needs the package installed in the interpreter running the tests (a PYTHONPATH checkout has no entry
+    point); the failure message says which of the two is wrong."""
     import subprocess
     import sys
+    from importlib.metadata import entry_points
 
     code = ("import torch, sys\n"
             "f = torch.compile(lambda x: x * 2, backend='mok', options={'mok_inner': 'eager'})\n"
             "assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))\n"
             "assert 'lowering' in sys.modules\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, "is the package installed (pip install -e .)?\n" + r.stderr[-2000:]
+    installed = [ep.value for ep in entry_points(group="torch_dynamo_backends") if ep.name == "mok"]
+    if not installed:
+        why = (f"the package is not installed in {sys.executable}: no 'mok' entry point in the torch_dynamo_backends "
+               f"group, so torch cannot find backend='mok' by name. This test needs it installed: "
+               f"`{sys.executable} -m pip install --no-deps --no-build-isolation -e .` (setuptools >= 70.1)")
+    else:
+        why = f"the 'mok' entry point is installed ({installed}) but the fresh process failed"
+    assert r.returncode == 0, why + "\n" + r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
