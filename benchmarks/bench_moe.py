@@ -166,9 +166,10 @@ class MokMxfp8:
         from mok_inductor import mxfp8
 
         key = (w.data_ptr(), tuple(w.shape), w.requires_grad)
-        if key not in self.cache:
-            self.cache[key] = mxfp8.quantize(w)
-        return self.cache[key]
+        hit = self.cache.get(key)
+        if hit is None or hit[0] is not w:  # the same address may hold a newer tensor (the next shape's weights)
+            hit = self.cache[key] = (w, mxfp8.quantize(w))
+        return hit[1]
 
     def __call__(self, x, rw, te, w_gu, w_d):
         import mok_inductor
@@ -209,6 +210,7 @@ def bench(fn, warmup=25, rep=100):
 
 
 def peak_fwd_mib(f, args):
+    f(*args)  # fills a contender's caches (compiled graphs, quantized weights) outside the measurement
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
