@@ -17,10 +17,18 @@ no bias, fp32; `torch._dynamo.explain` and `torch.compile(fullgraph=True, backen
    `reorderable_logging_functions`: 6 graphs, 5 breaks — "attempted to reorder a debugging function that
    can't actually be reordered" (the warning's category argument) at the same line, inside
    `linear_fc2` -> `linear_with_grad_accumulation_and_async_allreduce`. Its forward also starts with
-   `tokens_per_expert.tolist()` (a host sync: E unbacked sizes for `torch.split`).
+   `tokens_per_expert.tolist()` (a host sync: E unbacked sizes for `torch.split`). With Dynamo's defaults it
+   gives 9 graphs, 8 breaks: the `.tolist()` break ("Data dependent operator: aten._local_scalar_dense",
+   reported in the `graph_breaks` log and `counters["graph_break"]`, not in `explain().break_reasons`), then
+   the `warnings.warn` one, which falls inside the expert loop ("graph break in loop": the loop's frame runs
+   eagerly).
 3. Even a captured loop would not be enough: SequentialMLP receives tokens already permuted by the token
    dispatcher, so the graph holds neither `x [T, H]` nor `top_experts [T, K]`; a replacement would have to
    match the dispatcher and the combine too, across the breaks above.
+
+Pinned by tests/test_patterns_megatron.py: `explain` on MoELayer and on SequentialMLP must still show these
+breaks (a version that captures the loop fails there, saying this matcher is due), and
+`torch.compile(layer, backend="mok")` must run the broken graph equal to eager with nothing replaced.
 
 Megatron models reach MoK through the Megatron integration instead (the MoK backend of
 `mok_inductor.integrations` / `mok_inductor.runtime`, an explicit module swap), which also keeps Megatron's
