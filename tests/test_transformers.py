@@ -185,7 +185,8 @@ def _run(model, impl, ids, out_proj_seed=1):
             h.remove()
     logits = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
     g = torch.Generator().manual_seed(out_proj_seed)
-    (logits * torch.randn(logits.shape, generator=g)).sum().backward()  # a dense, non-stride-0 gradient
+    dy = torch.randn(logits.shape, generator=g).to(logits.device)
+    (logits * dy).sum().backward()  # a dense, non-stride-0 gradient
     grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
     return logits.detach(), [c.detach() for c in captured], grads
 
@@ -202,9 +203,10 @@ def _count_mok_calls(monkeypatch):
     return calls
 
 
-def _experts_check(module, dtype):
+def _experts_check(module, dtype, device="cpu"):
     """Call one experts module directly with "mok" in `dtype` against its own eager forward in float64 on the
-    same (dtype-rounded) inputs and weights: relative errors of [output, d_x, d_param for each parameter]."""
+    same (dtype-rounded) inputs and weights: relative errors of [output, d_x, d_param for each parameter].
+    Inputs are drawn on the CPU and moved to `device` (the module is copied there)."""
     import copy
 
     weight = module.gate_up_proj if module.has_gate else module.up_proj
@@ -216,6 +218,7 @@ def _experts_check(module, dtype):
     top = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # distinct experts per token
     w = torch.rand(T, K, generator=g).softmax(-1)
     dy = torch.randn(T, hidden, generator=g)
+    x, top, w, dy = (t.to(device) for t in (x, top, w, dy))
 
     def run(mod, impl, run_dtype):
         mod = mod.to(run_dtype)
@@ -228,7 +231,7 @@ def _experts_check(module, dtype):
             p.grad = None
         return [y.detach()] + [t.detach() for t in grads]
 
-    module = copy.deepcopy(module)
+    module = copy.deepcopy(module).to(device)
     plan = hf.experts_plan(module)
     if plan.kind == "mapped":  # clip about 5% of the pre-activations (rounding moves only a few across)
         fc1 = module.gate_up_proj.transpose(1, 2) if module.is_transposed else module.gate_up_proj
@@ -552,6 +555,35 @@ def test_expert_parallel_sentinels_are_no_routes():
 
 
 # ---------------------------------------------------------------------------------------------
+# CUDA helpers (the CUDA tests are at the end of the module)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def triton_only(monkeypatch):
+    """The CUDA path runs the Triton kernels and never the reference: counts the calls of
+    mok_inductor.kernels' build_schedule / moe_forward / moe_backward, and makes every call of
+    mok_inductor.reference's fail the test."""
+    from mok_inductor import kernels, ops, reference
+
+    assert ops.use_triton(torch.empty(1, device="cuda")), "use_triton is False for CUDA tensors (MOK_BACKEND?)"
+    assert ops.impl_module(torch.empty(1, device="cuda")) is kernels
+    calls = {"schedule": 0, "forward": 0, "backward": 0}
+    for name, key in (("build_schedule", "schedule"), ("moe_forward", "forward"), ("moe_backward", "backward")):
+        def counted(*args, _real=getattr(kernels, name), _key=key, **kwargs):
+            calls[_key] += 1
+            return _real(*args, **kwargs)
+
+        def refused(*args, _name=name, **kwargs):
+            raise AssertionError(f"mok_inductor.reference.{_name} ran on the CUDA path")
+
+        monkeypatch.setattr(kernels, name, counted)
+        monkeypatch.setattr(reference, name, refused)
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------
 # torch.compile (fullgraph) forward and backward; generate
 
 
@@ -714,9 +746,13 @@ def test_finetune_example_tracks_eager(tmp_path):
     torch._dynamo.reset()
 
 
-def test_generate_with_mok_matches_eager():
-    model = _tiny_qwen2_moe().eval()
-    ids = _ids(model, 2, 5, seed=9)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_generate_with_mok_matches_eager(device, request):
+    """Greedy generate (prefill + decode through "mok"): the tokens equal eager's. On CUDA the Triton kernels
+    serve every step and the reference never runs."""
+    calls = request.getfixturevalue("triton_only") if device == "cuda" else None
+    model = _tiny_qwen2_moe().eval().to(device)
+    ids = _ids(model, 2, 5, seed=9).to(device)
     outs = {}
     for impl in ("eager", "mok"):
         model.set_experts_implementation(impl)
@@ -724,6 +760,8 @@ def test_generate_with_mok_matches_eager():
             outs[impl] = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert outs["mok"].shape == (2, 11)
     assert torch.equal(outs["mok"], outs["eager"])
+    if calls is not None:  # prefill and 5 decode steps, in each of the 2 layers
+        assert calls["forward"] >= 2 * 6 and calls["backward"] == 0, calls
 
 
 def test_prepare_stores_plans_that_compiled_code_reads(monkeypatch):
@@ -747,3 +785,147 @@ def test_prepare_stores_plans_that_compiled_code_reads(monkeypatch):
     ids = torch.randint(0, 32, (1, 5))
     got = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
     torch.testing.assert_close(got, model(ids).logits, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (skipped without CUDA): the Triton kernels, eagerly and under Inductor
+
+# a representative subset of the matrix, as far as the installed transformers has it: plain SwiGLU (Qwen3-MoE,
+# Mixtral, OLMoE), a gated shared expert around the experts (Qwen2-MoE), ungated shared experts and a grouped
+# router (DeepSeek-V3), and the first family whose clamped SwiGLU maps onto swiglu_limit
+_HAVE = {info.model_type for info in _DISCOVERED}
+_CUDA_FAMILIES = [t for t in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3") if t in _HAVE]
+_CUDA_FAMILIES += [t for t in ("deepseek_v4", "hy_v4") if t in _HAVE][:1]
+
+
+def _bf16_errors(got, ref, gold):
+    """bf16 "mok" (`got`) and bf16 "eager" (`ref`) against an fp32 run on the same bf16-rounded weights (`gold`),
+    each a `_run` triple: {name: (mok's error, eager's own error)}. Gradients below 1e-3 of the largest one
+    (rounding noise, e.g. a router that receives none) are measured against that floor, not relatively."""
+    def err(a, b, floor=0.0):
+        a, b = a.detach().double(), b.detach().double()
+        return float((a - b).norm()) / max(float(b.norm()), floor)
+
+    out = {"logits": (err(got[0], gold[0]), err(ref[0], gold[0]))}
+    for i, (a, r, b) in enumerate(zip(got[1], ref[1], gold[1])):
+        out[f"experts_out[{i}]"] = (err(a, b), err(r, b))
+    floor = 1e-3 * max(float(g.norm()) for g in gold[2].values())
+    for n, b in gold[2].items():
+        out[n] = (err(got[2][n], b, floor), err(ref[2][n], b, floor))
+    return out
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("model_type", _CUDA_FAMILIES)
+def test_cuda_eager_family(model_type, dtype, triton_only):
+    """One family of the matrix on CUDA, through the Triton kernels (the reference never runs). float32: "mok"
+    equals "eager" in logits, every experts output and every parameter gradient at 1e-4 (the CPU matrix's
+    rule), and a direct experts call against float64 eager at 1e-4. bfloat16: the direct experts call against
+    float64 eager at 1e-2 (the CPU matrix's rule); logits, experts outputs and gradients of the whole model
+    against an fp32 copy on the same rounded weights within 2x bf16 eager's own error + 1e-3."""
+    import copy
+
+    info = next(i for i in _DISCOVERED if i.model_type == model_type)
+    model, why = build_tiny(info, max_probe_s=60.0)
+    assert model is not None, f"{model_type}: {why}"
+    model = model.to("cuda")
+    experts = _experts_modules(model, info)
+    _tighten_limits(experts)
+    plan = hf.experts_plan(experts[0])
+    assert plan.supported, (model_type, plan)
+    ids = _ids(model, 2, 8).cuda()
+
+    direct = _experts_check(experts[0], dtype, device="cuda")
+    assert max(direct) <= (1e-4 if dtype == torch.float32 else 1e-2), ["%.1e" % e for e in direct]
+    n_fwd, n_bwd = triton_only["forward"], triton_only["backward"]
+    assert n_fwd >= 1 and triton_only["backward"] >= 1 and triton_only["schedule"] >= 1, triton_only
+
+    if dtype == torch.float32:
+        model._mok_experts = experts
+        ref = _run(model, "eager", ids)
+        got = _run(model, "mok", ids)
+        errs = {"logits": rel(got[0], ref[0])}
+        for i, (a, b) in enumerate(zip(got[1], ref[1])):
+            errs[f"experts_out[{i}]"] = rel(a, b)
+        floor = 1e-6 * max(float(g.norm()) for g in ref[2].values())
+        for n, g in ref[2].items():
+            errs[n] = float((got[2][n] - g).norm()) / max(float(g.norm()), floor)
+        bad = {k: f"{v:.1e}" for k, v in errs.items() if not v <= 1e-4}
+    else:
+        gold = copy.deepcopy(model.to(torch.bfloat16)).float()  # the bf16-rounded weights, in fp32
+        gold._mok_experts = _experts_modules(gold, info)
+        model._mok_experts = experts
+        ref32 = _run(gold, "eager", ids)
+        ref = _run(model, "eager", ids)
+        got = _run(model, "mok", ids)
+        assert got[0].dtype == torch.bfloat16
+        errs = _bf16_errors(got, ref, ref32)
+        bad = {k: f"{a:.1e} (eager {b:.1e})" for k, (a, b) in errs.items() if not a <= 2 * b + 1e-3}
+    assert len(got[1]) == len(ref[1]) >= len(experts), "not every experts module ran"
+    assert triton_only["forward"] - n_fwd >= len(experts) <= triton_only["backward"] - n_bwd, triton_only
+    assert any(".experts." in n for n in ref[2]), "no experts parameter has a gradient"
+    assert not bad, bad
+    if plan.kind == "mapped":
+        assert _clip_fraction(model, experts, ids, plan) > 0.0, "the mapped clamp never clipped in this test"
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_cuda_compiled_fullgraph_forward_backward(kind, triton_only):
+    """torch.compile(fullgraph=True) with Inductor of forward + loss and its backward, "mok", bf16 on CUDA: the
+    output code launches our Triton kernels in the forward and in the backward, with no opaque
+    torch.ops.mok.* fallback; the loss and every gradient are within 2x bf16 eager HF's own error + 1e-3 of an
+    fp32 eager run on the same rounded weights."""
+    import copy
+
+    from torch._inductor.utils import run_and_get_code
+
+    from mok_inductor.kernels import moe_bwd, moe_fwd, schedule
+
+    torch._dynamo.reset()
+    model, _, ids = _model_and_loss(kind)
+    model = model.to("cuda", torch.bfloat16)
+    ids = ids.cuda()
+    loss_fn = _finetune_example().make_loss_fn(model)
+    gold = copy.deepcopy(model).float()
+    gold_loss_fn = _finetune_example().make_loss_fn(gold)
+
+    def eager_step(m, fn):
+        m.set_experts_implementation("eager")
+        m.zero_grad(set_to_none=True)
+        loss = fn(ids)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    loss32, grads32 = eager_step(gold, gold_loss_fn)
+    ref_loss, ref_grads = eager_step(model, loss_fn)
+    model.zero_grad(set_to_none=True)
+
+    model.set_experts_implementation("mok")
+    compiled = torch.compile(loss_fn, fullgraph=True)
+
+    def step(input_ids):
+        loss = compiled(input_ids)
+        loss.backward()
+        return loss.detach()
+
+    loss, codes = run_and_get_code(step, ids)
+    names = {n for m in (moe_fwd, moe_bwd, schedule) for n in dir(m) if n.endswith("_kernel")}
+    assert len(codes) >= 2, "expected a forward and a backward module"
+    assert {n for n in names if n in codes[0]}, f"no mok Triton kernel in the forward code ({sorted(names)})"
+    assert {n for n in names if n in codes[-1]}, f"no mok Triton kernel in the backward code ({sorted(names)})"
+    joined = "\n".join(codes)
+    for op in ("torch.ops.mok.moe_fwd", "torch.ops.mok.moe_bwd", "torch.ops.mok.schedule"):
+        assert op not in joined, f"{op} ran as an opaque fallback"
+
+    assert rel(loss, loss32) <= 2 * rel(ref_loss, loss32) + 1e-3, (float(loss), float(ref_loss), float(loss32))
+    params = dict(model.named_parameters())
+    assert any(".experts." in n for n in grads32)
+    floor = 1e-3 * max(float(g.norm()) for g in grads32.values())
+    for n, g32 in grads32.items():
+        assert params[n].grad is not None, n
+        got = float((params[n].grad.double() - g32.double()).norm()) / max(float(g32.norm()), floor)
+        own = float((ref_grads[n].double() - g32.double()).norm()) / max(float(g32.norm()), floor)
+        assert got <= 2 * own + 1e-3, (n, got, own)
+    torch._dynamo.reset()
