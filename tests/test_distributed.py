@@ -266,6 +266,12 @@ def case_errors_on_every_rank(rank, world, seed):
     with pytest.raises(ValueError, match="^top_experts: expected shape"):
         mok_inductor.moe(mine["x"], mine["rw"], mine["te"][:, :1], p["gate_up"][loc], p["down"][loc],
                          group=dist.group.WORLD)  # a local shape error: raised before any collective, on every rank
+    from mok_inductor import mxfp8
+
+    mx_gate_up = mxfp8.quantize(p["gate_up"][loc], columnwise=False)  # [El, 2I=32, H=32]: row-wise blocks of 32
+    with pytest.raises(TypeError, match="^gate_up_proj/down_proj: MXFP8 routed weights are not supported with expert "
+                                        "parallelism"):
+        mok_inductor.moe(mine["x"], mine["rw"], mine["te"], mx_gate_up, p["down"][loc], group=dist.group.WORLD)
     case_balanced(rank, world, seed + 1)  # the group still works
 
 
