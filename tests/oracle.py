@@ -26,7 +26,7 @@ def oracle_moe(x, router_weights, top_experts, gate_up_proj, down_proj, shared_g
             u = torch.clamp(u, min=-swiglu_limit, max=swiglu_limit)
         return F.silu(g) * u
 
-    y = torch.zeros(T, H, dtype=torch.float64)
+    y = torch.zeros(T, H, dtype=torch.float64, device=x.device)
     for e in range(E):
         token_idx, k_idx = torch.where(top_experts == e)
         if token_idx.numel() == 0:
