@@ -261,17 +261,22 @@ def _run_and_check(p, layout, dtype, quantized=("gu", "d")):
         assert err <= tol, f"{name}: relative error {err:.2e} vs the float64 oracle on the dequantized weights > {tol}"
 
 
-def _backend(monkeypatch, path, device):
-    if path == "triton" and device == "cpu":
-        from mok_inductor import kernels
+# (path, device) pairs that exist in this process: the reference on the CPU and on CUDA; the Triton kernels on
+# CUDA, or on CPU tensors under the interpreter where there is no CUDA (tests/conftest.py sets TRITON_INTERPRET=1
+# then; a process with CUDA does not interpret)
+_TRITON_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = [
+    ("reference", "cpu"),
+    pytest.param("reference", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ("triton", _TRITON_DEV),
+]
 
-        if not kernels.AVAILABLE:
-            pytest.skip("the Triton interpreter needs TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)")
+
+def _backend(monkeypatch, path):
     monkeypatch.setenv("MOK_BACKEND", path)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("path,device", BACKENDS)
 @pytest.mark.parametrize("layout,dtype,quantized,shared,limit", [
     ("combined", torch.bfloat16, ("gu", "d"), False, None),
     ("combined", torch.float32, ("gu", "d"), True, 0.9),  # shared expert + gate + clamp, float32 at 1e-4
@@ -281,7 +286,7 @@ def _backend(monkeypatch, path, device):
 ], ids=["combined-bf16", "shared-gate-limit-fp32", "split-bf16", "mx-gate-up-only", "mx-down-only"])
 def test_moe_equals_the_computation_on_dequantized_weights(monkeypatch, device, path, layout, dtype, quantized,
                                                           shared, limit):
-    _backend(monkeypatch, path, device)
+    _backend(monkeypatch, path)
     p = _problem(dtype, device, shared=shared, limit=limit, seed=hash((layout, dtype, quantized)) % 1000)
     _run_and_check(p, layout, dtype, quantized)
 
@@ -397,13 +402,12 @@ def test_split_list_errors():
 # ---------------------------------------------------------------------------------------------- functional ABI
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("path,device", BACKENDS)
 @pytest.mark.parametrize("layout", ["legacy", "native"])
 def test_functional_abi_with_mxfp8_tuples_and_main_grads(monkeypatch, device, path, layout):
     from mok_inductor import functional as mf
 
-    _backend(monkeypatch, path, device)
+    _backend(monkeypatch, path)
     p = _problem(torch.bfloat16, device, shared=True, seed=21)
     q1 = mxfp8.quantize(p["gu"])
     o1 = mxfp8.quantize(torch.randn(p["gu"].shape, generator=torch.Generator().manual_seed(3)).to(p["gu"]) * p["gu"].std())
