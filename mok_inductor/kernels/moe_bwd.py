@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import _launch
 from ._launch import cfg, mma, pick_configs, to_out
-from .moe_fwd import GROUP_M, _tile_ids, _tile_rows, row_tiles_worst
+from .moe_fwd import GROUP_M, _tile_ids, _tile_rows, grouped_rows, nk_strides, row_tiles_worst, rowdot
 
 # the smallest BLOCK_N of _bwd_act_configs(): the partial router-gradient buffer has one row per tile
 _BWD_ACT_MIN_BLOCK_N = 16 if _launch.INTERPRET else 64
@@ -247,3 +247,37 @@ def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, scal
         ACCUMULATE=accumulate, DOT_PREC=_launch.dot_precision(b.dtype),
     )
     return dst_EMN
+
+
+# ---------------------------------------------------------------------------------------------
+# The shared expert's backward, shared by the bf16 (kernels.moe_backward) and MXFP8 paths
+
+
+def shared_backward(x_TH, dy_TH, s_gate, s_up, s_down, s_out_gate_1H, h_shared_TIs, swiglu_limit, sorted_N,
+                    offsets_E1, grads, accumulate):
+    """Weight gradients of the shared expert and its output gate into `grads` (written or ADDED), and the
+    combine's inputs for dx: (dx_s [T, H] or None, bias [H] or None, bias scale [T] or None)."""
+    if s_gate is None:
+        return None, None, None
+    T, H = x_TH.shape
+    gate_T = torch.sigmoid(rowdot(x_TH, s_out_gate_1H)) if s_out_gate_1H is not None else None
+    sg, su, sd = s_gate[None], s_up[None], s_down[None]
+    dgu_s, dgate_T, hs_s = bwd_act(x_TH, dy_TH, sg, su, sd, h_shared_TIs, gate_T, sorted_N, offsets_E1, 1,
+                                   swiglu_limit, single=True)
+    Is = s_gate.shape[0]
+    for dst, a, b, a_gather in ((grads.d_s_down, dy_TH, hs_s, True), (grads.d_s_gate, dgu_s[:, :Is], x_TH, False),
+                                (grads.d_s_up, dgu_s[:, Is:], x_TH, False)):
+        wgrad(a, b, dst[None], sorted_N, offsets_E1, 1, a_gather=a_gather, b_gather=not a_gather,
+              accumulate=accumulate, single=True, n_rows=T)
+    dx_s = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
+    grouped_rows(dgu_s, sg, dx_s, sorted_N, offsets_E1, w1_nk_strides=nk_strides(sg, 2, 1), w2=su,
+                 w2_nk_strides=nk_strides(su, 2, 1), scatter=False, single=True)
+    if s_out_gate_1H is None:
+        return dx_s, None, None
+    d_logit = dgate_T * gate_T * (1.0 - gate_T)
+    d_w = d_logit[None, :] @ x_TH.float()  # [1, H] float32, a fixed-order GEMV
+    if accumulate:
+        grads.d_s_out_gate.add_(d_w)
+    else:
+        grads.d_s_out_gate.copy_(d_w)
+    return dx_s, s_out_gate_1H.reshape(-1), d_logit

@@ -356,3 +356,35 @@ def rowdot(x_TH, w_1H):
     _launch.launch(_rowdot_kernel, (triton.cdiv(T, bt),), x_TH, x_TH.stride(0), x_TH.stride(1),
                    w, w.stride(0), out, T, H, BLOCK_T=bt, BLOCK_H=bh)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces of the forward shared by the bf16 (kernels.moe_forward) and MXFP8 (moe_mxfp8.moe_forward) paths
+
+
+def nk_strides(w, n_dim: int, k_dim: int):
+    """(stride_e, stride_n, stride_k) of a 3-D weight read as [E, n, k]."""
+    return (w.stride(0), w.stride(n_dim), w.stride(k_dim))
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous 1-D tensor (a view when it already is)."""
+    t = t.reshape(-1)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_E1, swiglu_limit):
+    """The shared expert (always bf16/x.dtype weights) -> (h_shared [T, Is] (empty without one), its output
+    s_TH [T, H] or None, the output gate's logits [T] float32 or None): the combine's inputs."""
+    T, H = x_TH.shape
+    if s_gate is None:
+        return x_TH.new_empty(0, 0), None, None
+    dev, dtype = x_TH.device, x_TH.dtype
+    h_shared = torch.empty(T, s_gate.shape[0], dtype=dtype, device=dev)
+    gate_up(x_TH, s_gate[None], s_up[None], h_shared, sorted_N, offsets_E1, 1, swiglu_limit, single=True)
+    s_TH = torch.empty(T, H, dtype=dtype, device=dev)
+    sd = s_down[None]
+    grouped_rows(h_shared, sd, s_TH, sorted_N, offsets_E1, w1_nk_strides=nk_strides(sd, 1, 2), scatter=False,
+                 single=True)
+    logit_T = rowdot(x_TH, s_out_gate_1H) if s_out_gate_1H is not None else None
+    return h_shared, s_TH, logit_T

@@ -37,8 +37,8 @@ from .. import reference
 from ..mxfp8 import BLOCK, Operand, RoutedOperands
 from . import _launch
 from ._launch import cfg, mma, pick_configs, to_out
-from .moe_bwd import wgrad
-from .moe_fwd import GROUP_M, _tile_ids, _tile_rows, combine, gate_up, grouped_rows, row_tiles_worst, rowdot
+from .moe_bwd import shared_backward, wgrad
+from .moe_fwd import GROUP_M, _tile_ids, _tile_rows, combine, flat, row_tiles_worst, shared_forward
 
 assert BLOCK == 32
 
@@ -357,11 +357,6 @@ def _stacked(ops: RoutedOperands) -> RoutedOperands:
     return RoutedOperands(*(None if o is None else o.stacked() for o in ops))
 
 
-def _flat(t):
-    t = t.reshape(-1)
-    return t if t.is_contiguous() else t.contiguous()
-
-
 def moe_forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperands, s_gate=None, s_up=None,
                 s_down=None, s_out_gate_1H=None, swiglu_limit=None) -> reference.ForwardResult:
     """reference.moe_forward with the routed weights given as `ops` (mok_inductor.mxfp8.routed_operands)."""
@@ -378,21 +373,11 @@ def moe_forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOp
     y_NH = torch.empty(N, H, dtype=dtype, device=dev)  # route order; rows of `-1` routes unwritten
     grouped_rows_mx(h_NI, ops.down, y_NH, sorted_N, offsets_E1, scatter=True)
 
-    s_TH = logit_T = None
-    if s_gate is not None:
-        h_shared = torch.empty(T, s_gate.shape[0], dtype=dtype, device=dev)
-        gate_up(x_TH, s_gate[None], s_up[None], h_shared, sorted_N, offsets_E1, 1, swiglu_limit, single=True)
-        s_TH = torch.empty(T, H, dtype=dtype, device=dev)
-        sd = s_down[None]
-        grouped_rows(h_shared, sd, s_TH, sorted_N, offsets_E1, w1_nk_strides=(sd.stride(0), sd.stride(1),
-                     sd.stride(2)), scatter=False, single=True)
-        if s_out_gate_1H is not None:
-            logit_T = rowdot(x_TH, s_out_gate_1H)
-    else:
-        h_shared = x_TH.new_empty(0, 0)
+    h_shared, s_TH, logit_T = shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_E1,
+                                             swiglu_limit)
 
     y_TH = torch.empty(T, H, dtype=dtype, device=dev)
-    combine(y_NH, _flat(top_experts_TK), y_TH, rw_N=_flat(router_weights_TK.float()), s_TH=s_TH, logit_T=logit_T)
+    combine(y_NH, flat(top_experts_TK), y_TH, rw_N=flat(router_weights_TK.float()), s_TH=s_TH, logit_T=logit_T)
     return reference.ForwardResult(y_TH, h_NI, h_shared)
 
 
@@ -422,8 +407,8 @@ def moe_backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, ops: 
     if dy_TH.dtype != dtype:
         dy_TH = dy_TH.to(dtype)
     sorted_N, offsets_E1 = schedule.sorted_routes_N, schedule.expert_offsets_E1
-    rw_N = _flat(router_weights_TK.float())
-    te_N = _flat(top_experts_TK)
+    rw_N = flat(router_weights_TK.float())
+    te_N = flat(top_experts_TK)
 
     dgu_N2I, drw_N, hs_NI = bwd_act_mx(x_TH, dy_TH, ops.gate, ops.up, ops.down_t, h_NI, rw_N, sorted_N,
                                        offsets_E1, K, swiglu_limit)
@@ -437,36 +422,8 @@ def moe_backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, ops: 
     grouped_rows_mx(dgu_N2I, ops.gate_t, dx_NH, sorted_N, offsets_E1, w2=ops.up_t, scatter=True)
 
     # the shared expert (bf16) and its output gate: the kernels of moe_bwd, as in kernels.moe_backward
-    dx_s = bias = d_logit = None
-    if s_gate is not None:
-        from .moe_bwd import bwd_act
-
-        def nk(w, n_dim, k_dim):
-            return (w.stride(0), w.stride(n_dim), w.stride(k_dim))
-
-        gate_T = None
-        if s_out_gate_1H is not None:
-            gate_T = torch.sigmoid(rowdot(x_TH, s_out_gate_1H))
-        sg, su, sd = s_gate[None], s_up[None], s_down[None]
-        dgu_s, dgate_T, hs_s = bwd_act(x_TH, dy_TH, sg, su, sd, h_shared_TIs, gate_T, sorted_N, offsets_E1, 1,
-                                       swiglu_limit, single=True)
-        Is = s_gate.shape[0]
-        for dst, a, b, ag, bg in ((grads.d_s_down, dy_TH, hs_s, True, False),
-                                  (grads.d_s_gate, dgu_s[:, :Is], x_TH, False, True),
-                                  (grads.d_s_up, dgu_s[:, Is:], x_TH, False, True)):
-            wgrad(a, b, dst[None], sorted_N, offsets_E1, 1, a_gather=ag, b_gather=bg, accumulate=accumulate,
-                  single=True, n_rows=T)
-        dx_s = torch.empty(T, H, dtype=dtype, device=dev)
-        grouped_rows(dgu_s, sg, dx_s, sorted_N, offsets_E1, w1_nk_strides=nk(sg, 2, 1), w2=su,
-                     w2_nk_strides=nk(su, 2, 1), scatter=False, single=True)
-        if s_out_gate_1H is not None:
-            d_logit = dgate_T * gate_T * (1.0 - gate_T)
-            d_w = d_logit[None, :] @ x_TH.float()  # [1, H] float32, a fixed-order GEMV
-            if accumulate:
-                grads.d_s_out_gate.add_(d_w)
-            else:
-                grads.d_s_out_gate.copy_(d_w)
-            bias = s_out_gate_1H.reshape(-1)
+    dx_s, bias, d_logit = shared_backward(x_TH, dy_TH, s_gate, s_up, s_down, s_out_gate_1H, h_shared_TIs,
+                                          swiglu_limit, sorted_N, offsets_E1, grads, accumulate)
 
     dx_TH = torch.empty(T, H, dtype=dtype, device=dev)
     combine(dx_NH, te_N, dx_TH, s_TH=dx_s, bias_H=bias, bscale_T=d_logit)
