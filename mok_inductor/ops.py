@@ -308,19 +308,24 @@ _lib.define(
 _lib.impl("moe_bwd", lambda *args: _moe_bwd_impl(impl_module(args[1]), *args), "CompositeExplicitAutograd")
 
 
-def _moe_bwd_autograd(*args):
-    """mok::moe_bwd is not differentiable: say so when someone asks for a double backward."""
-    if (torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
-            and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
-        raise RuntimeError(
-            "mok::moe does not support double backward: its backward (mok::moe_bwd) is not differentiable "
-            "(call backward without create_graph=True)"
-        )
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.mok.moe_bwd(*args)
+def _no_double_backward(bwd_op: str, public_op: str):
+    """The Autograd kernel of a backward op that is not differentiable: it says so when someone asks for a
+    double backward, and otherwise runs the op below Autograd."""
+
+    def kernel(*args):
+        if (torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+                and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
+            raise RuntimeError(
+                f"mok::{public_op} does not support double backward: its backward (mok::{bwd_op}) is not "
+                "differentiable (call backward without create_graph=True)"
+            )
+        with torch._C._AutoDispatchBelowAutograd():
+            return getattr(torch.ops.mok, bwd_op)(*args)
+
+    return kernel
 
 
-_lib.impl("moe_bwd", _moe_bwd_autograd, "Autograd")
+_lib.impl("moe_bwd", _no_double_backward("moe_bwd", "moe"), "Autograd")
 
 
 @torch.library.register_fake("mok::moe_bwd", lib=_lib)
@@ -578,18 +583,7 @@ _lib.define(f"moe_bwd_mxfp8(Tensor dy, Tensor x, Tensor router_weights, Tensor t
 _lib.impl("moe_bwd_mxfp8", lambda *args: _mx_bwd_impl(use_triton(args[1]), *args), "CompositeExplicitAutograd")
 
 
-def _moe_bwd_mxfp8_autograd(*args):
-    if (torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
-            and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
-        raise RuntimeError(
-            "mok::moe_mxfp8 does not support double backward: its backward (mok::moe_bwd_mxfp8) is not "
-            "differentiable (call backward without create_graph=True)"
-        )
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.mok.moe_bwd_mxfp8(*args)
-
-
-_lib.impl("moe_bwd_mxfp8", _moe_bwd_mxfp8_autograd, "Autograd")
+_lib.impl("moe_bwd_mxfp8", _no_double_backward("moe_bwd_mxfp8", "moe_mxfp8"), "Autograd")
 
 
 @torch.library.register_fake("mok::moe_bwd_mxfp8", lib=_lib)
