@@ -49,7 +49,8 @@ def float64_reference(inputs, dy, swiglu_limit):
     args = (d["x"], d["router_weights"], d["top_experts"], sched, wg, wu, d["down_proj"])
     shared = (sg, su, d["shared_down_proj"], d["shared_output_gate"])
     fwd = reference.moe_forward(*args, *shared, swiglu_limit)
-    bwd = reference.moe_backward(dy.detach().cpu().double(), *args, fwd.h_NI, *shared, fwd.h_shared_TIs, swiglu_limit)
+    bwd = reference.moe_backward(dy.detach().cpu().double(), *args, fwd.gu_N2I, *shared, fwd.gu_shared_T2Is,
+                                 swiglu_limit)
     g = bwd.grads
     grads = dict(
         x=bwd.dx_TH, router_weights=bwd.d_router_weights_TK,

@@ -96,8 +96,8 @@ class EPForwardState(NamedTuple):
 
     x_RH: torch.Tensor
     rw_RK: torch.Tensor  # float32
-    h_NI: torch.Tensor  # the local megakernel's saved SwiGLU outputs (over the R*K received routes)
-    h_shared_TIs: torch.Tensor  # [T, Is], or [0, 0] without a shared expert
+    gu_N2I: torch.Tensor  # the local megakernel's saved [g | u] (over the R*K received routes)
+    gu_shared_T2Is: torch.Tensor  # [T, 2Is], or [0, 0] without a shared expert
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,12 +269,12 @@ def forward(p: EPPlan, x: torch.Tensor, router_weights: torch.Tensor, w_gate, w_
         sres = impl.moe_forward(x, zeros_T1, none_T1, sched, dg, du, dd, s_gate, s_up, s_down, s_out_gate,
                                 swiglu_limit)
         acc = sres.y_TH.to(acc_dtype)  # the shared expert first, then the ranks' partial sums, ascending
-        h_shared = sres.h_shared_TIs
+        gu_shared = sres.gu_shared_T2Is
     else:
         acc = torch.zeros(T, H, dtype=acc_dtype, device=x.device)
-        h_shared = x.new_empty(0, 0)
+        gu_shared = x.new_empty(0, 0, dtype=torch.promote_types(x.dtype, torch.float32))
     y = _slot_sum(acc, y_SH, p.slot_TJ).to(x.dtype)
-    return y, EPForwardState(x_RH, rw_RK, res.h_NI, h_shared)
+    return y, EPForwardState(x_RH, rw_RK, res.gu_N2I, gu_shared)
 
 
 def backward(p: EPPlan, state: EPForwardState, dy: torch.Tensor, x: torch.Tensor, router_weights: torch.Tensor,
@@ -290,7 +290,7 @@ def backward(p: EPPlan, state: EPForwardState, dy: torch.Tensor, x: torch.Tensor
     dy_RH = _all_to_all(dy[p.token_S], p.send_splits, p.recv_splits, p.group)
     routed = reference.GradBuffers(grads.d_gate, grads.d_up, grads.d_down)
     res = impl.moe_backward(dy_RH, state.x_RH, state.rw_RK, p.top_experts_RK, p.schedule_R, w_gate, w_up, w_down,
-                            state.h_NI, None, None, None, None, None, swiglu_limit, grads=routed,
+                            state.gu_N2I, None, None, None, None, None, swiglu_limit, grads=routed,
                             accumulate=accumulate)
     dx_SH = _all_to_all(res.dx_TH, p.recv_splits, p.send_splits, p.group, pad=True)
     drw_SK = _all_to_all(res.d_router_weights_TK.to(state.rw_RK.dtype), p.recv_splits, p.send_splits, p.group, pad=True)
@@ -301,8 +301,8 @@ def backward(p: EPPlan, state: EPForwardState, dy: torch.Tensor, x: torch.Tensor
         sched = reference.Schedule(*torch.ops.mok.schedule(none_T1, 1))
         shared_grads = reference.GradBuffers(torch.zeros_like(dg), torch.zeros_like(du), torch.zeros_like(dd),
                                              grads.d_s_gate, grads.d_s_up, grads.d_s_down, grads.d_s_out_gate)
-        sres = impl.moe_backward(dy, x, zeros_T1, none_T1, sched, dg, du, dd, x.new_zeros(T, _DUMMY_I),
-                                 s_gate, s_up, s_down, s_out_gate, state.h_shared_TIs, swiglu_limit,
+        sres = impl.moe_backward(dy, x, zeros_T1, none_T1, sched, dg, du, dd, x.new_zeros(T, 2 * _DUMMY_I),
+                                 s_gate, s_up, s_down, s_out_gate, state.gu_shared_T2Is, swiglu_limit,
                                  grads=shared_grads, accumulate=accumulate)
         acc = sres.dx_TH.to(acc_dtype)
     else:

@@ -606,13 +606,14 @@ def _check_common(config, workspace, schedule, x, router_weights, weights, share
 class MoKForwardContext:
     """What one forward call leaves for its backward. Several may be alive over one workspace.
 
-    hidden_routed: [N, I] SwiGLU outputs in sorted-slot order (x.dtype); hidden_shared: [T, Is]
-    (or [0, 0]). The gate/up pre-activations, the shared output gate and y_tk are recomputed or never
-    materialised (see mok_inductor.ops). `gated` records whether a shared output gate was applied.
+    gu_N2I: [N, 2I] gate/up pre-activations [g | u] (before the clamp) in sorted-slot order (x.dtype);
+    gu_shared_T2Is: [T, 2Is] (or [0, 0]). The backward recomputes h from them elementwise; the shared
+    output gate is recomputed and y_tk never materialised (see mok_inductor.ops). `gated` records whether
+    a shared output gate was applied.
     """
 
-    hidden_routed: torch.Tensor
-    hidden_shared: torch.Tensor
+    gu_N2I: torch.Tensor
+    gu_shared_T2Is: torch.Tensor
     gated: bool
     has_shared: bool
     swiglu_limit: Optional[float]
@@ -637,7 +638,7 @@ def forward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, x
 
         y, state = distributed.forward(sch.ep, x, router_weights, w.gate, w.up, w.down, w.s_gate, w.s_up, w.s_down,
                                        w.s_out_gate, limit)
-        ctx = MoKForwardContext(state.h_NI, state.h_shared_TIs, w.s_out_gate is not None, w.s_gate is not None,
+        ctx = MoKForwardContext(state.gu_N2I, state.gu_shared_T2Is, w.s_out_gate is not None, w.s_gate is not None,
                                 limit, ws.num_local_tokens, w.E, state)
         return y, ctx
     if mx is not None:
@@ -647,7 +648,7 @@ def forward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, x
         impl = ops.impl_module(x)
         res = impl.moe_forward(x, router_weights, sch.top_experts, sch.as_reference(), w.gate, w.up, w.down,
                                w.s_gate, w.s_up, w.s_down, w.s_out_gate, limit)
-    ctx = MoKForwardContext(res.h_NI, res.h_shared_TIs, w.s_out_gate is not None, w.s_gate is not None, limit,
+    ctx = MoKForwardContext(res.gu_N2I, res.gu_shared_T2Is, w.s_out_gate is not None, w.s_gate is not None, limit,
                             ws.num_local_tokens, w.E)
     return res.y_TH, ctx
 
@@ -855,13 +856,13 @@ def backward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, 
         res = reference.BackwardResult(dx, d_rw, grads)
     elif mx is not None:
         res = ops.mxfp8_backward(grad_output, x, router_weights, sch.top_experts, sch.as_reference(), mx,
-                                 fctx.hidden_routed, w.s_gate, w.s_up, w.s_down, w.s_out_gate, fctx.hidden_shared,
+                                 fctx.gu_N2I, w.s_gate, w.s_up, w.s_down, w.s_out_gate, fctx.gu_shared_T2Is,
                                  limit, grads=grads, accumulate=accumulate)
     else:
         impl = ops.impl_module(x)
         res = impl.moe_backward(
             grad_output, x, router_weights, sch.top_experts, sch.as_reference(), w.gate, w.up, w.down,
-            fctx.hidden_routed, w.s_gate, w.s_up, w.s_down, w.s_out_gate, fctx.hidden_shared, limit,
+            fctx.gu_N2I, w.s_gate, w.s_up, w.s_down, w.s_out_gate, fctx.gu_shared_T2Is, limit,
             grads=grads, accumulate=accumulate,
         )
     d_rw = res.d_router_weights_TK

@@ -13,9 +13,9 @@ stays NaN and +-Inf becomes e4m3's NaN (it has no Inf), so non-finite values pro
 
 Consumers (issue 8):
 - `mok_inductor.moe` takes an `MXFP8Weight` (or a list of E per-expert ones) in place of a routed
-  `gate_up_proj` / `down_proj`. The forward GEMMs read the row-wise pair; backward reads the
-  column-wise pair for the data gradient (dx, and dy @ down, which gives d router_weights and the
-  SwiGLU's input gradient) and the row-wise pair for the gate/up recompute.
+  `gate_up_proj` / `down_proj`. The forward GEMMs read the row-wise pair; backward reads only the
+  column-wise pair, for the data gradient (dx, and dy @ down, which gives d router_weights and the
+  SwiGLU's input gradient): the forward saves the gate/up pre-activations, so no GEMM is recomputed.
 - Gradients (straight-through, MoK's semantics): an MXFP8 weight is the forward/dgrad operand of a bf16
   master weight. `quantize(w)` keeps a reference to `w` in `.master` when `w.requires_grad` (or pass
   `master=`; `with_master(q, w)` attaches one later). The weight gradient, computed from the activations

@@ -6,8 +6,9 @@
                     mok::moe_bwd backward.
     mok::schedule   top_experts [T, K] -> (sorted_routes [N], expert_offsets [E+1], route_slots [N]),
                     int32, deterministic (a stable sort of the flat route index). Not differentiable.
-    mok::moe_fwd    -> (y [T, H], h [N, I], h_shared [T, Is] or [0, 0]). y is differentiable;
-                    h and h_shared are the saved activations (marked non-differentiable).
+    mok::moe_fwd    -> (y [T, H], gu [N, 2I], gu_shared [T, 2Is] or [0, 0]). y is differentiable;
+                    gu and gu_shared, the gate/up pre-activations [g | u] (before the clamp, x.dtype,
+                    gu in sorted slot order), are the saved activations (marked non-differentiable).
     mok::moe_bwd    -> (dx, d_router_weights, d_gate_up_proj, d_down_proj, d_shared_gate_up_proj,
                     d_shared_down_proj, d_shared_output_gate); the shared gradients are [0]-shaped
                     when there is no shared expert / gate.
@@ -20,10 +21,11 @@ only refuses double backward with a clear error. `call_moe` is the entry the use
 or under torch.func.grad/vjp the same composite body applied from Python. mok::moe has a vmap rule
 (tokens batched, weights shared).
 
-What is saved for backward: x, router_weights, top_experts, the schedule, the weights, h and
-h_shared. What is recomputed: the gate/up pre-activations g, u (one gate/up GEMM in backward), the
-shared output gate sigmoid(x @ w^T), and never y_tk or s_t (their inner products with dy come from
-<dy @ down, h>).
+What is saved for backward: x, router_weights, top_experts, the schedule, the weights, gu and
+gu_shared. What is recomputed: no GEMM of the forward; h = swiglu(g, u) elementwise from gu in the
+backward kernel, the shared output gate sigmoid(x @ w^T), and never y_tk or s_t (their inner products
+with dy come from <dy @ down, h>). Memory: the saved routed activation is 2*N*I elements (N*I when h
+was saved), plus 2*T*Is for the shared expert.
 
 Implementations: CPU tensors run `mok_inductor.reference` (vectorised PyTorch, float32
 accumulation). CUDA tensors run the Triton kernels of `mok_inductor.kernels` when that backend
@@ -149,12 +151,17 @@ def _(top_experts, num_experts):
 
 
 def fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj):
-    """Shapes of (y, h, h_shared): the one shape function of the fake and the real kernels."""
+    """Shapes of (y, gu, gu_shared): the one shape function of the fake and the real kernels."""
     T, H = x.shape
     N = T * top_experts.shape[1]
-    I = gate_up_proj.shape[1] // 2
-    hs = (T, shared_gate_up_proj.shape[0] // 2) if shared_gate_up_proj is not None else (0, 0)
-    return (T, H), (N, I), hs
+    two_i = gate_up_proj.shape[1]
+    gus = (T, shared_gate_up_proj.shape[0]) if shared_gate_up_proj is not None else (0, 0)
+    return (T, H), (N, two_i), gus
+
+
+def shared_saved_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the shared expert's saved g, u: float32 (float64 for float64 x; see reference.py)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def split_gate_up(w_E2IH: Tensor):
@@ -193,8 +200,8 @@ _lib.impl("moe_fwd", lambda *args: _moe_fwd_impl(impl_module(args[0]), *args), "
 @torch.library.register_fake("mok::moe_fwd", lib=_lib)
 def _(x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
       shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit):
-    y, h, hs = fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj)
-    return x.new_empty(y), x.new_empty(h), x.new_empty(hs)
+    y, g, gs = fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj)
+    return x.new_empty(y), x.new_empty(g), x.new_empty(gs, dtype=shared_saved_dtype(x.dtype))
 
 
 class _MoeFwdFunction(torch.autograd.Function):
@@ -210,26 +217,26 @@ class _MoeFwdFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
          shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit) = inputs
-        _, h, h_shared = output
-        ctx.mark_non_differentiable(h, h_shared)
+        _, gu, gu_shared = output
+        ctx.mark_non_differentiable(gu, gu_shared)
         ctx.set_materialize_grads(False)
         ctx.swiglu_limit = swiglu_limit
         ctx.has_shared = shared_gate_up_proj is not None
         ctx.has_gate = shared_output_gate is not None
         ctx.save_for_backward(
             x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-            shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared,
+            shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared,
         )
 
     @staticmethod
-    def backward(ctx, dy, _dh, _dh_shared):
+    def backward(ctx, dy, _dgu, _dgu_shared):
         (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-         shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared) = ctx.saved_tensors
+         shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared) = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(x)
         dx, drw, dgu, dd, dsgu, dsd, dsg = torch.ops.mok.moe_bwd(
             dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj,
-            down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared, ctx.swiglu_limit,
+            down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, ctx.swiglu_limit,
         )
         return (
             dx, drw, None, None, None, None, dgu, dd,
@@ -264,7 +271,7 @@ def bwd_output_shapes(x, router_weights, gate_up_proj, down_proj, shared_gate_up
 
 def _moe_bwd_impl(
     impl, dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-    shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared, swiglu_limit,
+    shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, swiglu_limit,
 ):
     w_gate, w_up = split_gate_up(gate_up_proj)
     s_gate = s_up = None
@@ -289,7 +296,7 @@ def _moe_bwd_impl(
     )
     out = impl.moe_backward(
         dy, x, router_weights, top_experts, reference.Schedule(sorted_routes, expert_offsets, route_slots),
-        w_gate, w_up, down_proj, h, s_gate, s_up, shared_down_proj, shared_output_gate, h_shared, swiglu_limit,
+        w_gate, w_up, down_proj, gu, s_gate, s_up, shared_down_proj, shared_output_gate, gu_shared, swiglu_limit,
         grads=grads,
     )
     return out.dx_TH, out.d_router_weights_TK.to(router_weights.dtype), d_gate_up, d_down, d_sgu, d_sd, d_sg
@@ -302,7 +309,7 @@ def _moe_bwd_triton(*args):
 _lib.define(
     "moe_bwd(Tensor dy, Tensor x, Tensor router_weights, Tensor top_experts, Tensor sorted_routes, "
     "Tensor expert_offsets, Tensor route_slots, Tensor gate_up_proj, Tensor down_proj, Tensor? shared_gate_up_proj, "
-    "Tensor? shared_down_proj, Tensor? shared_output_gate, Tensor h, Tensor h_shared, float? swiglu_limit) "
+    "Tensor? shared_down_proj, Tensor? shared_output_gate, Tensor gu, Tensor gu_shared, float? swiglu_limit) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _lib.impl("moe_bwd", lambda *args: _moe_bwd_impl(impl_module(args[1]), *args), "CompositeExplicitAutograd")
@@ -330,7 +337,7 @@ _lib.impl("moe_bwd", _no_double_backward("moe_bwd", "moe"), "Autograd")
 
 @torch.library.register_fake("mok::moe_bwd", lib=_lib)
 def _(dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-      shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared, swiglu_limit):
+      shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, swiglu_limit):
     shapes = bwd_output_shapes(x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj,
                                shared_down_proj, shared_output_gate)
     dtypes = (x.dtype, router_weights.dtype, gate_up_proj.dtype, down_proj.dtype, gate_up_proj.dtype,
@@ -433,9 +440,9 @@ torch.library.register_vmap("mok::moe", _moe_vmap)
 # (mok_inductor.mxfp8); or, with W_scale None, a plain float weight in x.dtype (so gate_up and down may
 # differ in kind). Weight gradients go to the `*_master` arguments (straight-through: the bf16 weight
 # the MXFP8 one was quantized from; for a plain weight, the weight itself). The ops never read a
-# master's values. Forward reads the row-wise data; backward the row-wise gate/up (recompute) and the
-# column-wise gate/up/down (dx, dy @ down -> d router weights and dh). CPU tensors dequantize to
-# x.dtype and run `mok_inductor.reference`; CUDA runs `mok_inductor.kernels.moe_mxfp8`.
+# master's values. Forward reads the row-wise data; backward the column-wise gate/up/down (dx, dy @ down
+# -> d router weights and dh); it recomputes no gate/up GEMM (the forward saved gu). CPU tensors
+# dequantize to x.dtype and run `mok_inductor.reference`; CUDA runs `mok_inductor.kernels.moe_mxfp8`.
 
 from . import mxfp8 as _mx  # noqa: E402
 
@@ -464,8 +471,8 @@ def mxfp8_forward(x, router_weights, top_experts, schedule, operands, s_gate=Non
                                  s_out_gate, swiglu_limit)
 
 
-def mxfp8_backward(dy, x, router_weights, top_experts, schedule, operands, h, s_gate=None, s_up=None,
-                   s_down=None, s_out_gate=None, h_shared=None, swiglu_limit=None, *, grads, accumulate=False,
+def mxfp8_backward(dy, x, router_weights, top_experts, schedule, operands, gu_N2I, s_gate=None, s_up=None,
+                   s_down=None, s_out_gate=None, gu_shared_T2Is=None, swiglu_limit=None, *, grads, accumulate=False,
                    triton_=None) -> reference.BackwardResult:
     """The backward with routed weights given as `mxfp8.RoutedOperands` (column-wise operands needed).
     `grads`: destinations; a None routed entry means that weight gradient is not wanted."""
@@ -473,13 +480,13 @@ def mxfp8_backward(dy, x, router_weights, top_experts, schedule, operands, h, s_
         which = "gate_up" if operands.gate_t is None else "down"
         raise ValueError(f"{which}: the backward needs the column-wise MXFP8 data (quantize with columnwise=True)")
     if use_triton(x) if triton_ is None else triton_:
-        return _mxfp8_kernels().moe_backward(dy, x, router_weights, top_experts, schedule, operands, h, s_gate,
-                                             s_up, s_down, s_out_gate, h_shared, swiglu_limit, grads=grads,
-                                             accumulate=accumulate)
+        return _mxfp8_kernels().moe_backward(dy, x, router_weights, top_experts, schedule, operands, gu_N2I,
+                                             s_gate, s_up, s_down, s_out_gate, gu_shared_T2Is, swiglu_limit,
+                                             grads=grads, accumulate=accumulate)
     (wg, wu, wd), dgrad = _mx.dequantized_weights(operands, x.dtype)
-    return reference.moe_backward(dy, x, router_weights, top_experts, schedule, wg, wu, wd, h, s_gate, s_up, s_down,
-                                  s_out_gate, h_shared, swiglu_limit, grads=grads, accumulate=accumulate,
-                                  dgrad=dgrad)
+    return reference.moe_backward(dy, x, router_weights, top_experts, schedule, wg, wu, wd, gu_N2I, s_gate, s_up,
+                                  s_down, s_out_gate, gu_shared_T2Is, swiglu_limit, grads=grads,
+                                  accumulate=accumulate, dgrad=dgrad)
 
 
 def _mx_fwd_impl(use_tri, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots,
@@ -503,8 +510,8 @@ _lib.impl("moe_fwd_mxfp8", lambda *args: _mx_fwd_impl(use_triton(args[0]), *args
 @torch.library.register_fake("mok::moe_fwd_mxfp8", lib=_lib)
 def _(x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gu, gus, gut, gust, gum, d, ds,
       dt, dst, dm, shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit):
-    y, h, hs = fwd_output_shapes(x, top_experts, gu, shared_gate_up_proj)
-    return x.new_empty(y), x.new_empty(h), x.new_empty(hs)
+    y, g, gs = fwd_output_shapes(x, top_experts, gu, shared_gate_up_proj)
+    return x.new_empty(y), x.new_empty(g), x.new_empty(gs, dtype=shared_saved_dtype(x.dtype))
 
 
 class _MoeFwdMxfp8Function(torch.autograd.Function):
@@ -518,23 +525,25 @@ class _MoeFwdMxfp8Function(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         (x, rw, te, sr, eo, rs, gu, gus, gut, gust, gum, d, ds, dt, dst, dm, sgu, sd, sg, limit) = inputs
-        _, h, h_shared = output
-        ctx.mark_non_differentiable(h, h_shared)
+        _, gu_N2I, gu_shared_T2Is = output
+        ctx.mark_non_differentiable(gu_N2I, gu_shared_T2Is)
         ctx.set_materialize_grads(False)
         ctx.swiglu_limit = limit
         ctx.has_shared = sgu is not None
         ctx.has_gate = sg is not None
         ctx.gate_up_grad = gum is not None
         ctx.down_grad = dm is not None
-        ctx.save_for_backward(x, rw, te, sr, eo, rs, gu, gus, gut, gust, d, ds, dt, dst, sgu, sd, sg, h, h_shared)
+        ctx.save_for_backward(x, rw, te, sr, eo, rs, gu, gus, gut, gust, d, ds, dt, dst, sgu, sd, sg, gu_N2I,
+                              gu_shared_T2Is)
 
     @staticmethod
-    def backward(ctx, dy, _dh, _dh_shared):
-        (x, rw, te, sr, eo, rs, gu, gus, gut, gust, d, ds, dt, dst, sgu, sd, sg, h, h_shared) = ctx.saved_tensors
+    def backward(ctx, dy, _dgu, _dgu_shared):
+        (x, rw, te, sr, eo, rs, gu, gus, gut, gust, d, ds, dt, dst, sgu, sd, sg, gu_N2I,
+         gu_shared_T2Is) = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(x)
         dx, drw, dgu, dd, dsgu, dsd, dsg = torch.ops.mok.moe_bwd_mxfp8(
-            dy, x, rw, te, sr, eo, rs, gu, gus, gut, gust, d, ds, dt, dst, sgu, sd, sg, h, h_shared,
+            dy, x, rw, te, sr, eo, rs, gu, gus, gut, gust, d, ds, dt, dst, sgu, sd, sg, gu_N2I, gu_shared_T2Is,
             ctx.swiglu_limit, ctx.gate_up_grad, ctx.down_grad,
         )
         none4 = (None, None, None, None)
@@ -550,7 +559,7 @@ _lib.impl("moe_fwd_mxfp8", _MoeFwdMxfp8Function.apply, "Autograd")
 
 def _mx_bwd_impl(use_tri, dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots,
                  gu, gus, gut, gust, d, ds, dt, dst, shared_gate_up_proj, shared_down_proj, shared_output_gate,
-                 h, h_shared, swiglu_limit, gate_up_grad, down_grad):
+                 gu_N2I, gu_shared_T2Is, swiglu_limit, gate_up_grad, down_grad):
     operands = _mx.routed_operands((gu, gus, gut, gust), (d, ds, dt, dst))
     s_gate = s_up = None
     if shared_gate_up_proj is not None:
@@ -571,14 +580,14 @@ def _mx_bwd_impl(use_tri, dy, x, router_weights, top_experts, sorted_routes, exp
         d_sd if shared_gate_up_proj is not None else None, d_sg if shared_output_gate is not None else None,
     )
     out = mxfp8_backward(dy, x, router_weights, top_experts, reference.Schedule(sorted_routes, expert_offsets,
-                         route_slots), operands, h, s_gate, s_up, shared_down_proj, shared_output_gate, h_shared,
-                         swiglu_limit, grads=grads, triton_=use_tri)
+                         route_slots), operands, gu_N2I, s_gate, s_up, shared_down_proj, shared_output_gate,
+                         gu_shared_T2Is, swiglu_limit, grads=grads, triton_=use_tri)
     return out.dx_TH, out.d_router_weights_TK.to(router_weights.dtype), d_gate_up, d_down, d_sgu, d_sd, d_sg
 
 
 _lib.define(f"moe_bwd_mxfp8(Tensor dy, Tensor x, Tensor router_weights, Tensor top_experts, Tensor sorted_routes, "
             f"Tensor expert_offsets, Tensor route_slots, {_MX_BWD_W}, Tensor? shared_gate_up_proj, "
-            f"Tensor? shared_down_proj, Tensor? shared_output_gate, Tensor h, Tensor h_shared, float? swiglu_limit, "
+            f"Tensor? shared_down_proj, Tensor? shared_output_gate, Tensor gu, Tensor gu_shared, float? swiglu_limit, "
             f"bool gate_up_grad, bool down_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _lib.impl("moe_bwd_mxfp8", lambda *args: _mx_bwd_impl(use_triton(args[1]), *args), "CompositeExplicitAutograd")
 
@@ -588,8 +597,8 @@ _lib.impl("moe_bwd_mxfp8", _no_double_backward("moe_bwd_mxfp8", "moe_mxfp8"), "A
 
 @torch.library.register_fake("mok::moe_bwd_mxfp8", lib=_lib)
 def _(dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gu, gus, gut, gust, d, ds,
-      dt, dst, shared_gate_up_proj, shared_down_proj, shared_output_gate, h, h_shared, swiglu_limit, gate_up_grad,
-      down_grad):
+      dt, dst, shared_gate_up_proj, shared_down_proj, shared_output_gate, gu_N2I, gu_shared_T2Is, swiglu_limit,
+      gate_up_grad, down_grad):
     empty = (0,)
     return (
         x.new_empty(x.shape), router_weights.new_empty(router_weights.shape),

@@ -7,25 +7,26 @@ kernels against it; the tests in `tests/` check it against an independent float6
 Data flow (forward):
 
     top_experts_TK --schedule--> sorted_routes_N, expert_offsets_E1, route_slots_N
-    x_TH[sorted_routes // K] --per-expert GEMMs--> g, u --clamped SwiGLU--> h_NI (stored, x.dtype)
-    h_NI --per-expert down GEMM--> y_NH (rounded to x.dtype)
+    x_TH[sorted_routes // K] --per-expert GEMMs--> gu_N2I = [g | u] (stored, x.dtype, before the clamp)
+    gu_N2I --clamped SwiGLU--> h (x.dtype) --per-expert down GEMM--> y_NH (rounded to x.dtype)
     y_TH = s_TH * sigmoid(x @ w_gate^T) + sum_k rw_TK[:, k] * y[route_slots[t*K+k]]   (fp32, k order)
 
-Backward recomputes g and u from x (only h is saved), and gets the router-weight gradient as
-<dy_t @ down[e], h_tk> = <dy_t, y_tk> without storing y_tk. The shared output gate's gradient uses the
-same identity on the shared expert: <dy_t, s_t> = <dy_t @ down_s, h_s,t>.
+What backward gets from the forward: the gate/up pre-activations gu (so no GEMM is recomputed; h is
+recomputed from gu elementwise). The router-weight gradient is <dy_t @ down[e], h_tk> = <dy_t, y_tk>,
+without storing y_tk. The shared output gate's gradient uses the same identity on the shared expert:
+<dy_t, s_t> = <dy_t @ down_s, h_s,t>.
 
 Shape legend: T tokens, H hidden, I routed intermediate, Is shared intermediate, E experts,
-K routes per token, N = T*K routes. Suffixes name the dims (`x_TH`, `h_NI`, `expert_offsets_E1` is [E+1]).
+K routes per token, N = T*K routes. Suffixes name the dims (`x_TH`, `gu_N2I`, `expert_offsets_E1` is [E+1]).
 
 Weights are passed as separate gate, up and down operands, each a 3-D tensor or a sequence of E
 2-D tensors (split per-expert allocations; `w[e]` works for both, so nothing is stacked). Combined
 FC1 `[E, 2I, H]` is passed as two zero-copy row views.
 
 Numerics: every GEMM accumulates in float32 (float64 inputs, used by the demo's and the tests' float64
-runs, stay float64 throughout); the clamp and SwiGLU run in float32; h, y_tk and s_t
-are rounded to x.dtype between stages (as a bf16 kernel stores them); the combine accumulates in
-float32 in k order and the result is rounded to x.dtype once.
+runs, stay float64 throughout); g and u are rounded to x.dtype (as stored; never across a clamp bound,
+`round_keep_clip`), the clamp and SwiGLU run in float32 on the rounded values, and h, y_tk and s_t are rounded to x.dtype between stages (as a bf16 kernel
+stores them); the combine accumulates in float32 in k order and the result is rounded to x.dtype once.
 """
 
 from __future__ import annotations
@@ -118,14 +119,54 @@ def _offsets_list(schedule: Schedule) -> list[int]:
 
 class ForwardResult(NamedTuple):
     y_TH: torch.Tensor  # x.dtype
-    h_NI: torch.Tensor  # x.dtype, sorted slot order; rows of `-1` routes are zero
-    h_shared_TIs: torch.Tensor  # x.dtype; [0, 0] without a shared expert
+    gu_N2I: torch.Tensor  # [g | u] before the clamp, x.dtype, sorted slot order; rows of `-1` routes are zero
+    gu_shared_T2Is: torch.Tensor  # the shared expert's [g | u], float32 (float64 for float64 x); [0, 0] without one
+
+
+def clip_bounds(limit: float, dtype: torch.dtype):
+    """(smallest `dtype` value > limit, largest `dtype` value <= limit) for bf16/fp16 and limit >= 0."""
+    c = torch.tensor(limit, dtype=torch.float64).to(dtype)
+    step = lambda v, d: (v.view(torch.int16) + d).view(dtype)
+    below = c if c.double() <= limit else step(c, -1)
+    above = c if c.double() > limit else step(c, 1)
+    return above, below
+
+
+def round_keep_clip(g32, u32, dtype, limit):
+    """g, u rounded to `dtype` (bf16/fp16), but never across a clamp bound: a value the clamp clips in float32
+    stays clipped once stored, and one it passes stays passed. Plain rounding would move the clamp's
+    gradient mask (decided on the stored values in backward) for values within one step of the bound."""
+    g, u = g32.to(dtype), u32.to(dtype)
+    if limit is None or dtype not in (torch.bfloat16, torch.float16):
+        return g, u
+    above, below = clip_bounds(limit, dtype)
+    g = torch.where(g32 > limit, torch.maximum(g, above), torch.minimum(g, below))
+    u = torch.where(u32 > limit, torch.maximum(u, above), torch.minimum(u, below))
+    u = torch.where(u32 < -limit, torch.minimum(u, -above), torch.maximum(u, -below))
+    return g, u
+
+
+def gate_up_outputs(x, w_gate, w_up, limit, gu_dtype=None):
+    """(gu = [x @ gate^T | x @ up^T] rounded to gu_dtype (default x.dtype; `round_keep_clip`), h = swiglu
+    of the rounded values in x.dtype)."""
+    g, u = round_keep_clip(_mm(x, w_gate.t()), _mm(x, w_up.t()), gu_dtype or x.dtype, limit)
+    gu = torch.cat([g, u], dim=-1)
+    return gu, swiglu_of(gu, limit).to(x.dtype)
+
+
+def swiglu_of(gu: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
+    """swiglu(g, u) of a stored [.., 2I] gate/up tensor, in the accumulation dtype."""
+    g, u = gu.to(_acc_dtype(gu)).chunk(2, dim=-1)
+    return swiglu(g, u, limit)
 
 
 def _shared_forward(x_TH, s_gate, s_up, s_down, limit):
-    h = swiglu(_mm(x_TH, s_gate.t()), _mm(x_TH, s_up.t()), limit).to(x_TH.dtype)
+    # the shared expert's g, u are saved in float32: its output gate's gradient sum_t <dy_t, s_t> x_t cancels
+    # over tokens, and h recomputed from bf16 g, u put it over the bf16 tolerance at small T (its cost: T x 2Is
+    # float32, against the routed T*K x 2I in x.dtype)
+    gu, h = gate_up_outputs(x_TH, s_gate, s_up, limit, gu_dtype=_acc_dtype(x_TH))
     s = _mm(h, s_down.t()).to(x_TH.dtype)
-    return h, s
+    return gu, s
 
 
 def moe_forward(
@@ -153,27 +194,25 @@ def moe_forward(
 
     tokens_N = schedule.sorted_routes_N.to(torch.int64) // max(K, 1)
     xs = x_TH[tokens_N[:n_valid]]
-    h_NI = torch.zeros(N, I, dtype=dtype, device=x_TH.device)
+    gu_N2I = torch.zeros(N, 2 * I, dtype=dtype, device=x_TH.device)
     acc = _acc_dtype(x_TH)
     y_NH = torch.zeros(N, H, dtype=acc, device=x_TH.device)
     for e in range(E):
         a, b = offsets[e], offsets[e + 1]
         if a == b:
             continue
-        xe = xs[a:b]
-        h = swiglu(_mm(xe, w_gate[e].t()), _mm(xe, w_up[e].t()), swiglu_limit).to(dtype)
-        h_NI[a:b] = h
+        gu_N2I[a:b], h = gate_up_outputs(xs[a:b], w_gate[e], w_up[e], swiglu_limit)
         y_NH[a:b] = _mm(h, w_down[e].t()).to(dtype).to(acc)
 
     acc_TH = torch.zeros(T, H, dtype=acc, device=x_TH.device)
     if s_gate is not None:
-        h_shared, s_TH = _shared_forward(x_TH, s_gate, s_up, s_down, swiglu_limit)
+        gu_shared, s_TH = _shared_forward(x_TH, s_gate, s_up, s_down, swiglu_limit)
         if s_out_gate_1H is not None:
             acc_TH = s_TH.to(acc) * torch.sigmoid(_mm(x_TH, s_out_gate_1H.t()))
         else:
             acc_TH = s_TH.to(acc)
     else:
-        h_shared = x_TH.new_empty(0, 0)
+        gu_shared = x_TH.new_empty(0, 0, dtype=_acc_dtype(x_TH))
 
     valid_TK = top_experts_TK >= 0
     rw_TK = router_weights_TK.to(acc)
@@ -181,7 +220,7 @@ def moe_forward(
     for k in range(K):
         contrib = rw_TK[:, k, None] * y_TKH[:, k]
         acc_TH = acc_TH + torch.where(valid_TK[:, k, None], contrib, torch.zeros_like(contrib))
-    return ForwardResult(acc_TH.to(dtype), h_NI, h_shared)
+    return ForwardResult(acc_TH.to(dtype), gu_N2I, gu_shared)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,20 +278,20 @@ def moe_backward(
     w_gate: Weight,
     w_up: Weight,
     w_down: Weight,
-    h_NI: torch.Tensor,
+    gu_N2I: torch.Tensor,
     s_gate: Optional[torch.Tensor] = None,
     s_up: Optional[torch.Tensor] = None,
     s_down: Optional[torch.Tensor] = None,
     s_out_gate_1H: Optional[torch.Tensor] = None,
-    h_shared_TIs: Optional[torch.Tensor] = None,
+    gu_shared_T2Is: Optional[torch.Tensor] = None,
     swiglu_limit: Optional[float] = None,
     *,
     grads: Optional["GradBuffers"] = None,
     accumulate: bool = False,
     dgrad: Optional[tuple] = None,
 ) -> BackwardResult:
-    """Gradients of every input. `h_NI`, `h_shared_TIs` are the saved forward activations; g and u are
-    recomputed. dx comes back in x.dtype, d_router_weights in float32.
+    """Gradients of every input. `gu_N2I`, `gu_shared_T2Is` are the saved gate/up pre-activations; h is
+    recomputed from them (elementwise). dx comes back in x.dtype, d_router_weights in float32.
 
     Weight gradients go into `grads` (each entry a 3-D tensor or a sequence of E 2-D tensors, any
     float dtype; None entries are allocated in the weight's dtype): written, or ADDED when
@@ -260,7 +299,7 @@ def moe_backward(
 
     `dgrad`: optional routed (gate, up, down) weights for the data-gradient GEMMs (dy @ down, dg @ gate,
     du @ up) when they differ from the forward's: MXFP8's column-wise operands, dequantized
-    (`mok_inductor.mxfp8`). The gate/up recompute always uses w_gate, w_up.
+    (`mok_inductor.mxfp8`).
     """
     T, H = x_TH.shape
     K = top_experts_TK.shape[1]
@@ -292,12 +331,14 @@ def moe_backward(
                 for buf in (grads.d_gate[e], grads.d_up[e], grads.d_down[e]):
                     buf.zero_()
             continue
-        xe, dye, he = xs[a:b], dys[a:b], h_NI[a:b]
+        xe, dye, gue = xs[a:b], dys[a:b], gu_N2I[a:b]
+        he32 = swiglu_of(gue, swiglu_limit)  # h recomputed from the saved g, u (float32: the dot below)
+        he = he32.to(dtype)  # the forward's h, as the down GEMM read it
         q = _mm(dye, dd_w)  # dy_t @ down[e]: [rows, I]
-        drw_N[a:b] = (q * he.to(acc)).sum(-1)
+        drw_N[a:b] = (q * he32).sum(-1)
         dye_w = (dye * rw_N[a:b, None]).to(dtype)  # the down GEMM's scaled input, as a kernel stores it
         dh = _mm(dye_w, dd_w)
-        g, u = _mm(xe, wg.t()), _mm(xe, wu.t())
+        g, u = gue.to(acc).chunk(2, dim=-1)
         dg, du = swiglu_backward(dh, g, u, swiglu_limit)
         dg, du = dg.to(dtype), du.to(dtype)
         _store(grads.d_down[e], _mm(dye_w.t(), he), accumulate)
@@ -314,8 +355,9 @@ def moe_backward(
     drw_TK = torch.where(valid_TK, drw_N[slots_TK], torch.zeros_like(drw_N[slots_TK]))
 
     if s_gate is not None:
+        hs = swiglu_of(gu_shared_T2Is, swiglu_limit)
+        h_s = hs.to(dtype)
         q = _mm(dy_TH, s_down)  # [T, Is]
-        hs = h_shared_TIs.to(acc)
         if s_out_gate_1H is not None:
             gate_T1 = torch.sigmoid(_mm(x_TH, s_out_gate_1H.t()))
             d_gate_T1 = (q * hs).sum(-1, keepdim=True)  # <dy_t, s_t>
@@ -326,10 +368,10 @@ def moe_backward(
         else:
             dy_s = dy_TH.to(dtype)
         dh = _mm(dy_s, s_down)
-        g, u = _mm(x_TH, s_gate.t()), _mm(x_TH, s_up.t())
+        g, u = gu_shared_T2Is.to(acc).chunk(2, dim=-1)
         dg, du = swiglu_backward(dh, g, u, swiglu_limit)
         dg, du = dg.to(dtype), du.to(dtype)
-        _store(grads.d_s_down, _mm(dy_s.t(), h_shared_TIs), accumulate)
+        _store(grads.d_s_down, _mm(dy_s.t(), h_s), accumulate)
         _store(grads.d_s_gate, _mm(dg.t(), x_TH), accumulate)
         _store(grads.d_s_up, _mm(du.t(), x_TH), accumulate)
         dx_TH = dx_TH + _mm(dg, s_gate) + _mm(du, s_up)

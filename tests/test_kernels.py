@@ -42,8 +42,8 @@ def _forward(impl, case, schedule):
 
 def _backward(impl, case, schedule, fwd, dy, grads=None, accumulate=False):
     wg, wu, wd, sg, su, sd, sog = _args(case)
-    return impl.moe_backward(dy, case.x, case.router_weights, case.top_experts, schedule, wg, wu, wd, fwd.h_NI,
-                             sg, su, sd, sog, fwd.h_shared_TIs, case.swiglu_limit, grads=grads,
+    return impl.moe_backward(dy, case.x, case.router_weights, case.top_experts, schedule, wg, wu, wd, fwd.gu_N2I,
+                             sg, su, sd, sog, fwd.gu_shared_T2Is, case.swiglu_limit, grads=grads,
                              accumulate=accumulate)
 
 
@@ -102,8 +102,16 @@ def _check_all(case, *, factor=2.0, seed=7, oracle_device="cpu"):
         assert err <= factor * ref_err + floor, f"{name}: error {err:.2e} vs the reference's {ref_err:.2e}"
 
     check("y", fwd.y_TH, ref_fwd.y_TH, y64)
-    assert rel_err(fwd.h_NI, ref_fwd.h_NI) <= 5 * tol  # h, including the zero rows of `-1` routes
-    assert not torch.isnan(fwd.h_NI).any()
+    # the saved gate/up pre-activations [g | u]: shapes and dtype as the reference's, close to them, and the
+    # rows of the `-1` routes' slots (past offsets[E]) exactly zero
+    for name, ours_gu, ref_gu in (("gu", fwd.gu_N2I, ref_fwd.gu_N2I), ("gu_shared", fwd.gu_shared_T2Is,
+                                                                       ref_fwd.gu_shared_T2Is)):
+        assert ours_gu.dtype == ref_gu.dtype and ours_gu.shape == ref_gu.shape, (name, ours_gu.shape, ref_gu.shape)
+        assert not torch.isnan(ours_gu).any(), name
+        if ref_gu.numel():
+            assert rel_err(ours_gu, ref_gu.to(ours_gu.device)) <= 5 * tol, name
+    n_valid = int(sched.expert_offsets_E1[-1])
+    assert torch.count_nonzero(fwd.gu_N2I[n_valid:]) == 0
     ours, refs = _grads_by_name(case, bwd), _grads_by_name(case, ref_bwd)
     for n, g in g64.items():
         check(f"d_{n}", ours[n], refs[n].to(ours[n].dtype), g)
@@ -239,7 +247,7 @@ def test_bitwise_deterministic():
         sched = kernels.build_schedule(case.top_experts, E)
         fwd = _forward(kernels, case, sched)
         bwd = _backward(kernels, case, sched, fwd, dy)
-        outs = [*sched, fwd.y_TH, fwd.h_NI, bwd.dx_TH, bwd.d_router_weights_TK,
+        outs = [*sched, fwd.y_TH, fwd.gu_N2I, fwd.gu_shared_T2Is, bwd.dx_TH, bwd.d_router_weights_TK,
                 *(g for g in bwd.grads if g is not None)]
         if first is None:
             first = [o.clone() for o in outs]

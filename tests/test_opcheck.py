@@ -44,12 +44,23 @@ def _fwd_args(c):
             c.shared_down_proj, c.shared_output_gate, c.swiglu_limit)
 
 
+def _check_saved_shapes(c, gu, gu_shared):
+    # the saved activations are the gate/up pre-activations: [N, 2I] in x.dtype and [T, 2Is] (or [0, 0]) in
+    # float32 (float64 for float64 x)
+    T, K = c.top_experts.shape
+    two_is = c.shared_gate_up_proj.shape[0] if c.shared_gate_up_proj is not None else None
+    assert gu.shape == (T * K, c.gate_up_proj.shape[1]) and gu.dtype == c.x.dtype
+    assert gu_shared.shape == ((T, two_is) if two_is is not None else (0, 0)) \
+        and gu_shared.dtype == torch.promote_types(c.x.dtype, torch.float32)
+
+
 def _bwd_args(c):
     fa = _fwd_args(c)
     with torch.no_grad():
-        y, h, h_shared = torch.ops.mok.moe_fwd(*fa)
+        y, gu, gu_shared = torch.ops.mok.moe_fwd(*fa)
+    _check_saved_shapes(c, gu, gu_shared)
     dy = random_like(y, 1)
-    return (dy,) + fa[:-1] + (h, h_shared, c.swiglu_limit)
+    return (dy,) + fa[:-1] + (gu, gu_shared, c.swiglu_limit)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -192,9 +203,9 @@ class _ImplPair(torch.autograd.Function):
         from mok_inductor import ops, reference
 
         sched = reference.build_schedule(top_experts, gate_up.shape[0])
-        y, h, hs = ops._moe_fwd_impl(reference, x, rw, top_experts, *sched, gate_up, down, s_gate_up, s_down,
-                                     s_gate, limit)
-        ctx.save_for_backward(x, rw, top_experts, *sched, gate_up, down, s_gate_up, s_down, s_gate, h, hs)
+        y, gu, gus = ops._moe_fwd_impl(reference, x, rw, top_experts, *sched, gate_up, down, s_gate_up, s_down,
+                                       s_gate, limit)
+        ctx.save_for_backward(x, rw, top_experts, *sched, gate_up, down, s_gate_up, s_down, s_gate, gu, gus)
         ctx.limit = limit
         return y
 
@@ -202,9 +213,9 @@ class _ImplPair(torch.autograd.Function):
     def backward(ctx, dy):
         from mok_inductor import ops, reference
 
-        x, rw, te, s0, s1, s2, gate_up, down, s_gate_up, s_down, s_gate, h, hs = ctx.saved_tensors
+        x, rw, te, s0, s1, s2, gate_up, down, s_gate_up, s_down, s_gate, gu, gus = ctx.saved_tensors
         dx, drw, dgu, dd, dsgu, dsd, dsg = ops._moe_bwd_impl(reference, dy, x, rw, te, s0, s1, s2, gate_up, down,
-                                                             s_gate_up, s_down, s_gate, h, hs, ctx.limit)
+                                                             s_gate_up, s_down, s_gate, gu, gus, ctx.limit)
         return None, None, dx, drw, dgu, dd, dsgu, dsd, dsg
 
 
@@ -274,8 +285,9 @@ def test_opcheck_mxfp8_ops(device, down_mx, shared):
     c, gu, d = _mx_case(device, down_mx, shared, requires_grad=False)
     tail = (c.shared_gate_up_proj, c.shared_down_proj, c.shared_output_gate, c.swiglu_limit)
     fwd_args = (c.x, c.router_weights, c.top_experts, *sched, *gu, *d, *tail)
-    y, h, h_shared = torch.ops.mok.moe_fwd_mxfp8(*fwd_args)
-    bwd_args = ((random_like(y, 1), c.x, c.router_weights, c.top_experts, *sched, *gu[:4], *d[:4], *tail[:3], h,
-                 h_shared, c.swiglu_limit))
+    y, saved, saved_shared = torch.ops.mok.moe_fwd_mxfp8(*fwd_args)
+    _check_saved_shapes(c, saved, saved_shared)
+    bwd_args = ((random_like(y, 1), c.x, c.router_weights, c.top_experts, *sched, *gu[:4], *d[:4], *tail[:3], saved,
+                 saved_shared, c.swiglu_limit))
     for wgrads in ((True, True), (False, True)):
         _opcheck_mx(torch.ops.mok.moe_bwd_mxfp8.default, bwd_args + wgrads)

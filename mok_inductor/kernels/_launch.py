@@ -35,6 +35,33 @@ def cfg(bm, bn, bk, warps, stages) -> triton.Config:
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
 
 
+def autotune(configs: list, interpret_config, key: list, restore_value=None):
+    """`@triton.autotune` over `pick_configs(configs, interpret_config)` for eager launches, with two
+    variants kept for launches traced by torch.compile (see `traced_variant`): the first config alone
+    (Inductor's default mode, which re-benchmarks every config it is given: one config keeps the compile
+    cheap) and all `configs` (mode="max-autotune"). The first config of each list is the one measured
+    best at the large shapes of shared/BENCH.md."""
+    extra = {"restore_value": restore_value} if restore_value else {}
+
+    def deco(fn):
+        eager = triton.autotune(configs=pick_configs(configs, interpret_config), key=key, **extra)(fn)
+        eager.mok_traced_variants = (triton.autotune(configs=configs[:1], key=key, **extra)(fn),
+                                     triton.autotune(configs=configs, key=key, **extra)(fn))
+        return eager
+
+    return deco
+
+
+def traced_variant(kernel):
+    """The kernel a traced launch hands to Inductor: all tile configs under max-autotune, else the first."""
+    variants = getattr(kernel, "mok_traced_variants", None)
+    if variants is None:
+        return kernel
+    from torch._inductor import config
+
+    return variants[1] if (config.max_autotune or config.max_autotune_gemm) else variants[0]
+
+
 def _traced(args) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
@@ -48,7 +75,7 @@ def _traced(args) -> bool:
 def launch(kernel, grid, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), through wrap_triton when traced."""
     if not INTERPRET and _traced(args):
-        torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+        torch.library.wrap_triton(traced_variant(kernel))[grid](*args, **kwargs)
     else:
         kernel[grid](*args, **kwargs)
 

@@ -1,16 +1,18 @@
-"""Backward kernels: the fused down-dgrad + gate/up recompute + SwiGLU backward, and the grouped
+"""Backward kernels: the down-dgrad GEMM with the SwiGLU backward in its epilogue, and the grouped
 weight-gradient GEMM with the main-grad accumulating epilogue.
 
-    dy_TH[tok], x_TH[tok], h_NI --_bwd_act_kernel--> dgu_N2I = [dg | du] (x.dtype, sorted rows),
-        dscale_PN (partial <dy_t @ down[e], h> per I-tile, at the route: d router_weights without y_tk),
-        hs_NI = rw * h (the down weight gradient's operand, so that its GEMM needs no scaling pass)
+    dy_TH[tok] @ down[e] --_bwd_act_kernel, epilogue on the saved gu_N2I = [g | u]--> dgu_N2I = [dg | du]
+        (x.dtype, sorted rows), dscale_PN (partial <dy_t @ down[e], h> per I-tile, at the route: d router
+        weights without y_tk), hs_NI = rw * h (the down weight gradient's operand); h is recomputed from
+        g, u elementwise, no GEMM is recomputed
     dgu_N2I --grouped_rows (gate[e], up[e])--> dx per route --combine over k--> dx_TH
     wgrad: d_down[e] = dy[tok]^T @ (rw * h), d_gate[e] = dg^T @ x[tok], d_up[e] = du^T @ x[tok]:
         a fixed-order loop over expert e's rows (deterministic, no atomics), written or ADDED into
         the destination (float32 or bfloat16 main grads).
 
 The shared expert runs the same kernels with SINGLE=True (one group of T rows, no gather) and the
-sigmoid output gate in the place of the router weight.
+sigmoid output gate in the place of the router weight. Weights are operands read as [E, n, k] (see
+moe_fwd.w_tile): bf16/fp16/fp32, or MXFP8 column-wise data for the data gradients.
 
 Shape legend: T tokens, H hidden, I intermediate, E experts, K routes per token (TOPK), N = T*K
 routes (M rows in a grouped kernel), P I-tiles of the partial router-weight gradient.
@@ -23,38 +25,35 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._launch import cfg, mma, pick_configs, to_out
-from .moe_fwd import GROUP_M, _tile_ids, _tile_rows, grouped_rows, nk_strides, row_tiles_worst, rowdot
+from ._launch import cfg, mma, to_out
+from .moe_fwd import (GROUP_M, _tile_ids, _tile_rows, grouped_rows, plain, row_tiles_worst, rowdot, swiglu, w_args,
+                      w_tile)
 
-# the smallest BLOCK_N of _bwd_act_configs(): the partial router-gradient buffer has one row per tile
-_BWD_ACT_MIN_BLOCK_N = 16 if _launch.INTERPRET else 64
+# (Register pressure: the epilogue holds acc, g, u, h and the gradients, so tiles of 128 x 128 spilled
+# 370-390 bytes on the H200; these are the configs that did not, or nearly not)
+_BWD_ACT_CONFIGS = [cfg(64, 128, 64, 8, 3), cfg(128, 64, 64, 8, 4), cfg(64, 64, 64, 4, 4), cfg(64, 128, 64, 8, 4),
+                    cfg(128, 64, 64, 8, 3), cfg(64, 64, 128, 4, 3)]
+_BWD_ACT_INTERPRET = cfg(16, 16, 32, 1, 1)
+# the smallest BLOCK_N of any config: the partial router-gradient buffer has one row per I-tile
+_BWD_ACT_MIN_BLOCK_N = (_BWD_ACT_INTERPRET if _launch.INTERPRET else min(
+    _BWD_ACT_CONFIGS, key=lambda c: c.kwargs["BLOCK_N"])).kwargs["BLOCK_N"]
 
 
-def _bwd_act_configs():
-    return pick_configs(
-        [cfg(128, 64, 64, 8, 3), cfg(64, 64, 64, 4, 4), cfg(64, 128, 64, 8, 3), cfg(128, 64, 32, 8, 4)],
-        cfg(16, 16, 16, 1, 1),
-    )
-
-
-@triton.autotune(configs=_bwd_act_configs(), key=["M", "H", "I", "E", "TOPK"])
+@_launch.autotune(_BWD_ACT_CONFIGS, _BWD_ACT_INTERPRET, key=["M", "H", "I", "E", "TOPK"])
 @triton.jit
 def _bwd_act_kernel(
-    x_ptr, stride_xt, stride_xh,  # x [T, H]
     dy_ptr, stride_dt, stride_dh,  # dy [T, H] (any strides, stride 0 too)
     routes_ptr, offsets_ptr,  # sorted_routes [M], expert_offsets [E+1]
-    wd_ptr, stride_de, stride_dh_, stride_di,  # down [E, H, I]
-    wg_ptr, stride_ge, stride_gi, stride_gh,  # gate [E, I, H]
-    wu_ptr, stride_ue, stride_ui, stride_uh,  # up [E, I, H]
-    h_ptr, stride_hm, stride_hi,  # h [M, I] saved (sorted rows)
+    wd_ptr, d_e, d_n, d_k, ds_ptr, ds_e, ds_n, ds_k,  # down^T read as [E, I, H] (MX_D: column-wise MXFP8)
+    gu_ptr, stride_gm, stride_gn,  # gu [M, 2I] saved (sorted rows, any float dtype): g in [0, I), u in [I, 2I)
     scale_ptr,  # float32 router weight per route [T*K] (SINGLE: per token [T]) (HAS_SCALE)
-    dgu_ptr, stride_gm, stride_gn,  # dgu [M, 2I] out: dg in [0, I), du in [I, 2I)
+    dgu_ptr, stride_om, stride_on,  # dgu [M, 2I] out: dg in [0, I), du in [I, 2I)
     dscale_ptr, stride_sp,  # float32 [P, T*K] out: partial <dy @ down, h> of I-tile p at the route
-    hs_ptr,  # [M, I] out (HAS_SCALE): scale * h, rounded: the down weight-gradient's operand
+    hs_ptr,  # [M, I] out (the activation dtype): (scale *) h, rounded: the down weight-gradient's operand
     M, H, I, E, TOPK, limit,
-    SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, MX_D: tl.constexpr,
+    DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, E, I, SINGLE, BLOCK_M, BLOCK_N, GROUP_M)
     group, row_start, row_end = _tile_rows(pid_m, offsets_ptr, M, E, SINGLE, False, BLOCK_M, GROUPS_POW2)
@@ -72,84 +71,73 @@ def _bwd_act_kernel(
         tok = route // TOPK
     ks = tl.arange(0, BLOCK_K)
     e64 = group.to(tl.int64)
-    tok64 = tok[:, None].to(tl.int64)
-    x_ptrs = x_ptr + tok64 * stride_xt + ks[None, :] * stride_xh
-    dy_ptrs = dy_ptr + tok64 * stride_dt + ks[None, :] * stride_dh
-    d_ptrs = wd_ptr + e64 * stride_de + ks[:, None] * stride_dh_ + cols[None, :] * stride_di
-    g_ptrs = wg_ptr + e64 * stride_ge + ks[:, None] * stride_gh + cols[None, :] * stride_gi
-    u_ptrs = wu_ptr + e64 * stride_ue + ks[:, None] * stride_uh + cols[None, :] * stride_ui
-    acc_q = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dy_row = dy_ptr + tok[:, None].to(tl.int64) * stride_dt
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        kmask = (k0 + ks) < H
-        amask = rmask[:, None] & kmask[None, :]
-        bmask = kmask[:, None] & cmask[None, :]
-        xa = tl.load(x_ptrs, mask=amask, other=0.0)
-        dya = tl.load(dy_ptrs, mask=amask, other=0.0).to(xa.dtype)
-        acc_q = mma(dya, tl.load(d_ptrs, mask=bmask, other=0.0), acc_q, DOT_PREC)
-        acc_g = mma(xa, tl.load(g_ptrs, mask=bmask, other=0.0), acc_g, DOT_PREC)
-        acc_u = mma(xa, tl.load(u_ptrs, mask=bmask, other=0.0), acc_u, DOT_PREC)
-        x_ptrs += BLOCK_K * stride_xh
-        dy_ptrs += BLOCK_K * stride_dh
-        d_ptrs += BLOCK_K * stride_dh_
-        g_ptrs += BLOCK_K * stride_gh
-        u_ptrs += BLOCK_K * stride_uh
+        kk = k0 + ks
+        kmask = kk < H
+        dya = tl.load(dy_row + kk[None, :] * stride_dh, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        wd = w_tile(wd_ptr, ds_ptr, e64, kk, cols, kmask, cmask, d_e, d_n, d_k, ds_e, ds_n, ds_k, hs_ptr,
+                    MX_D, DOT_PREC)
+        acc = mma(dya.to(hs_ptr.dtype.element_ty), wd, acc, DOT_PREC)
     omask = rmask[:, None] & cmask[None, :]
-    h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :] * stride_hi,
-                mask=omask, other=0.0).to(tl.float32)
-    # d router weight = <dy_t @ down[e], h>: this tile's share of the sum over I
-    tl.store(dscale_ptr + pid_n * stride_sp + route, tl.sum(acc_q * h, axis=1), mask=rmask)
+    rows64 = rows[:, None].to(tl.int64)
+    g_ptrs = gu_ptr + rows64 * stride_gm + cols[None, :] * stride_gn
+    g = tl.load(g_ptrs, mask=omask, other=0.0).to(tl.float32)
+    u = tl.load(g_ptrs + I * stride_gn, mask=omask, other=0.0).to(tl.float32)
+    h32 = swiglu(g, u, limit, HAS_LIMIT)
+    # d router weight = <dy_t @ down[e], h>: this tile's share of the sum over I (h in float32)
+    tl.store(dscale_ptr + pid_n * stride_sp + route, tl.sum(acc * h32, axis=1), mask=rmask)
+    h = to_out(h32, hs_ptr, DOT_PREC).to(tl.float32)  # the forward's h, as the down GEMM read it
     if HAS_SCALE:
         scale = tl.load(scale_ptr + route, mask=rmask, other=0.0)[:, None]
-        dh = acc_q * scale
-        tl.store(hs_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], to_out(h * scale, hs_ptr, DOT_PREC),
-                 mask=omask)
+        tl.store(hs_ptr + rows64 * I + cols[None, :], to_out(h * scale, hs_ptr, DOT_PREC), mask=omask)
+        dh = acc * scale
     else:
-        dh = acc_q
+        tl.store(hs_ptr + rows64 * I + cols[None, :], to_out(h, hs_ptr, DOT_PREC), mask=omask)
+        dh = acc
     if HAS_LIMIT:
-        gc = tl.where(acc_g > limit, limit, acc_g)
-        uc = tl.where(acc_u > limit, limit, tl.where(acc_u < -limit, -limit, acc_u))
+        gc = tl.where(g > limit, limit, g)
+        uc = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
     else:
-        gc = acc_g
-        uc = acc_u
+        gc = g
+        uc = u
     sig = tl.sigmoid(gc)
     dg = dh * uc * (sig * (1.0 + gc * (1.0 - sig)))
     du = dh * gc * sig
     if HAS_LIMIT:  # the clamp passes no gradient where it clipped (NaN is not clipped)
-        dg = tl.where(acc_g > limit, 0.0, dg)
-        du = tl.where((acc_u > limit) | (acc_u < -limit), 0.0, du)
-    o_ptrs = dgu_ptr + rows[:, None].to(tl.int64) * stride_gm + cols[None, :] * stride_gn
+        dg = tl.where(g > limit, 0.0, dg)
+        du = tl.where((u > limit) | (u < -limit), 0.0, du)
+    o_ptrs = dgu_ptr + rows64 * stride_om + cols[None, :] * stride_on
     tl.store(o_ptrs, to_out(dg, dgu_ptr, DOT_PREC), mask=omask)
-    tl.store(o_ptrs + I * stride_gn, to_out(du, dgu_ptr, DOT_PREC), mask=omask)
+    tl.store(o_ptrs + I * stride_on, to_out(du, dgu_ptr, DOT_PREC), mask=omask)
 
 
-def bwd_act(x_TH, dy_TH, w_gate, w_up, w_down, h_MI, scale, routes_N, offsets_E1, topk, limit, *,
-            single=False):
-    """-> (dgu [M, 2I] x.dtype, dscale [routes] float32 = <dy @ down[e], h> per route,
-    hs [M, I] = scale * h in x.dtype (h itself without a scale))."""
-    M, I = h_MI.shape
-    E, _, H = w_gate.shape
+def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, single=False):
+    """-> (dgu [M, 2I] dy.dtype, dscale [routes] float32 = <dy @ down[e], h> per route, hs [M, I] = scale * h
+    in dy.dtype (h without a scale)). down_t: the down weight's transpose as an `mxfp8.Operand` read as
+    [E, I, H]; gu: the forward's saved [g | u]."""
+    M = gu_M2I.shape[0]
+    I = gu_M2I.shape[1] // 2
+    E, _, H = down_t.data.shape
+    dev, dtype = gu_M2I.device, dy_TH.dtype  # dy is in the activation dtype (gu may be float32)
     n_routes = M if single else routes_N.numel()
     P = triton.cdiv(I, _BWD_ACT_MIN_BLOCK_N)
-    dgu = torch.empty(M, 2 * I, dtype=x_TH.dtype, device=x_TH.device)
-    dscale_P = torch.zeros(P, n_routes, dtype=torch.float32, device=x_TH.device)
-    hs = torch.empty(M, I, dtype=x_TH.dtype, device=x_TH.device) if scale is not None else h_MI
+    dgu = torch.empty(M, 2 * I, dtype=dtype, device=dev)
+    dscale_P = torch.zeros(P, n_routes, dtype=torch.float32, device=dev)
+    hs = torch.empty(M, I, dtype=dtype, device=dev)
     if M == 0 or I == 0:
         return dgu, dscale_P.sum(0), hs
     grid = lambda meta: (row_tiles_worst(M, E, meta["BLOCK_M"], single) * triton.cdiv(I, meta["BLOCK_N"]),)
     _launch.launch(
         _bwd_act_kernel, grid,
-        x_TH, x_TH.stride(0), x_TH.stride(1), dy_TH, dy_TH.stride(0), dy_TH.stride(1), routes_N, offsets_E1,
-        w_down, w_down.stride(0), w_down.stride(1), w_down.stride(2),
-        w_gate, w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
-        w_up, w_up.stride(0), w_up.stride(1), w_up.stride(2),
-        h_MI, h_MI.stride(0), h_MI.stride(1),
+        dy_TH, dy_TH.stride(0), dy_TH.stride(1), routes_N, offsets_E1, *w_args(down_t),
+        gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1),
         scale if scale is not None else dscale_P,
         dgu, dgu.stride(0), dgu.stride(1), dscale_P, dscale_P.stride(0), hs,
         M, H, I, E, topk, 0.0 if limit is None else float(limit),
-        SINGLE=single, HAS_SCALE=scale is not None, HAS_LIMIT=limit is not None,
-        DOT_PREC=_launch.dot_precision(x_TH.dtype), GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M,
+        SINGLE=single, HAS_SCALE=scale is not None, HAS_LIMIT=limit is not None, MX_D=down_t.quantized,
+        DOT_PREC=_launch.dot_precision(dtype), GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M,
     )
     return dgu, dscale_P.sum(0), hs  # fixed-order reduction over the I-tiles
 
@@ -158,25 +146,20 @@ def bwd_act(x_TH, dy_TH, w_gate, w_up, w_down, h_MI, scale, routes_N, offsets_E1
 # Weight gradients: dst[e][m, n] (+)= sum over expert e's rows r of A[r, m] * B[r, n]
 
 
-def _wgrad_configs():
-    return pick_configs(
-        [cfg(128, 128, 64, 8, 3), cfg(128, 128, 32, 4, 4), cfg(64, 128, 64, 4, 4), cfg(128, 128, 64, 8, 4),
-         cfg(128, 64, 64, 4, 4)],
-        cfg(16, 16, 16, 1, 1),
-    )
+_WGRAD_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4), cfg(128, 128, 32, 4, 4), cfg(64, 128, 64, 4, 4),
+                  cfg(128, 64, 64, 4, 4), cfg(128, 256, 64, 8, 3), cfg(256, 128, 64, 8, 3), cfg(128, 128, 128, 8, 3)]
 
 
-@triton.autotune(configs=_wgrad_configs(), key=["MD", "ND", "M", "E", "TOPK"], restore_value=["dst_ptr"])
+@_launch.autotune(_WGRAD_CONFIGS, cfg(16, 16, 16, 1, 1), key=["MD", "ND", "M", "E", "TOPK"],
+                  restore_value=["dst_ptr"])
 @triton.jit
 def _wgrad_kernel(
     a_ptr, stride_ar, stride_am,  # A: row index = token (A_GATHER) or sorted row; [*, MD]
     b_ptr, stride_br, stride_bn,  # B: row index = token (B_GATHER) or sorted row; [*, ND]
     routes_ptr, offsets_ptr,  # sorted_routes [M], expert_offsets [E+1]
-    scale_ptr,  # float32 per route (SINGLE: per token): A rows are scaled, then rounded (A_SCALE)
     dst_ptr, stride_de, stride_dm, stride_dn,  # dst [E, MD, ND] (any float dtype, strided)
     MD, ND, M, E, TOPK,
-    SINGLE: tl.constexpr, A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, A_SCALE: tl.constexpr,
-    ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
+    SINGLE: tl.constexpr, A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -198,11 +181,9 @@ def _wgrad_kernel(
         rows = r0 + ks
         rmask = rows < hi
         if SINGLE:
-            route = rows
             tok = rows
         else:
-            route = tl.load(routes_ptr + rows, mask=rmask, other=0)
-            tok = route // TOPK
+            tok = tl.load(routes_ptr + rows, mask=rmask, other=0) // TOPK
         if A_GATHER:
             ar = tok
         else:
@@ -215,12 +196,7 @@ def _wgrad_kernel(
                     mask=mmask[:, None] & rmask[None, :], other=0.0)  # A^T tile [BLOCK_M, BLOCK_K]
         b = tl.load(b_ptr + br[:, None].to(tl.int64) * stride_br + ns[None, :] * stride_bn,
                     mask=rmask[:, None] & nmask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        if A_SCALE:
-            s = tl.load(scale_ptr + route, mask=rmask, other=0.0)
-            a = to_out(a.to(tl.float32) * s[None, :], b_ptr, DOT_PREC)
-        else:
-            a = a.to(b.dtype)
-        acc = mma(a, b, acc, DOT_PREC)
+        acc = mma(a.to(b.dtype), b, acc, DOT_PREC)
     d_ptrs = dst_ptr + e.to(tl.int64) * stride_de + ms[:, None] * stride_dm + ns[None, :] * stride_dn
     dmask = mmask[:, None] & nmask[None, :]
     if ACCUMULATE:  # Megatron main_grad fusion: one rounding of (dst + grad) into dst's dtype
@@ -228,8 +204,8 @@ def _wgrad_kernel(
     tl.store(d_ptrs, to_out(acc, dst_ptr, DOT_PREC), mask=dmask)
 
 
-def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, scale=None, accumulate=False,
-          single=False, n_rows=None):
+def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, accumulate=False, single=False,
+          n_rows=None):
     """dst[e] (+)= A_e^T @ B_e over expert e's rows (A, B 2-D; rows gathered by token when *_gather).
     dst_EMN: [E, MD, ND] (for SINGLE, a [1, MD, ND] view)."""
     E, MD, ND = dst_EMN.shape
@@ -240,20 +216,51 @@ def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, scal
     _launch.launch(
         _wgrad_kernel, grid,
         a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), routes_N, offsets_E1,
-        scale if scale is not None else b,
         dst_EMN, dst_EMN.stride(0), dst_EMN.stride(1), dst_EMN.stride(2),
         MD, ND, M, E, topk,
-        SINGLE=single, A_GATHER=a_gather, B_GATHER=b_gather, A_SCALE=scale is not None,
-        ACCUMULATE=accumulate, DOT_PREC=_launch.dot_precision(b.dtype),
+        SINGLE=single, A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate,
+        DOT_PREC=_launch.dot_precision(b.dtype),
     )
     return dst_EMN
 
 
 # ---------------------------------------------------------------------------------------------
-# The shared expert's backward, shared by the bf16 (kernels.moe_backward) and MXFP8 paths
+# One expert MLP's backward (routed or shared), and the shared expert with its output gate
 
 
-def shared_backward(x_TH, dy_TH, s_gate, s_up, s_down, s_out_gate_1H, h_shared_TIs, swiglu_limit, sorted_N,
+def wgrad_into(dst, a, b, routes_N, offsets_E1, topk, *, a_gather, b_gather, accumulate, single=False, n_rows=None):
+    """wgrad into a 3-D destination, into E per-expert tensors through one float32 buffer, or nowhere (None:
+    the gradient is not wanted, e.g. an MXFP8 weight without a master)."""
+    if dst is None:
+        return
+    kw = dict(a_gather=a_gather, b_gather=b_gather, single=single, n_rows=n_rows)
+    if isinstance(dst, torch.Tensor):
+        wgrad(a, b, dst, routes_N, offsets_E1, topk, accumulate=accumulate, **kw)
+        return
+    tmp = torch.empty(len(dst), *dst[0].shape, dtype=torch.float32, device=b.device)
+    wgrad(a, b, tmp, routes_N, offsets_E1, topk, accumulate=False, **kw)
+    for e, t in enumerate(dst):
+        (t.add_ if accumulate else t.copy_)(tmp[e])
+
+
+def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit,
+                    d_weights, dx_out, accumulate, *, scatter, single=False):
+    """Weight gradients (d_gate, d_up, d_down) = `d_weights` (written or ADDED; None entries skipped) and
+    dx_out[dest(r)] = dg @ gate[e] + du @ up[e] of the expert MLPs whose forward saved `gu_M2I`. gate_t, up_t
+    read as [E, H, I], down_t as [E, I, H] (the transposed weights). Returns d scale [routes] float32."""
+    I = gu_M2I.shape[1] // 2
+    n_rows = x_TH.shape[0] if single else None
+    dgu, dscale, hs = bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, single=single)
+    d_gate, d_up, d_down = d_weights
+    for dst, a, b, a_gather in ((d_down, dy_TH, hs, True), (d_gate, dgu[:, :I], x_TH, False),
+                                (d_up, dgu[:, I:], x_TH, False)):
+        wgrad_into(dst, a, b, routes_N, offsets_E1, topk, a_gather=a_gather, b_gather=not a_gather,
+                   accumulate=accumulate, single=single, n_rows=n_rows)
+    grouped_rows(dgu, gate_t, dx_out, routes_N, offsets_E1, w2=up_t, scatter=scatter, single=single)
+    return dscale
+
+
+def shared_backward(x_TH, dy_TH, s_gate, s_up, s_down, s_out_gate_1H, gu_shared_T2Is, swiglu_limit, sorted_N,
                     offsets_E1, grads, accumulate):
     """Weight gradients of the shared expert and its output gate into `grads` (written or ADDED), and the
     combine's inputs for dx: (dx_s [T, H] or None, bias [H] or None, bias scale [T] or None)."""
@@ -261,17 +268,11 @@ def shared_backward(x_TH, dy_TH, s_gate, s_up, s_down, s_out_gate_1H, h_shared_T
         return None, None, None
     T, H = x_TH.shape
     gate_T = torch.sigmoid(rowdot(x_TH, s_out_gate_1H)) if s_out_gate_1H is not None else None
-    sg, su, sd = s_gate[None], s_up[None], s_down[None]
-    dgu_s, dgate_T, hs_s = bwd_act(x_TH, dy_TH, sg, su, sd, h_shared_TIs, gate_T, sorted_N, offsets_E1, 1,
-                                   swiglu_limit, single=True)
-    Is = s_gate.shape[0]
-    for dst, a, b, a_gather in ((grads.d_s_down, dy_TH, hs_s, True), (grads.d_s_gate, dgu_s[:, :Is], x_TH, False),
-                                (grads.d_s_up, dgu_s[:, Is:], x_TH, False)):
-        wgrad(a, b, dst[None], sorted_N, offsets_E1, 1, a_gather=a_gather, b_gather=not a_gather,
-              accumulate=accumulate, single=True, n_rows=T)
+    t = lambda w: plain(w[None].transpose(-2, -1))
     dx_s = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
-    grouped_rows(dgu_s, sg, dx_s, sorted_N, offsets_E1, w1_nk_strides=nk_strides(sg, 2, 1), w2=su,
-                 w2_nk_strides=nk_strides(su, 2, 1), scatter=False, single=True)
+    d_weights = (grads.d_s_gate[None], grads.d_s_up[None], grads.d_s_down[None])
+    dgate_T = expert_backward(x_TH, dy_TH, t(s_gate), t(s_up), t(s_down), gu_shared_T2Is, gate_T, sorted_N,
+                              offsets_E1, 1, swiglu_limit, d_weights, dx_s, accumulate, scatter=False, single=True)
     if s_out_gate_1H is None:
         return dx_s, None, None
     d_logit = dgate_T * gate_T * (1.0 - gate_T)

@@ -1,9 +1,14 @@
-"""Forward kernels: the gathered gate/up GEMM with the clamped SwiGLU, the grouped row GEMM, the
-combine, and a row-dot for the shared output gate's logits.
+"""Forward kernels: the gathered gate/up GEMM (clamped SwiGLU epilogue), the grouped row GEMM, the combine,
+and a row-dot for the shared output gate's logits.
 
-    x_TH[sorted_routes // K] --_gate_up_kernel (gather in the loads, SwiGLU epilogue)--> h_NI (sorted)
-    h_NI --_grouped_rows_kernel (down[e], rows scattered to their route)--> y_NH (route order, x.dtype)
+    x_TH[sorted_routes // K] --_gate_up_kernel (gather in the loads)--> gu_N2I = [g | u] (sorted, saved),
+        h_NI = swiglu(g, u) (sorted, transient)
+    h_NI --_grouped_rows_kernel (down[e], rows scattered to their route)--> y_NH (route order)
     y_NH, router_weights, shared s_TH, sigmoid(x @ w_gate^T) --_combine_kernel--> y_TH (fp32 sum in k order)
+
+Weights are operands read as [E, n, k] (k the reduction dim) through their strides: bf16/fp16/fp32
+tensors, or MXFP8 e4m3 data with E8M0 scales per 32 along k (`w_tile` dequantizes in registers; MX*
+constexprs), so one kernel family serves both.
 
 Tiles: a program owns a BLOCK_M x BLOCK_N tile of one expert's rows. The grid is the worst case
 cdiv(N, BLOCK_M) + E + 1 row tiles (from shapes only); `_tile_rows` finds each program's expert
@@ -20,8 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import reference
+from ..mxfp8 import Operand
 from . import _launch
-from ._launch import cfg, mma, pick_configs, to_out
+from ._launch import cfg, mma, to_out
 
 GROUP_M = 8  # row tiles per L2 group (see _tile_ids)
 
@@ -82,29 +89,67 @@ def row_tiles_worst(M: int, E: int, block_m: int, single: bool) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Gate/up GEMM with the gather of x rows and the clamped SwiGLU epilogue
+# Weight operands: [E, n, k] views (k the reduction dim), bf16/fp16/fp32 or MXFP8 data + E8M0 scales
 
 
-def _gate_up_configs():
-    return pick_configs(
-        [cfg(128, 128, 64, 8, 3), cfg(128, 64, 64, 4, 4), cfg(64, 128, 64, 4, 4), cfg(128, 64, 64, 8, 4),
-         cfg(64, 64, 128, 4, 3)],
-        cfg(16, 16, 16, 1, 1),
-    )
+@triton.jit
+def w_tile(w_ptr, s_ptr, e64, kk, cols, kmask, cmask, s_e, s_n, s_k, ss_e, ss_n, ss_k, like_ptr,
+           MX: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile W[e][cols, kk] (k down the tile); MX: e4m3 data dequantized with its
+    per-32 scales in registers (e4m3 * 2**(s - 127) is exact in bf16/fp16/fp32) into like_ptr's dtype."""
+    m = kmask[:, None] & cmask[None, :]
+    w = tl.load(w_ptr + e64 * s_e + kk[:, None] * s_k + cols[None, :] * s_n, mask=m, other=0.0)
+    if MX:
+        sc = tl.load(s_ptr + e64 * ss_e + (kk // 32)[:, None] * ss_k + cols[None, :] * ss_n, mask=m, other=0)
+        # 2**(sc - 127) built from its float32 bits (exact; sc = 0, an all-zero block, gives 0)
+        factor = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        w = w.to(tl.float32) * factor
+        if DOT_PREC != "interp":
+            w = w.to(like_ptr.dtype.element_ty)
+    return w
 
 
-@triton.autotune(configs=_gate_up_configs(), key=["M", "H", "I", "E", "TOPK"])
+def w_args(op) -> tuple:
+    """Kernel arguments of an operand (`mok_inductor.mxfp8.Operand` of 3-D tensors) read as [E, n, k]:
+    data, its strides, scales (the data again when plain), their strides."""
+    d = op.data
+    s = op.scale if op.scale is not None else d
+    return (d, d.stride(0), d.stride(1), d.stride(2), s, s.stride(0), s.stride(1), s.stride(2))
+
+
+@triton.jit
+def swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
+    """silu(clamp(g, max=limit)) * clamp(u, -limit, limit) in float32; where() rather than min/max: a NaN
+    is not clipped, it propagates."""
+    if HAS_LIMIT:
+        g = tl.where(g > limit, limit, g)
+        u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
+    return g * tl.sigmoid(g) * u
+
+
+# ---------------------------------------------------------------------------------------------
+# Gate/up GEMM with the gather of x rows; writes the pre-activations gu = [g | u] (what backward needs)
+# and, WRITE_H, the clamped SwiGLU h of the rounded g, u
+
+
+_GATE_UP_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 64, 64, 4, 4), cfg(64, 128, 64, 4, 4), cfg(128, 64, 64, 8, 4),
+                    cfg(64, 64, 128, 4, 3)]
+
+
+@_launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=["M", "H", "I", "E", "TOPK"])
 @triton.jit
 def _gate_up_kernel(
     x_ptr, stride_xt, stride_xh,  # x [T, H]
     routes_ptr, offsets_ptr,  # sorted_routes [M] int32, expert_offsets [E+1] int32
-    wg_ptr, stride_ge, stride_gi, stride_gh,  # gate [E, I, H] (strided view)
-    wu_ptr, stride_ue, stride_ui, stride_uh,  # up [E, I, H] (strided view)
-    h_ptr, stride_hm, stride_hi,  # h [M, I] out, sorted slot order (tail rows zeroed)
+    wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k,  # gate read as [E, I, H]: data, scales [E, I, H/32] (MX_G)
+    wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k,  # up read as [E, I, H]
+    gu_ptr, stride_gm, stride_gn,  # gu [M, 2I] out: g in [0, I), u in [I, 2I) (tail rows zeroed)
+    h_ptr, stride_hm, stride_hi,  # h [M, I] out (WRITE_H)
     M, H, I, E, TOPK,  # rows (routes), hidden, intermediate, experts, routes per token
-    limit,  # swiglu clamp (used when HAS_LIMIT)
-    SINGLE: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    limit, above, below,  # swiglu clamp (HAS_LIMIT); the stored dtype's neighbours of it (KEEP_CLIP)
+    SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, E, I, SINGLE, BLOCK_M, BLOCK_N, GROUP_M)
     group, row_start, row_end = _tile_rows(pid_m, offsets_ptr, M, E, SINGLE, True, BLOCK_M, GROUPS_POW2)
@@ -114,82 +159,95 @@ def _gate_up_kernel(
     rmask = rows < row_end
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < I
-    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :] * stride_hi
+    rows64 = rows[:, None].to(tl.int64)
+    g_ptrs = gu_ptr + rows64 * stride_gm + cols[None, :] * stride_gn
+    h_ptrs = h_ptr + rows64 * stride_hm + cols[None, :] * stride_hi
     omask = rmask[:, None] & cmask[None, :]
-    if group >= E:  # the `-1` routes' slots: their h rows are zero
-        tl.store(h_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty), mask=omask)
+    if group >= E:  # the `-1` routes' slots: their g, u and h rows are zero
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=gu_ptr.dtype.element_ty)
+        tl.store(g_ptrs, zero, mask=omask)
+        tl.store(g_ptrs + I * stride_gn, zero, mask=omask)
+        if WRITE_H:
+            tl.store(h_ptrs, zero, mask=omask)
         return
     if SINGLE:
         tok = rows
     else:
         tok = tl.load(routes_ptr + rows, mask=rmask, other=0) // TOPK
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tok[:, None].to(tl.int64) * stride_xt + ks[None, :] * stride_xh
     e64 = group.to(tl.int64)
-    g_ptrs = wg_ptr + e64 * stride_ge + ks[:, None] * stride_gh + cols[None, :] * stride_gi
-    u_ptrs = wu_ptr + e64 * stride_ue + ks[:, None] * stride_uh + cols[None, :] * stride_ui
+    a_row = x_ptr + tok[:, None].to(tl.int64) * stride_xt
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        kmask = (k0 + ks) < H
-        a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        bg = tl.load(g_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-        bu = tl.load(u_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        kk = k0 + ks
+        kmask = kk < H
+        a = tl.load(a_row + kk[None, :] * stride_xh, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        bg = w_tile(wg_ptr, gs_ptr, e64, kk, cols, kmask, cmask, g_e, g_n, g_k, gs_e, gs_n, gs_k, x_ptr,
+                    MX_G, DOT_PREC)
+        bu = w_tile(wu_ptr, us_ptr, e64, kk, cols, kmask, cmask, u_e, u_n, u_k, us_e, us_n, us_k, x_ptr,
+                    MX_U, DOT_PREC)
         acc_g = mma(a, bg, acc_g, DOT_PREC)
         acc_u = mma(a, bu, acc_u, DOT_PREC)
-        a_ptrs += BLOCK_K * stride_xh
-        g_ptrs += BLOCK_K * stride_gh
-        u_ptrs += BLOCK_K * stride_uh
-    if HAS_LIMIT:  # where() rather than min/max: a NaN is not clipped, it propagates
-        acc_g = tl.where(acc_g > limit, limit, acc_g)
-        acc_u = tl.where(acc_u > limit, limit, tl.where(acc_u < -limit, -limit, acc_u))
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(h_ptrs, to_out(h, h_ptr, DOT_PREC), mask=omask)
+    g = to_out(acc_g, gu_ptr, DOT_PREC).to(tl.float32)
+    u = to_out(acc_u, gu_ptr, DOT_PREC).to(tl.float32)
+    if KEEP_CLIP:  # never round across a clamp bound (reference.round_keep_clip). where(), not min/max:
+        # the GPU's min/max return the non-NaN operand, and a NaN must stay NaN (it compares false here)
+        g = tl.where(acc_g > limit, tl.where(g < above, above, g), tl.where(g > below, below, g))
+        u = tl.where(acc_u > limit, tl.where(u < above, above, u), tl.where(u > below, below, u))
+        u = tl.where(acc_u < -limit, tl.where(u > -above, -above, u), tl.where(u < -below, -below, u))
+    tl.store(g_ptrs, g.to(gu_ptr.dtype.element_ty), mask=omask)
+    tl.store(g_ptrs + I * stride_gn, u.to(gu_ptr.dtype.element_ty), mask=omask)
+    if WRITE_H:
+        h = swiglu(g, u, limit, HAS_LIMIT)
+        tl.store(h_ptrs, to_out(h, h_ptr, DOT_PREC), mask=omask)
 
 
-def gate_up(x_TH, w_gate, w_up, h_out, routes_N, offsets_E1, topk, limit, *, single=False):
-    """h_out[M, I] = swiglu(x[rows] @ gate[e]^T, x[rows] @ up[e]^T) per sorted row (SINGLE: all T rows,
-    one expert given as [1, I, H] views)."""
-    M, I = h_out.shape
+def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=None, single=False):
+    """gu_out[M, 2I] = [x[rows] @ gate[e]^T | x[rows] @ up[e]^T] per sorted row (before the clamp), and
+    h_out[M, I] = swiglu of those (rounded) values when given. gate, up: `mxfp8.Operand`s read as [E, I, H]
+    (SINGLE: all T rows, one expert given as [1, I, H] views)."""
+    M = gu_out.shape[0]
+    I = gu_out.shape[1] // 2
     if M == 0 or I == 0:
-        return h_out
-    E, _, H = w_gate.shape
-    groups_pow2 = _launch.next_pow2(E + 1)
+        return gu_out
+    E, _, H = gate.data.shape
     grid = lambda meta: (row_tiles_worst(M, E, meta["BLOCK_M"], single) * triton.cdiv(I, meta["BLOCK_N"]),)
+    h = h_out if h_out is not None else gu_out
+    keep_clip = limit is not None and gu_out.dtype in (torch.bfloat16, torch.float16)
+    above, below = (float(v) for v in reference.clip_bounds(limit, gu_out.dtype)) if keep_clip else (0.0, 0.0)
     _launch.launch(
         _gate_up_kernel, grid,
         x_TH, x_TH.stride(0), x_TH.stride(1), routes_N, offsets_E1,
-        w_gate, w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
-        w_up, w_up.stride(0), w_up.stride(1), w_up.stride(2),
-        h_out, h_out.stride(0), h_out.stride(1),
-        M, H, I, E, topk, 0.0 if limit is None else float(limit),
-        SINGLE=single, HAS_LIMIT=limit is not None, DOT_PREC=_launch.dot_precision(x_TH.dtype),
-        GROUPS_POW2=groups_pow2, GROUP_M=GROUP_M,
+        *w_args(gate), *w_args(up),
+        gu_out, gu_out.stride(0), gu_out.stride(1), h, h.stride(0), h.stride(1),
+        M, H, I, E, topk, 0.0 if limit is None else float(limit), above, below,
+        SINGLE=single, MX_G=gate.quantized, MX_U=up.quantized, WRITE_H=h_out is not None,
+        HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip, DOT_PREC=_launch.dot_precision(x_TH.dtype),
+        GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M,
     )
-    return h_out
+    return gu_out
 
 
 # ---------------------------------------------------------------------------------------------
 # Grouped row GEMM: out[dest(r), n] = sum_k A[r, k] W1[e][n, k] (+ sum_k A[r, KD + k] W2[e][n, k])
 
 
-def _grouped_rows_configs():
-    return pick_configs(
-        [cfg(128, 128, 64, 8, 3), cfg(128, 256, 64, 8, 3), cfg(64, 128, 64, 4, 4), cfg(128, 128, 64, 4, 4)],
-        cfg(16, 16, 16, 1, 1),
-    )
+_GROUPED_ROWS_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 256, 64, 8, 3), cfg(64, 128, 64, 4, 4),
+                         cfg(128, 128, 64, 4, 4), cfg(64, 64, 128, 4, 3)]
 
 
-@triton.autotune(configs=_grouped_rows_configs(), key=["M", "NCOL", "KD", "E"])
+@_launch.autotune(_GROUPED_ROWS_CONFIGS, cfg(16, 16, 32, 1, 1), key=["M", "NCOL", "KD", "E"])
 @triton.jit
 def _grouped_rows_kernel(
     a_ptr, stride_am, stride_ak,  # A [M, KD or 2*KD], sorted rows
     routes_ptr, offsets_ptr,  # sorted_routes [M], expert_offsets [E+1]
-    w1_ptr, s1_e, s1_n, s1_k,  # W1[e] element (n, k): [E, NCOL, KD] as strides
-    w2_ptr, s2_e, s2_n, s2_k,  # W2[e] element (n, k), multiplies A's columns [KD, 2 KD) (TWO)
+    w1_ptr, s1_e, s1_n, s1_k, q1_ptr, q1_e, q1_n, q1_k,  # W1[e] (n, k) data and scales (MX1), [E, NCOL, KD]
+    w2_ptr, s2_e, s2_n, s2_k, q2_ptr, q2_e, q2_n, q2_k,  # W2[e], multiplies A's columns [KD, 2 KD) (TWO)
     out_ptr, stride_om, stride_on,  # out [rows, NCOL]; row = route (SCATTER) or the sorted row
     M, NCOL, KD, E,
-    SINGLE: tl.constexpr, SCATTER: tl.constexpr, TWO: tl.constexpr, DOT_PREC: tl.constexpr,
+    SINGLE: tl.constexpr, SCATTER: tl.constexpr, TWO: tl.constexpr, MX1: tl.constexpr, MX2: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -204,25 +262,22 @@ def _grouped_rows_kernel(
     ks = tl.arange(0, BLOCK_K)
     e64 = group.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :] * stride_ak
-    w_ptrs = w1_ptr + e64 * s1_e + ks[:, None] * s1_k + cols[None, :] * s1_n
+    a_row = a_ptr + rows[:, None].to(tl.int64) * stride_am
     for k0 in range(0, KD, BLOCK_K):
-        kmask = (k0 + ks) < KD
-        a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        kk = k0 + ks
+        kmask = kk < KD
+        a = tl.load(a_row + kk[None, :] * stride_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = w_tile(w1_ptr, q1_ptr, e64, kk, cols, kmask, cmask, s1_e, s1_n, s1_k, q1_e, q1_n, q1_k, out_ptr,
+                   MX1, DOT_PREC)
         acc = mma(a, w, acc, DOT_PREC)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * s1_k
     if TWO:
-        a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + (KD + ks[None, :]) * stride_ak
-        w_ptrs = w2_ptr + e64 * s2_e + ks[:, None] * s2_k + cols[None, :] * s2_n
         for k0 in range(0, KD, BLOCK_K):
-            kmask = (k0 + ks) < KD
-            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            kk = k0 + ks
+            kmask = kk < KD
+            a = tl.load(a_row + (KD + kk[None, :]) * stride_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = w_tile(w2_ptr, q2_ptr, e64, kk, cols, kmask, cmask, s2_e, s2_n, s2_k, q2_e, q2_n, q2_k, out_ptr,
+                       MX2, DOT_PREC)
             acc = mma(a, w, acc, DOT_PREC)
-            a_ptrs += BLOCK_K * stride_ak
-            w_ptrs += BLOCK_K * s2_k
     if SCATTER:
         dest = tl.load(routes_ptr + rows, mask=rmask, other=0)
     else:
@@ -231,27 +286,25 @@ def _grouped_rows_kernel(
     tl.store(o_ptrs, to_out(acc, out_ptr, DOT_PREC), mask=rmask[:, None] & cmask[None, :])
 
 
-def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w1_nk_strides, w2=None, w2_nk_strides=None,
-                 scatter=True, single=False):
-    """out[dest(r)] = A[r, :KD] @ W1[e]^T (+ A[r, KD:] @ W2[e]^T). w*_nk_strides: (stride_e, stride_n,
-    stride_k) of the weight read as [E, NCOL, KD]; KD is the reduction length of one weight."""
+def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, single=False):
+    """out[dest(r)] = A[r, :KD] @ W1[e]^T (+ A[r, KD:] @ W2[e]^T); w1, w2: `mxfp8.Operand`s read as
+    [E, NCOL, KD]."""
     M = a_MK.shape[0]
     NCOL = out.shape[1]
     KD = a_MK.shape[1] // (2 if w2 is not None else 1)
     if M == 0 or NCOL == 0:
         return out
-    E = w1.shape[0]
+    E = w1.data.shape[0]
     two = w2 is not None
-    if not two:
-        w2, w2_nk_strides = w1, w1_nk_strides
+    w2 = w2 if two else w1
     grid = lambda meta: (row_tiles_worst(M, E, meta["BLOCK_M"], single) * triton.cdiv(NCOL, meta["BLOCK_N"]),)
     _launch.launch(
         _grouped_rows_kernel, grid,
         a_MK, a_MK.stride(0), a_MK.stride(1), routes_N, offsets_E1,
-        w1, *w1_nk_strides, w2, *w2_nk_strides,
+        *w_args(w1), *w_args(w2),
         out, out.stride(0), out.stride(1),
         M, NCOL, KD, E,
-        SINGLE=single, SCATTER=scatter, TWO=two, DOT_PREC=_launch.dot_precision(a_MK.dtype),
+        SINGLE=single, SCATTER=scatter, TWO=two, MX1=w1.quantized, MX2=w2.quantized, DOT_PREC=_launch.dot_precision(a_MK.dtype),
         GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M,
     )
     return out
@@ -359,12 +412,22 @@ def rowdot(x_TH, w_1H):
 
 
 # ---------------------------------------------------------------------------------------------
-# Pieces of the forward shared by the bf16 (kernels.moe_forward) and MXFP8 (moe_mxfp8.moe_forward) paths
+# Pieces of the forward shared by the routed and the shared expert, bf16 and MXFP8
+
+def plain(w) -> Operand:
+    """A float weight as a kernel operand (no scales)."""
+    return Operand(w, None)
 
 
-def nk_strides(w, n_dim: int, k_dim: int):
-    """(stride_e, stride_n, stride_k) of a 3-D weight read as [E, n, k]."""
-    return (w.stride(0), w.stride(n_dim), w.stride(k_dim))
+def expert_mlp(x_TH, gate, up, down, gu_out, out, routes_N, offsets_E1, topk, limit, *, scatter, single=False):
+    """gu_out = [g | u] (saved for backward) and out[dest(r)] = swiglu(g, u) @ down[e]^T for each sorted
+    row r: the gate/up GEMM (which also writes h, freed on return) then the down GEMM. gate, up read as
+    [E, I, H], down as [E, H, I]. (Measured on the H200, session 3: a down GEMM applying the SwiGLU to g, u
+    tiles in its K loop instead of reading h reached 219 TFLOP/s against 415: its A operand goes through
+    registers; h costs 192 MiB of transient memory at the qwen3 shape.)"""
+    h = torch.empty(gu_out.shape[0], gu_out.shape[1] // 2, dtype=out.dtype, device=gu_out.device)
+    gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, h_out=h, single=single)
+    return grouped_rows(h, down, out, routes_N, offsets_E1, scatter=scatter, single=single)
 
 
 def flat(t: torch.Tensor) -> torch.Tensor:
@@ -374,17 +437,15 @@ def flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_E1, swiglu_limit):
-    """The shared expert (always bf16/x.dtype weights) -> (h_shared [T, Is] (empty without one), its output
+    """The shared expert (always x.dtype weights) -> (gu_shared [T, 2Is] (empty without one), its output
     s_TH [T, H] or None, the output gate's logits [T] float32 or None): the combine's inputs."""
     T, H = x_TH.shape
     if s_gate is None:
-        return x_TH.new_empty(0, 0), None, None
+        return x_TH.new_empty(0, 0, dtype=torch.float32), None, None
     dev, dtype = x_TH.device, x_TH.dtype
-    h_shared = torch.empty(T, s_gate.shape[0], dtype=dtype, device=dev)
-    gate_up(x_TH, s_gate[None], s_up[None], h_shared, sorted_N, offsets_E1, 1, swiglu_limit, single=True)
+    gu_shared = torch.empty(T, 2 * s_gate.shape[0], dtype=torch.float32, device=dev)  # see reference.py
     s_TH = torch.empty(T, H, dtype=dtype, device=dev)
-    sd = s_down[None]
-    grouped_rows(h_shared, sd, s_TH, sorted_N, offsets_E1, w1_nk_strides=nk_strides(sd, 1, 2), scatter=False,
-                 single=True)
+    expert_mlp(x_TH, plain(s_gate[None]), plain(s_up[None]), plain(s_down[None]), gu_shared, s_TH, sorted_N,
+               offsets_E1, 1, swiglu_limit, scatter=False, single=True)
     logit_T = rowdot(x_TH, s_out_gate_1H) if s_out_gate_1H is not None else None
-    return h_shared, s_TH, logit_T
+    return gu_shared, s_TH, logit_T

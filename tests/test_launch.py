@@ -1,0 +1,44 @@
+"""The tile configs our kernels hand to Inductor when torch.compile traces them (kernels/_launch.py):
+Inductor re-benchmarks every config of a user-defined autotuned kernel, so the default mode gets the first
+config alone (a cheaper compile) and mode="max-autotune" gets them all. Checked on the kernel objects, on CPU;
+the CUDA compile tests (tests/test_compile_inductor.py) run both modes end to end."""
+
+import pytest
+import torch
+from torch._inductor import config
+
+from mok_inductor.kernels import _launch, moe_bwd, moe_fwd
+
+KERNELS = {
+    "gate_up": (moe_fwd._gate_up_kernel, moe_fwd._GATE_UP_CONFIGS),
+    "grouped_rows": (moe_fwd._grouped_rows_kernel, moe_fwd._GROUPED_ROWS_CONFIGS),
+    "bwd_act": (moe_bwd._bwd_act_kernel, moe_bwd._BWD_ACT_CONFIGS),
+    "wgrad": (moe_bwd._wgrad_kernel, moe_bwd._WGRAD_CONFIGS),
+}
+
+
+def _blocks(c):
+    return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_traced_launch_configs(name):
+    kernel, configs = KERNELS[name]
+    assert len(configs) > 1
+    with config.patch(max_autotune=False, max_autotune_gemm=False):
+        default = _launch.traced_variant(kernel)
+    with config.patch(max_autotune=True):
+        tuned = _launch.traced_variant(kernel)
+    with config.patch(max_autotune=False, max_autotune_gemm=True):
+        tuned_gemm = _launch.traced_variant(kernel)
+    assert [_blocks(c) for c in default.configs] == [_blocks(configs[0])]
+    assert [_blocks(c) for c in tuned.configs] == [_blocks(c) for c in configs]
+    assert tuned_gemm is tuned
+    # the same Python function and autotune key behind every variant (one kernel, different config lists)
+    for v in (default, tuned):
+        assert v.fn is kernel.fn and v.keys == kernel.keys
+    assert default.restore_value == kernel.restore_value
+
+
+def test_untuned_kernel_is_handed_over_as_is():
+    assert _launch.traced_variant(moe_fwd._combine_kernel) is moe_fwd._combine_kernel
