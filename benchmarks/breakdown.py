@@ -21,7 +21,7 @@ from bench_moe import SHAPES, bench, make_inputs  # noqa: E402
 
 def breakdown(name, kind="balanced"):
     from mok_inductor import kernels as K_
-    from mok_inductor.kernels import bwd_act, combine, gate_up, grouped_rows, plain, wgrad
+    from mok_inductor.kernels import bwd_act, combine, gate_up, grouped_rows, plain, plain_t, wgrad
     from mok_inductor.ops import split_gate_up
 
     T, H, I, E, K = SHAPES[name]
@@ -29,7 +29,6 @@ def breakdown(name, kind="balanced"):
     x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, kind)
     wg, wu = split_gate_up(w_gu)
     g_op, u_op, d_op = plain(wg), plain(wu), plain(w_d)
-    t = lambda w: plain(w.transpose(-2, -1))
     dy = torch.randn_like(x)
     sched = K_.build_schedule(te, E)
     so, off = sched.sorted_routes_N, sched.expert_offsets_E1
@@ -40,7 +39,7 @@ def breakdown(name, kind="balanced"):
     y = torch.empty_like(x)
     h = torch.empty(N, I, dtype=x.dtype, device="cuda")
     gate_up(x, g_op, u_op, gu, so, off, K, None, h_out=h)
-    dgu, _, hs = bwd_act(dy, t(w_d), gu, rw_N, so, off, K, None)
+    dgu, _, hs = bwd_act(dy, plain_t(w_d), gu, rw_N, so, off, K, None)
     d_d, d_g, d_u = torch.empty_like(w_d), torch.empty_like(wg), torch.empty_like(wu)
     dx_N = torch.empty(N, H, dtype=x.dtype, device="cuda")
     f = 2 * N * H * I
@@ -50,11 +49,11 @@ def breakdown(name, kind="balanced"):
          2 * f),
         ("fwd down (scatter to routes)", lambda: grouped_rows(h, d_op, y_N, so, off), f),
         ("fwd combine", lambda: combine(y_N, te_N, y, rw_N=rw_N), 0),
-        ("bwd act (dy@down + SwiGLU bwd + drw)", lambda: bwd_act(dy, t(w_d), gu, rw_N, so, off, K, None), f),
+        ("bwd act (dy@down + SwiGLU bwd + drw)", lambda: bwd_act(dy, plain_t(w_d), gu, rw_N, so, off, K, None), f),
         ("bwd wgrad down", lambda: wgrad(dy, hs, d_d, so, off, K, a_gather=True, b_gather=False), f),
         ("bwd wgrad gate", lambda: wgrad(dgu[:, :I], x, d_g, so, off, K, a_gather=False, b_gather=True), f),
         ("bwd wgrad up", lambda: wgrad(dgu[:, I:], x, d_u, so, off, K, a_gather=False, b_gather=True), f),
-        ("bwd dx (gate+up dgrad)", lambda: grouped_rows(dgu, t(wg), dx_N, so, off, w2=t(wu)), 2 * f),
+        ("bwd dx (gate+up dgrad)", lambda: grouped_rows(dgu, plain_t(wg), dx_N, so, off, w2=plain_t(wu)), 2 * f),
         ("bwd combine dx", lambda: combine(dx_N, te_N, y), 0),
     ]
     rows = []

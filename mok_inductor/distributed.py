@@ -272,7 +272,7 @@ def forward(p: EPPlan, x: torch.Tensor, router_weights: torch.Tensor, w_gate, w_
         gu_shared = sres.gu_shared_T2Is
     else:
         acc = torch.zeros(T, H, dtype=acc_dtype, device=x.device)
-        gu_shared = x.new_empty(0, 0, dtype=torch.promote_types(x.dtype, torch.float32))
+        gu_shared = x.new_empty(0, 0, dtype=reference.shared_saved_dtype(x.dtype))
     y = _slot_sum(acc, y_SH, p.slot_TJ).to(x.dtype)
     return y, EPForwardState(x_RH, rw_RK, res.gu_N2I, gu_shared)
 

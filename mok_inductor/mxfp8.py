@@ -23,7 +23,7 @@ Consumers (issue 8):
   dequantized weight had been used. Without a master no weight gradient is computed.
 - `mok_inductor.functional` takes MoK's (data, scale) tuples (section 1.6 of shared/MEGATRON.md).
 - On the CPU (and in the reference path) the weights are dequantized to x.dtype and the one reference
-  implementation runs; on CUDA `mok_inductor.kernels.moe_mxfp8` reads e4m3 data + E8M0 scales in its
+  implementation runs; on CUDA `mok_inductor.kernels` reads e4m3 data + E8M0 scales in its
   GEMMs' K loops.
 """
 
@@ -136,7 +136,7 @@ def dequantize(q: MXFP8Weight, *, layout: str = "row", dtype: Optional[torch.dty
 
 
 # ---------------------------------------------------------------------------------------------
-# GEMM operands: what the implementations (mok_inductor.ops, .functional, .kernels.moe_mxfp8) pass around
+# GEMM operands: what the implementations (mok_inductor.ops, .functional, .kernels) pass around
 
 Payload = Union[torch.Tensor, Sequence[torch.Tensor]]
 

@@ -7,8 +7,9 @@
     mok::schedule   top_experts [T, K] -> (sorted_routes [N], expert_offsets [E+1], route_slots [N]),
                     int32, deterministic (a stable sort of the flat route index). Not differentiable.
     mok::moe_fwd    -> (y [T, H], gu [N, 2I], gu_shared [T, 2Is] or [0, 0]). y is differentiable;
-                    gu and gu_shared, the gate/up pre-activations [g | u] (before the clamp, x.dtype,
-                    gu in sorted slot order), are the saved activations (marked non-differentiable).
+                    gu and gu_shared, the gate/up pre-activations [g | u] (before the clamp; gu in x.dtype
+                    and sorted slot order, gu_shared in float32), are the saved activations (marked
+                    non-differentiable).
     mok::moe_bwd    -> (dx, d_router_weights, d_gate_up_proj, d_down_proj, d_shared_gate_up_proj,
                     d_shared_down_proj, d_shared_output_gate); the shared gradients are [0]-shaped
                     when there is no shared expert / gate.
@@ -159,9 +160,10 @@ def fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj):
     return (T, H), (N, two_i), gus
 
 
-def shared_saved_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the shared expert's saved g, u: float32 (float64 for float64 x; see reference.py)."""
-    return torch.promote_types(dtype, torch.float32)
+def _fwd_fake_outputs(x, top_experts, gate_up_proj, shared_gate_up_proj):
+    """Fake (y, gu, gu_shared) of the forward ops; gu_shared in `reference.shared_saved_dtype`."""
+    y, g, gs = fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj)
+    return x.new_empty(y), x.new_empty(g), x.new_empty(gs, dtype=reference.shared_saved_dtype(x.dtype))
 
 
 def split_gate_up(w_E2IH: Tensor):
@@ -200,8 +202,7 @@ _lib.impl("moe_fwd", lambda *args: _moe_fwd_impl(impl_module(args[0]), *args), "
 @torch.library.register_fake("mok::moe_fwd", lib=_lib)
 def _(x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
       shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit):
-    y, g, gs = fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj)
-    return x.new_empty(y), x.new_empty(g), x.new_empty(gs, dtype=shared_saved_dtype(x.dtype))
+    return _fwd_fake_outputs(x, top_experts, gate_up_proj, shared_gate_up_proj)
 
 
 class _MoeFwdFunction(torch.autograd.Function):
@@ -442,7 +443,8 @@ torch.library.register_vmap("mok::moe", _moe_vmap)
 # the MXFP8 one was quantized from; for a plain weight, the weight itself). The ops never read a
 # master's values. Forward reads the row-wise data; backward the column-wise gate/up/down (dx, dy @ down
 # -> d router weights and dh); it recomputes no gate/up GEMM (the forward saved gu). CPU tensors
-# dequantize to x.dtype and run `mok_inductor.reference`; CUDA runs `mok_inductor.kernels.moe_mxfp8`.
+# dequantize to x.dtype and run `mok_inductor.reference`; CUDA runs `mok_inductor.kernels.forward/backward`
+# on the quantized operands.
 
 from . import mxfp8 as _mx  # noqa: E402
 
@@ -454,9 +456,9 @@ _MX_BWD_W = ("Tensor gate_up, Tensor? gate_up_scale, Tensor? gate_up_t, Tensor? 
 
 
 def _mxfp8_kernels():
-    from .kernels import moe_mxfp8
+    from . import kernels
 
-    return moe_mxfp8
+    return kernels
 
 
 def mxfp8_forward(x, router_weights, top_experts, schedule, operands, s_gate=None, s_up=None, s_down=None,
@@ -464,8 +466,8 @@ def mxfp8_forward(x, router_weights, top_experts, schedule, operands, s_gate=Non
     """The forward with routed weights given as `mxfp8.RoutedOperands`: the Triton kernels, or the
     reference on the weights dequantized to x.dtype (`triton_`: force one; default `use_triton(x)`)."""
     if use_triton(x) if triton_ is None else triton_:
-        return _mxfp8_kernels().moe_forward(x, router_weights, top_experts, schedule, operands, s_gate, s_up,
-                                            s_down, s_out_gate, swiglu_limit)
+        return _mxfp8_kernels().forward(x, router_weights, top_experts, schedule, operands, s_gate, s_up, s_down,
+                                        s_out_gate, swiglu_limit)
     (wg, wu, wd), _ = _mx.dequantized_weights(operands, x.dtype)
     return reference.moe_forward(x, router_weights, top_experts, schedule, wg, wu, wd, s_gate, s_up, s_down,
                                  s_out_gate, swiglu_limit)
@@ -480,9 +482,9 @@ def mxfp8_backward(dy, x, router_weights, top_experts, schedule, operands, gu_N2
         which = "gate_up" if operands.gate_t is None else "down"
         raise ValueError(f"{which}: the backward needs the column-wise MXFP8 data (quantize with columnwise=True)")
     if use_triton(x) if triton_ is None else triton_:
-        return _mxfp8_kernels().moe_backward(dy, x, router_weights, top_experts, schedule, operands, gu_N2I,
-                                             s_gate, s_up, s_down, s_out_gate, gu_shared_T2Is, swiglu_limit,
-                                             grads=grads, accumulate=accumulate)
+        return _mxfp8_kernels().backward(dy, x, router_weights, top_experts, schedule, operands, gu_N2I, s_gate,
+                                         s_up, s_down, s_out_gate, gu_shared_T2Is, swiglu_limit, grads=grads,
+                                         accumulate=accumulate)
     (wg, wu, wd), dgrad = _mx.dequantized_weights(operands, x.dtype)
     return reference.moe_backward(dy, x, router_weights, top_experts, schedule, wg, wu, wd, gu_N2I, s_gate, s_up,
                                   s_down, s_out_gate, gu_shared_T2Is, swiglu_limit, grads=grads,
@@ -510,8 +512,7 @@ _lib.impl("moe_fwd_mxfp8", lambda *args: _mx_fwd_impl(use_triton(args[0]), *args
 @torch.library.register_fake("mok::moe_fwd_mxfp8", lib=_lib)
 def _(x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gu, gus, gut, gust, gum, d, ds,
       dt, dst, dm, shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit):
-    y, g, gs = fwd_output_shapes(x, top_experts, gu, shared_gate_up_proj)
-    return x.new_empty(y), x.new_empty(g), x.new_empty(gs, dtype=shared_saved_dtype(x.dtype))
+    return _fwd_fake_outputs(x, top_experts, gu, shared_gate_up_proj)
 
 
 class _MoeFwdMxfp8Function(torch.autograd.Function):

@@ -24,8 +24,9 @@ Weights are passed as separate gate, up and down operands, each a 3-D tensor or 
 FC1 `[E, 2I, H]` is passed as two zero-copy row views.
 
 Numerics: every GEMM accumulates in float32 (float64 inputs, used by the demo's and the tests' float64
-runs, stay float64 throughout); g and u are rounded to x.dtype (as stored; never across a clamp bound,
-`round_keep_clip`), the clamp and SwiGLU run in float32 on the rounded values, and h, y_tk and s_t are rounded to x.dtype between stages (as a bf16 kernel
+runs, stay float64 throughout); the routed g and u are rounded to x.dtype (as stored; never across a clamp
+bound, `round_keep_clip`), the shared expert's kept in float32 (`shared_saved_dtype`); the clamp and SwiGLU
+run in float32 on those values, and h, y_tk and s_t are rounded to x.dtype between stages (as a bf16 kernel
 stores them); the combine accumulates in float32 in k order and the result is rounded to x.dtype once.
 """
 
@@ -160,11 +161,15 @@ def swiglu_of(gu: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
     return swiglu(g, u, limit)
 
 
+def shared_saved_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the shared expert's saved g, u: float32 (float64 for float64 x). Its output gate's
+    gradient sum_t <dy_t, s_t> x_t cancels over tokens, and h recomputed from bf16 g, u put it over the bf16
+    tolerance at small T (the cost: T x 2Is float32, against the routed T*K x 2I in x.dtype)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _shared_forward(x_TH, s_gate, s_up, s_down, limit):
-    # the shared expert's g, u are saved in float32: its output gate's gradient sum_t <dy_t, s_t> x_t cancels
-    # over tokens, and h recomputed from bf16 g, u put it over the bf16 tolerance at small T (its cost: T x 2Is
-    # float32, against the routed T*K x 2I in x.dtype)
-    gu, h = gate_up_outputs(x_TH, s_gate, s_up, limit, gu_dtype=_acc_dtype(x_TH))
+    gu, h = gate_up_outputs(x_TH, s_gate, s_up, limit, gu_dtype=shared_saved_dtype(x_TH.dtype))
     s = _mm(h, s_down.t()).to(x_TH.dtype)
     return gu, s
 
@@ -212,7 +217,7 @@ def moe_forward(
         else:
             acc_TH = s_TH.to(acc)
     else:
-        gu_shared = x_TH.new_empty(0, 0, dtype=_acc_dtype(x_TH))
+        gu_shared = x_TH.new_empty(0, 0, dtype=shared_saved_dtype(x_TH.dtype))
 
     valid_TK = top_experts_TK >= 0
     rw_TK = router_weights_TK.to(acc)

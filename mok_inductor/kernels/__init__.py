@@ -6,7 +6,6 @@
                  GEMM; the data gradients), combine, row dot
     moe_bwd.py   down-dgrad GEMM with the SwiGLU backward (+ d router weights) in its epilogue,
                  grouped weight-gradient GEMM with the main-grad accumulating epilogue
-    moe_mxfp8.py the MXFP8 entry points: the same kernels with e4m3 weight tiles dequantized in registers
 
 Forward data flow: x --gate_up (gather fused)--> gu [N, 2I] (saved), h [N, I] --grouped_rows (down)--> y per
 route [N, H] --combine (router weights, shared expert, its gate; fp32 in k order)--> y [T, H].
@@ -52,7 +51,7 @@ from ..mxfp8 import RoutedOperands
 
 if _HAVE_TRITON:
     from .moe_bwd import bwd_act, expert_backward, shared_backward, wgrad
-    from .moe_fwd import combine, expert_mlp, flat, gate_up, grouped_rows, plain, shared_forward
+    from .moe_fwd import combine, expert_mlp, flat, gate_up, grouped_rows, plain, plain_t, shared_forward
     from .schedule import build_schedule
 else:  # pragma: no cover
     build_schedule = reference.build_schedule
@@ -63,12 +62,11 @@ def _is_tensor3(w) -> bool:
 
 
 def _plain_operands(w_gate, w_up, w_down) -> RoutedOperands:
-    t = lambda w: plain(w.transpose(-2, -1))
-    return RoutedOperands(plain(w_gate), plain(w_up), plain(w_down), t(w_gate), t(w_up), t(w_down))
+    return RoutedOperands(plain(w_gate), plain(w_up), plain(w_down), plain_t(w_gate), plain_t(w_up), plain_t(w_down))
 
 
-def stacked(ops: RoutedOperands) -> RoutedOperands:
-    """3-D operands (split per-expert operands are stacked: one copy per call)."""
+def _stacked(ops: RoutedOperands) -> RoutedOperands:
+    """3-D operands (split per-expert MXFP8 operands are stacked: one copy of the quantized bytes per call)."""
     return RoutedOperands(*(None if o is None else o.stacked() for o in ops))
 
 
@@ -87,7 +85,9 @@ def moe_forward(x_TH, router_weights_TK, top_experts_TK, schedule, w_gate, w_up,
 
 def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperands, s_gate=None, s_up=None,
             s_down=None, s_out_gate_1H=None, swiglu_limit=None) -> reference.ForwardResult:
-    """The forward with the routed weights as kernel operands (3-D; bf16 or MXFP8 row-wise)."""
+    """The forward with the routed weights as kernel operands (`mxfp8.RoutedOperands`: bf16, or MXFP8
+    row-wise data + scales read in the K loop, 3-D or split per expert)."""
+    ops = _stacked(ops)
     T, H = x_TH.shape
     K = top_experts_TK.shape[1]
     N = T * K
@@ -127,8 +127,9 @@ def moe_backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, w_gat
 def backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperands, gu_N2I, s_gate=None,
              s_up=None, s_down=None, s_out_gate_1H=None, gu_shared_T2Is=None, swiglu_limit=None, *,
              grads: reference.GradBuffers, accumulate=False) -> reference.BackwardResult:
-    """The backward with the routed weights as kernel operands (3-D; the column-wise gate_t, up_t, down_t
-    are read). `grads`: destinations (3-D, per-expert lists, or None for a routed gradient not wanted)."""
+    """The backward with the routed weights as kernel operands (the column-wise gate_t, up_t, down_t are
+    read). `grads`: destinations (3-D, per-expert lists, or None for a routed gradient not wanted)."""
+    ops = _stacked(ops)
     T, H = x_TH.shape
     K = top_experts_TK.shape[1]
     dev, dtype = x_TH.device, x_TH.dtype

@@ -26,8 +26,8 @@ import triton.language as tl
 
 from . import _launch
 from ._launch import cfg, mma, to_out
-from .moe_fwd import (GROUP_M, _tile_ids, _tile_rows, grouped_rows, plain, row_tiles_worst, rowdot, swiglu, w_args,
-                      w_tile)
+from .moe_fwd import (GROUP_M, _tile_ids, _tile_rows, grouped_rows, plain_t, row_tiles_worst, rowdot, swiglu,
+                      w_args, w_tile)
 
 # (Register pressure: the epilogue holds acc, g, u, h and the gradients, so tiles of 128 x 128 spilled
 # 370-390 bytes on the H200; these are the configs that did not, or nearly not)
@@ -268,11 +268,11 @@ def shared_backward(x_TH, dy_TH, s_gate, s_up, s_down, s_out_gate_1H, gu_shared_
         return None, None, None
     T, H = x_TH.shape
     gate_T = torch.sigmoid(rowdot(x_TH, s_out_gate_1H)) if s_out_gate_1H is not None else None
-    t = lambda w: plain(w[None].transpose(-2, -1))
     dx_s = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
     d_weights = (grads.d_s_gate[None], grads.d_s_up[None], grads.d_s_down[None])
-    dgate_T = expert_backward(x_TH, dy_TH, t(s_gate), t(s_up), t(s_down), gu_shared_T2Is, gate_T, sorted_N,
-                              offsets_E1, 1, swiglu_limit, d_weights, dx_s, accumulate, scatter=False, single=True)
+    dgate_T = expert_backward(x_TH, dy_TH, plain_t(s_gate[None]), plain_t(s_up[None]), plain_t(s_down[None]),
+                              gu_shared_T2Is, gate_T, sorted_N, offsets_E1, 1, swiglu_limit, d_weights, dx_s,
+                              accumulate, scatter=False, single=True)
     if s_out_gate_1H is None:
         return dx_s, None, None
     d_logit = dgate_T * gate_T * (1.0 - gate_T)

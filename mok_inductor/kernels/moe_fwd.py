@@ -96,7 +96,9 @@ def row_tiles_worst(M: int, E: int, block_m: int, single: bool) -> int:
 def w_tile(w_ptr, s_ptr, e64, kk, cols, kmask, cmask, s_e, s_n, s_k, ss_e, ss_n, ss_k, like_ptr,
            MX: tl.constexpr, DOT_PREC: tl.constexpr):
     """The [BLOCK_K, BLOCK_N] tile W[e][cols, kk] (k down the tile); MX: e4m3 data dequantized with its
-    per-32 scales in registers (e4m3 * 2**(s - 127) is exact in bf16/fp16/fp32) into like_ptr's dtype."""
+    per-32 scales in registers (e4m3 * 2**(s - 127) is exact in bf16/fp16/fp32) into like_ptr's dtype, for
+    the activation dtype's tl.dot. (`tl.dot_scaled` is not used: on Hopper Triton decomposes it into the same
+    upcast, and the interpreter rejects it.) BLOCK_K is a multiple of 32: a K step holds whole scale blocks."""
     m = kmask[:, None] & cmask[None, :]
     w = tl.load(w_ptr + e64 * s_e + kk[:, None] * s_k + cols[None, :] * s_n, mask=m, other=0.0)
     if MX:
@@ -419,6 +421,11 @@ def plain(w) -> Operand:
     return Operand(w, None)
 
 
+def plain_t(w) -> Operand:
+    """The transpose of a float weight ([E, a, b] read as [E, b, a]) as a kernel operand."""
+    return Operand(w.transpose(-2, -1), None)
+
+
 def expert_mlp(x_TH, gate, up, down, gu_out, out, routes_N, offsets_E1, topk, limit, *, scatter, single=False):
     """gu_out = [g | u] (saved for backward) and out[dest(r)] = swiglu(g, u) @ down[e]^T for each sorted
     row r: the gate/up GEMM (which also writes h, freed on return) then the down GEMM. gate, up read as
@@ -441,9 +448,9 @@ def shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_
     s_TH [T, H] or None, the output gate's logits [T] float32 or None): the combine's inputs."""
     T, H = x_TH.shape
     if s_gate is None:
-        return x_TH.new_empty(0, 0, dtype=torch.float32), None, None
+        return x_TH.new_empty(0, 0, dtype=reference.shared_saved_dtype(x_TH.dtype)), None, None
     dev, dtype = x_TH.device, x_TH.dtype
-    gu_shared = torch.empty(T, 2 * s_gate.shape[0], dtype=torch.float32, device=dev)  # see reference.py
+    gu_shared = torch.empty(T, 2 * s_gate.shape[0], dtype=reference.shared_saved_dtype(dtype), device=dev)
     s_TH = torch.empty(T, H, dtype=dtype, device=dev)
     expert_mlp(x_TH, plain(s_gate[None]), plain(s_up[None]), plain(s_down[None]), gu_shared, s_TH, sorted_N,
                offsets_E1, 1, swiglu_limit, scatter=False, single=True)
