@@ -49,10 +49,15 @@ def breakdown(name, kind="balanced"):
          2 * f),
         ("fwd down (scatter to routes)", lambda: grouped_rows(h, d_op, y_N, so, off), f),
         ("fwd combine", lambda: combine(y_N, te_N, y, rw_N=rw_N), 0),
-        ("bwd act (dy@down + SwiGLU bwd + drw)", lambda: bwd_act(dy, plain_t(w_d), gu, rw_N, so, off, K, None), f),
+        ("bwd act fused (dy@down + SwiGLU bwd + drw)",
+         lambda: bwd_act(dy, plain_t(w_d), gu, rw_N, so, off, K, None, two_pass=False), f),
+        ("bwd act two-pass (GEMM fp32, then SwiGLU bwd)",
+         lambda: bwd_act(dy, plain_t(w_d), gu, rw_N, so, off, K, None, two_pass=True), f),
         ("bwd wgrad down", lambda: wgrad(dy, hs, d_d, so, off, K, a_gather=True, b_gather=False), f),
         ("bwd wgrad gate", lambda: wgrad(dgu[:, :I], x, d_g, so, off, K, a_gather=False, b_gather=True), f),
         ("bwd wgrad up", lambda: wgrad(dgu[:, I:], x, d_u, so, off, K, a_gather=False, b_gather=True), f),
+        ("bwd wgrad gate+up (one launch)", lambda: wgrad(dgu[:, :I], x, d_g, so, off, K, a_gather=False, b_gather=True,
+                                                         a2=dgu[:, I:], dst2_EMN=d_u), 2 * f),
         ("bwd dx (gate+up dgrad)", lambda: grouped_rows(dgu, plain_t(wg), dx_N, so, off, w2=plain_t(wu)), 2 * f),
         ("bwd combine dx", lambda: combine(dx_N, te_N, y), 0),
     ]
@@ -61,7 +66,7 @@ def breakdown(name, kind="balanced"):
         fn()
         ms, p20, p80 = bench(fn)
         rows.append(dict(shape=name, kernel=label, ms=ms, tflops=flops / (ms * 1e-3) / 1e12 if flops else 0.0))
-        print(f"  {name:>18} {label:>36}: {ms:7.3f} ms {rows[-1]['tflops']:6.0f} TFLOP/s", flush=True)
+        print(f"  {name:>18} {label:>46}: {ms:7.3f} ms {rows[-1]['tflops']:6.0f} TFLOP/s", flush=True)
     return rows
 
 

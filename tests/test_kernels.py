@@ -190,6 +190,82 @@ def test_forward_backward_vs_oracle(name, kw):
     _check_all(case)
 
 
+@pytest.mark.parametrize("name", ["basic_fp32", "shared_gate_limit_bf16", "empty_experts_fp32", "all_dropped_bf16"])
+def test_two_pass_bwd_act_vs_oracle(name, monkeypatch):
+    # the two-pass bwd_act (GEMM to float32, then the SwiGLU backward), forced at every size
+    from mok_inductor.kernels import moe_bwd
+
+    monkeypatch.setattr(moe_bwd, "TWO_PASS_MIN_ROWS", 0)
+    kw = dict(CASES)[name]
+    case = make_case(**kw, device=DEV, requires_grad=False, seed=hash(name) % 1000 + 1)
+    _check_all(case)
+
+
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_two_pass_bwd_act_equals_fused(limit):
+    # same roundings: dg, du and scale * h bitwise equal; d scale summed in another fixed order
+    case = make_case(T=21, H=32, I=48, E=3, K=2, dtype=torch.bfloat16, limit=limit, drop=0.2, device=DEV,
+                     requires_grad=False, seed=5)
+    E = case.gate_up_proj.shape[0]
+    sched = kernels.build_schedule(case.top_experts, E)
+    fwd = _forward(kernels, case, sched)
+    dy = random_like(case.x, 11)
+    rw = case.router_weights.float().reshape(-1)
+    down_t = kernels.plain_t(case.down_proj)
+    outs = [kernels.bwd_act(dy, down_t, fwd.gu_N2I, rw, sched.sorted_routes_N, sched.expert_offsets_E1, 2, limit,
+                            two_pass=tp) for tp in (False, True)]
+    n_valid = int(sched.expert_offsets_E1[-1])
+    (dgu0, ds0, hs0), (dgu1, ds1, hs1) = outs
+    assert torch.equal(dgu0[:n_valid], dgu1[:n_valid]) and torch.equal(hs0[:n_valid], hs1[:n_valid])
+    assert rel_err(ds1, ds0) <= 1e-5
+    dropped = (case.top_experts.reshape(-1) < 0).cpu()
+    assert dropped.any() and torch.count_nonzero(ds1.cpu()[dropped]) == 0
+
+
+def test_unpaired_wgrads_vs_oracle(monkeypatch):
+    # PAIR_WGRAD=False: d_gate and d_up in a launch each (the A/B baseline of benchmarks/ab_backward.py)
+    from mok_inductor.kernels import moe_bwd
+
+    monkeypatch.setattr(moe_bwd, "PAIR_WGRAD", False)
+    _check_all(make_case(**dict(CASES)["shared_gate_limit_bf16"], device=DEV, requires_grad=False, seed=3))
+
+
+@pytest.mark.parametrize("kinds", [("tensor", "tensor"), ("list", "list"), ("tensor", "list"), ("none", "list"),
+                                   ("tensor", "none")])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_wgrad_into_destination_kinds(kinds, accumulate):
+    # dst (+)= A_e^T @ x[tok] per expert, for each kind of destination pair (3-D, per-expert list, not wanted)
+    from mok_inductor.kernels import moe_bwd
+
+    T, H, I, E, K = 9, 24, 16, 3, 2
+    gen = torch.Generator().manual_seed(1)
+    te = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(DEV)
+    sched = kernels.build_schedule(te, E)
+    x = torch.randn(T, H, generator=gen).to(DEV)
+    dgu = torch.randn(T * K, 2 * I, generator=gen).to(DEV)
+    starts = [torch.randn(E, I, H, generator=gen).to(DEV) for _ in range(2)]
+    routes = sched.sorted_routes_N.cpu()
+    offs = sched.expert_offsets_E1.cpu()
+
+    def want(j):
+        out = starts[j].double().cpu().clone() if accumulate else torch.zeros(E, I, H, dtype=torch.float64)
+        a = dgu[:, j * I:(j + 1) * I].double().cpu()
+        for e in range(E):
+            rows = torch.arange(int(offs[e]), int(offs[e + 1]))
+            out[e] += a[rows].T @ x.double().cpu()[routes[rows] // K]
+        return out
+
+    dsts = []
+    for j, kind in enumerate(kinds):
+        dsts.append(None if kind == "none" else starts[j].clone() if kind == "tensor" else list(starts[j].clone()))
+    moe_bwd.wgrad_into(tuple(dsts), (dgu[:, :I], dgu[:, I:]), x, sched.sorted_routes_N, sched.expert_offsets_E1, K,
+                       a_gather=False, b_gather=True, accumulate=accumulate)
+    for j, d in enumerate(dsts):
+        if d is not None:
+            got = d if isinstance(d, torch.Tensor) else torch.stack(d)
+            assert rel_err(got, want(j)) <= TOLERANCE[torch.float32]
+
+
 def test_one_expert_gets_everything_bf16():
     # every route to expert E-1: one hot expert, the others empty (their weight grads must be zero)
     case = make_case(T=19, H=32, I=16, E=3, K=1, dtype=torch.bfloat16, kind="one", device=DEV, requires_grad=False)

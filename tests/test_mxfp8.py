@@ -291,6 +291,39 @@ def test_moe_equals_the_computation_on_dequantized_weights(monkeypatch, device, 
     _run_and_check(p, layout, dtype, quantized)
 
 
+@pytest.mark.parametrize("layout,quantized,shared,limit", [
+    ("combined", ("gu", "d"), True, 0.9),
+    ("split", ("gu", "d"), False, None),
+    ("combined", ("d",), False, None),
+], ids=["combined-shared-limit", "split", "mx-down-only"])
+def test_kernels_dequantize_first_path(monkeypatch, layout, quantized, shared, limit):
+    # the large-shape path (kernels.MX_DEQUANTIZE_MIN_ROWS): operands dequantized once per call, then the
+    # bf16 kernels; forced here at a tiny shape
+    from mok_inductor import kernels
+
+    monkeypatch.setattr(kernels, "MX_DEQUANTIZE_MIN_ROWS", 0)
+    _backend(monkeypatch, "triton")
+    p = _problem(torch.bfloat16, _TRITON_DEV, shared=shared, limit=limit, seed=hash((layout, quantized)) % 997)
+    _run_and_check(p, layout, torch.bfloat16, quantized)
+
+
+def test_kernel_dequantize_is_exact_on_strided_views():
+    # moe_fwd.dequantized on the gate/up row views of a combined weight and on the column-wise
+    # transposed layout: bitwise what mxfp8.dequantize gives
+    from mok_inductor import kernels
+    from mok_inductor.mxfp8 import Operand
+
+    w = _weight(3, 64, 96, seed=4)
+    q = mxfp8.quantize(w.to(_TRITON_DEV))
+    full = mxfp8.dequantize(q, dtype=torch.bfloat16)
+    for lo, n in ((0, 32), (32, 32)):
+        got = kernels.dequantized(Operand(q.data[:, lo:lo + n], q.scale[:, lo:lo + n]), torch.bfloat16).data
+        assert got.is_contiguous() and torch.equal(got, full[:, lo:lo + n])
+    col = mxfp8.dequantize(q, layout="column", dtype=torch.bfloat16)  # [E, 64, 96] again
+    got_t = kernels.dequantized(Operand(q.data_t, q.scale_t), torch.bfloat16).data  # [E, 96, 64]
+    assert torch.equal(got_t, col.transpose(-2, -1))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_no_master_no_weight_gradient_and_no_grad_needs_no_columnwise(device):
     p = _problem(torch.bfloat16, device)

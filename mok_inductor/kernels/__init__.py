@@ -4,19 +4,23 @@
     schedule.py  device schedule: per-chunk histogram -> int32 prefix sums -> stable scatter
     moe_fwd.py   gathered gate/up GEMM (writes the saved [g | u] and h), grouped row GEMM (the down
                  GEMM; the data gradients), combine, row dot
-    moe_bwd.py   down-dgrad GEMM with the SwiGLU backward (+ d router weights) in its epilogue,
-                 grouped weight-gradient GEMM with the main-grad accumulating epilogue
+    moe_bwd.py   down-dgrad GEMM with the SwiGLU backward (+ d router weights) in its epilogue or in a
+                 second pass, grouped weight-gradient GEMM (gate and up paired) with the main-grad
+                 accumulating epilogue
 
 Forward data flow: x --gate_up (gather fused)--> gu [N, 2I] (saved), h [N, I] --grouped_rows (down)--> y per
 route [N, H] --combine (router weights, shared expert, its gate; fp32 in k order)--> y [T, H].
 Backward: bwd_act (dy @ down, SwiGLU backward from the saved g, u) -> dgu [N, 2I], d router weights, rw * h;
-wgrad x3; grouped_rows (gate, up) -> dx per route -> combine over k (+ shared dx, + the gate's logit
+wgrad (down; gate and up in one launch); grouped_rows (gate, up) -> dx per route -> combine over k (+ shared dx, + the gate's logit
 gradient) -> dx [T, H]. Backward computes 12·N·H·I FLOPs (no GEMM is recomputed); the price is the saved
 activations: [N, 2I] (g and u) instead of h [N, I].
 
 Shapes only decide grids and allocations (worst-case tile counts; idle programs exit), there is no
 host synchronisation, and every reduction has a fixed order (no float atomics): the ops are
 capturable in CUDA graphs and bitwise deterministic.
+
+MXFP8 operands are read in the K loops (e4m3 + scales, dequantized in registers) at small rows per expert,
+and dequantized once per call into a transient x.dtype copy at large ones (MX_DEQUANTIZE_MIN_ROWS).
 
 Not covered yet (falls back to the reference, which synchronises): bf16 weights given as Python lists
 (split per-expert allocations). Per-expert gradient destinations are written through one float32 buffer.
@@ -51,7 +55,7 @@ from ..mxfp8 import RoutedOperands
 
 if _HAVE_TRITON:
     from .moe_bwd import bwd_act, expert_backward, shared_backward, wgrad
-    from .moe_fwd import combine, expert_mlp, flat, gate_up, grouped_rows, plain, plain_t, shared_forward
+    from .moe_fwd import combine, dequantized, expert_mlp, flat, gate_up, grouped_rows, plain, plain_t, shared_forward
     from .schedule import build_schedule
 else:  # pragma: no cover
     build_schedule = reference.build_schedule
@@ -68,6 +72,19 @@ def _plain_operands(w_gate, w_up, w_down) -> RoutedOperands:
 def _stacked(ops: RoutedOperands) -> RoutedOperands:
     """3-D operands (split per-expert MXFP8 operands are stacked: one copy of the quantized bytes per call)."""
     return RoutedOperands(*(None if o is None else o.stacked() for o in ops))
+
+
+# MXFP8 operands are dequantized once per call (a transient x.dtype copy of the weights; moe_fwd.dequantized)
+# when there are at least this many routes per expert, and read in the GEMMs' K loops below it (decode: the
+# weight bytes are the cost). Measured on the H200: docs/benchmarks.md.
+MX_DEQUANTIZE_MIN_ROWS = 256
+
+
+def _dequantized_if_large(ops: RoutedOperands, n_routes: int, dtype, fields) -> RoutedOperands:
+    E = ops.gate.data.shape[0]
+    if n_routes < MX_DEQUANTIZE_MIN_ROWS * max(E, 1):
+        return ops
+    return ops._replace(**{f: dequantized(getattr(ops, f), dtype) for f in fields if getattr(ops, f) is not None})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,6 +108,7 @@ def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperan
     T, H = x_TH.shape
     K = top_experts_TK.shape[1]
     N = T * K
+    ops = _dequantized_if_large(ops, N, x_TH.dtype, ("gate", "up", "down"))
     I = ops.gate.data.shape[1]
     dev, dtype = x_TH.device, x_TH.dtype
     sorted_N, offsets_E1 = schedule.sorted_routes_N, schedule.expert_offsets_E1
@@ -133,6 +151,7 @@ def backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, ops: Rout
     T, H = x_TH.shape
     K = top_experts_TK.shape[1]
     dev, dtype = x_TH.device, x_TH.dtype
+    ops = _dequantized_if_large(ops, T * K, dtype, ("gate_t", "up_t", "down_t"))
     if dy_TH.dtype != dtype:
         dy_TH = dy_TH.to(dtype)
     sorted_N, offsets_E1 = schedule.sorted_routes_N, schedule.expert_offsets_E1

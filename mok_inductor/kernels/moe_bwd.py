@@ -1,14 +1,17 @@
-"""Backward kernels: the down-dgrad GEMM with the SwiGLU backward in its epilogue, and the grouped
-weight-gradient GEMM with the main-grad accumulating epilogue.
+"""Backward kernels: the down-dgrad GEMM with the SwiGLU backward (fused in its epilogue, or a second
+elementwise pass), and the grouped weight-gradient GEMM with the main-grad accumulating epilogue.
 
     dy_TH[tok] @ down[e] --_bwd_act_kernel, epilogue on the saved gu_N2I = [g | u]--> dgu_N2I = [dg | du]
         (x.dtype, sorted rows), dscale_PN (partial <dy_t @ down[e], h> per I-tile, at the route: d router
         weights without y_tk), hs_NI = rw * h (the down weight gradient's operand); h is recomputed from
         g, u elementwise, no GEMM is recomputed
+      or, with many rows per expert (TWO_PASS_MIN_ROWS): --_bwd_gemm_kernel--> dh_NI (float32, transient)
+        --_swiglu_bwd_kernel--> the same dgu, hs and d scale (the fused epilogue's register pressure keeps
+        its GEMM to 64-wide tiles; the plain GEMM runs 128 x 128)
     dgu_N2I --grouped_rows (gate[e], up[e])--> dx per route --combine over k--> dx_TH
-    wgrad: d_down[e] = dy[tok]^T @ (rw * h), d_gate[e] = dg^T @ x[tok], d_up[e] = du^T @ x[tok]:
-        a fixed-order loop over expert e's rows (deterministic, no atomics), written or ADDED into
-        the destination (float32 or bfloat16 main grads).
+    wgrad: d_down[e] = dy[tok]^T @ (rw * h), and d_gate[e] = dg^T @ x[tok], d_up[e] = du^T @ x[tok] in one
+        launch (two accumulators sharing the gathered x tile): a fixed-order loop over expert e's rows
+        (deterministic, no atomics), written or ADDED into the destination (float32 or bfloat16 main grads).
 
 The shared expert runs the same kernels with SINGLE=True (one group of T rows, no gather) and the
 sigmoid output gate in the place of the router weight. Weights are operands read as [E, n, k] (see
@@ -39,9 +42,14 @@ _BWD_ACT_MIN_BLOCK_N = (_BWD_ACT_INTERPRET if _launch.INTERPRET else min(
     _BWD_ACT_CONFIGS, key=lambda c: c.kwargs["BLOCK_N"])).kwargs["BLOCK_N"]
 
 
-@_launch.autotune(_BWD_ACT_CONFIGS, _BWD_ACT_INTERPRET, key=["M", "H", "I", "E", "TOPK"])
+# The two-pass variant's GEMM holds only its accumulator: the large tiles of a plain GEMM
+_BWD_GEMM_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 8, 4), cfg(64, 128, 64, 4, 4),
+                     cfg(128, 64, 64, 4, 4)]
+_SWIGLU_BWD_BLOCK = (16, 32) if _launch.INTERPRET else (32, 256)  # (rows, columns per step) of the second pass
+
+
 @triton.jit
-def _bwd_act_kernel(
+def _bwd_act_body(
     dy_ptr, stride_dt, stride_dh,  # dy [T, H] (any strides, stride 0 too)
     routes_ptr, offsets_ptr,  # sorted_routes [M], expert_offsets [E+1]
     wd_ptr, d_e, d_n, d_k, ds_ptr, ds_e, ds_n, ds_k,  # down^T read as [E, I, H] (MX_D: column-wise MXFP8)
@@ -50,8 +58,9 @@ def _bwd_act_kernel(
     dgu_ptr, stride_om, stride_on,  # dgu [M, 2I] out: dg in [0, I), du in [I, 2I)
     dscale_ptr, stride_sp,  # float32 [P, T*K] out: partial <dy @ down, h> of I-tile p at the route
     hs_ptr,  # [M, I] out (the activation dtype): (scale *) h, rounded: the down weight-gradient's operand
+    dh_ptr,  # float32 [M, I] out (STORE_ACC: the accumulator only, no epilogue)
     M, H, I, E, TOPK, limit,
-    SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, MX_D: tl.constexpr,
+    SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, MX_D: tl.constexpr, STORE_ACC: tl.constexpr,
     DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -82,12 +91,29 @@ def _bwd_act_kernel(
         acc = mma(dya.to(hs_ptr.dtype.element_ty), wd, acc, DOT_PREC)
     omask = rmask[:, None] & cmask[None, :]
     rows64 = rows[:, None].to(tl.int64)
+    if STORE_ACC:  # the two-pass variant: dy @ down in float32, the SwiGLU backward in _swiglu_bwd_kernel
+        tl.store(dh_ptr + rows64 * I + cols[None, :], acc, mask=omask)
+        return
+    part = _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr, dgu_ptr,
+                            stride_om, stride_on, hs_ptr, I, limit, HAS_SCALE, HAS_LIMIT, DOT_PREC)
+    tl.store(dscale_ptr + pid_n * stride_sp + route, part, mask=rmask)
+
+
+_bwd_act_kernel = _launch.autotune(_BWD_ACT_CONFIGS, _BWD_ACT_INTERPRET, key=["M", "H", "I", "E", "TOPK"])(_bwd_act_body)
+_bwd_gemm_kernel = _launch.autotune(_BWD_GEMM_CONFIGS, _BWD_ACT_INTERPRET, key=["M", "H", "I", "E", "TOPK"])(_bwd_act_body)
+
+
+@triton.jit
+def _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr, dgu_ptr,
+                     stride_om, stride_on, hs_ptr, I, limit, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                     DOT_PREC: tl.constexpr):
+    """The SwiGLU backward of one [rows, cols] tile of acc = dy @ down[e] (float32): writes dg, du and
+    (scale *) h; returns the tile's share of d scale = <acc, h> per row (h in float32)."""
     g_ptrs = gu_ptr + rows64 * stride_gm + cols[None, :] * stride_gn
     g = tl.load(g_ptrs, mask=omask, other=0.0).to(tl.float32)
     u = tl.load(g_ptrs + I * stride_gn, mask=omask, other=0.0).to(tl.float32)
     h32 = swiglu(g, u, limit, HAS_LIMIT)
-    # d router weight = <dy_t @ down[e], h>: this tile's share of the sum over I (h in float32)
-    tl.store(dscale_ptr + pid_n * stride_sp + route, tl.sum(acc * h32, axis=1), mask=rmask)
+    part = tl.sum(acc * h32, axis=1)
     h = to_out(h32, hs_ptr, DOT_PREC).to(tl.float32)  # the forward's h, as the down GEMM read it
     if HAS_SCALE:
         scale = tl.load(scale_ptr + route, mask=rmask, other=0.0)[:, None]
@@ -111,34 +137,84 @@ def _bwd_act_kernel(
     o_ptrs = dgu_ptr + rows64 * stride_om + cols[None, :] * stride_on
     tl.store(o_ptrs, to_out(dg, dgu_ptr, DOT_PREC), mask=omask)
     tl.store(o_ptrs + I * stride_on, to_out(du, dgu_ptr, DOT_PREC), mask=omask)
+    return part
 
 
-def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, single=False):
+@triton.jit
+def _swiglu_bwd_kernel(
+    dh_ptr,  # float32 [M, I]: dy @ down[e] per sorted row (from _bwd_act_kernel with STORE_ACC)
+    routes_ptr, offsets_ptr, gu_ptr, stride_gm, stride_gn, scale_ptr, dgu_ptr, stride_om, stride_on,
+    dscale_ptr, hs_ptr, M, E, I, limit,
+    SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The second pass of the two-pass bwd_act: BLOCK_M rows, all of I in BLOCK_N steps (d scale summed
+    in that fixed order; rows of the `-1` tail are skipped, their d scale stays 0)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if SINGLE:
+        rmask = rows < M
+        route = rows
+    else:
+        rmask = rows < tl.load(offsets_ptr + E)
+        route = tl.load(routes_ptr + rows, mask=rmask, other=0)
+    rows64 = rows[:, None].to(tl.int64)
+    total = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for n0 in range(0, I, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        omask = rmask[:, None] & (cols < I)[None, :]
+        acc = tl.load(dh_ptr + rows64 * I + cols[None, :], mask=omask, other=0.0)
+        total += _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr,
+                                  dgu_ptr, stride_om, stride_on, hs_ptr, I, limit, HAS_SCALE, HAS_LIMIT, DOT_PREC)
+    tl.store(dscale_ptr + route, total, mask=rmask)
+
+# Two passes (a plain GEMM writing dy @ down in float32, then the SwiGLU backward elementwise) when there
+# are at least this many rows per expert: the fused epilogue's register pressure holds the GEMM to
+# 64-wide tiles (measured on the H200: see docs/benchmarks.md); below it, one launch is cheaper.
+TWO_PASS_MIN_ROWS = 256
+# d_gate and d_up in one wgrad launch (two accumulators, one gathered x tile); False: one launch each
+# (benchmarks/ab_backward.py's A/B switch)
+PAIR_WGRAD = True
+
+
+def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, single=False, two_pass=None):
     """-> (dgu [M, 2I] dy.dtype, dscale [routes] float32 = <dy @ down[e], h> per route, hs [M, I] = scale * h
     in dy.dtype (h without a scale)). down_t: the down weight's transpose as an `mxfp8.Operand` read as
-    [E, I, H]; gu: the forward's saved [g | u]."""
+    [E, I, H]; gu: the forward's saved [g | u]. two_pass: None picks by rows per expert (shapes only)."""
     M = gu_M2I.shape[0]
     I = gu_M2I.shape[1] // 2
     E, _, H = down_t.data.shape
     dev, dtype = gu_M2I.device, dy_TH.dtype  # dy is in the activation dtype (gu may be float32)
     n_routes = M if single else routes_N.numel()
-    P = triton.cdiv(I, _BWD_ACT_MIN_BLOCK_N)
+    if two_pass is None:
+        two_pass = M >= TWO_PASS_MIN_ROWS * (1 if single else E)
+    P = 1 if two_pass else triton.cdiv(I, _BWD_ACT_MIN_BLOCK_N)
     dgu = torch.empty(M, 2 * I, dtype=dtype, device=dev)
     dscale_P = torch.zeros(P, n_routes, dtype=torch.float32, device=dev)
     hs = torch.empty(M, I, dtype=dtype, device=dev)
     if M == 0 or I == 0:
         return dgu, dscale_P.sum(0), hs
+    dh = torch.empty(M, I, dtype=torch.float32, device=dev) if two_pass else dscale_P
     grid = lambda meta: (row_tiles_worst(M, E, meta["BLOCK_M"], single) * triton.cdiv(I, meta["BLOCK_N"]),)
+    scale_arg = scale if scale is not None else dscale_P
+    flags = dict(SINGLE=single, HAS_SCALE=scale is not None, HAS_LIMIT=limit is not None,
+                 DOT_PREC=_launch.dot_precision(dtype))
+    lim = 0.0 if limit is None else float(limit)
     _launch.launch(
-        _bwd_act_kernel, grid,
+        _bwd_gemm_kernel if two_pass else _bwd_act_kernel, grid,
         dy_TH, dy_TH.stride(0), dy_TH.stride(1), routes_N, offsets_E1, *w_args(down_t),
-        gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1),
-        scale if scale is not None else dscale_P,
-        dgu, dgu.stride(0), dgu.stride(1), dscale_P, dscale_P.stride(0), hs,
-        M, H, I, E, topk, 0.0 if limit is None else float(limit),
-        SINGLE=single, HAS_SCALE=scale is not None, HAS_LIMIT=limit is not None, MX_D=down_t.quantized,
-        DOT_PREC=_launch.dot_precision(dtype), GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M,
+        gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1), scale_arg,
+        dgu, dgu.stride(0), dgu.stride(1), dscale_P, dscale_P.stride(0), hs, dh,
+        M, H, I, E, topk, lim, MX_D=down_t.quantized, STORE_ACC=two_pass,
+        GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M, **flags,
     )
+    if two_pass:
+        bm, bn = _SWIGLU_BWD_BLOCK
+        _launch.launch(
+            _swiglu_bwd_kernel, (triton.cdiv(M, bm),),
+            dh, routes_N, offsets_E1, gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1), scale_arg,
+            dgu, dgu.stride(0), dgu.stride(1), dscale_P, hs, M, E, I, lim,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=8, **flags,
+        )
     return dgu, dscale_P.sum(0), hs  # fixed-order reduction over the I-tiles
 
 
@@ -150,17 +226,21 @@ _WGRAD_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4), cfg(128, 128
                   cfg(128, 64, 64, 4, 4), cfg(128, 256, 64, 8, 3), cfg(256, 128, 64, 8, 3), cfg(128, 128, 128, 8, 3)]
 
 
-@_launch.autotune(_WGRAD_CONFIGS, cfg(16, 16, 16, 1, 1), key=["MD", "ND", "M", "E", "TOPK"],
-                  restore_value=["dst_ptr"])
+# TWO holds two accumulators (the gate and up gradients, one B tile): a plain GEMM's tiles at half the width
+_WGRAD_PAIR_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 64, 64, 4, 4), cfg(64, 128, 64, 4, 4), cfg(128, 64, 64, 8, 4),
+                       cfg(128, 128, 32, 8, 4)]
+
+
 @triton.jit
-def _wgrad_kernel(
-    a_ptr, stride_ar, stride_am,  # A: row index = token (A_GATHER) or sorted row; [*, MD]
+def _wgrad_body(
+    a_ptr, a2_ptr, stride_ar, stride_am,  # A (and A2, TWO): row index = token (A_GATHER) or sorted row; [*, MD]
     b_ptr, stride_br, stride_bn,  # B: row index = token (B_GATHER) or sorted row; [*, ND]
     routes_ptr, offsets_ptr,  # sorted_routes [M], expert_offsets [E+1]
     dst_ptr, stride_de, stride_dm, stride_dn,  # dst [E, MD, ND] (any float dtype, strided)
+    dst2_ptr, stride2_de, stride2_dm, stride2_dn,  # dst2 [E, MD, ND] (TWO): A2^T @ B
     MD, ND, M, E, TOPK,
-    SINGLE: tl.constexpr, A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SINGLE: tl.constexpr, A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
+    TWO: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     e = tl.program_id(1)
@@ -176,6 +256,7 @@ def _wgrad_kernel(
         lo = tl.load(offsets_ptr + e)
         hi = tl.load(offsets_ptr + e + 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ks = tl.arange(0, BLOCK_K)
     for r0 in range(lo, hi, BLOCK_K):
         rows = r0 + ks
@@ -192,33 +273,58 @@ def _wgrad_kernel(
             br = tok
         else:
             br = rows
-        a = tl.load(a_ptr + ar[None, :].to(tl.int64) * stride_ar + ms[:, None] * stride_am,
-                    mask=mmask[:, None] & rmask[None, :], other=0.0)  # A^T tile [BLOCK_M, BLOCK_K]
+        a_off = ar[None, :].to(tl.int64) * stride_ar + ms[:, None] * stride_am
+        amask = mmask[:, None] & rmask[None, :]
         b = tl.load(b_ptr + br[:, None].to(tl.int64) * stride_br + ns[None, :] * stride_bn,
                     mask=rmask[:, None] & nmask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        a = tl.load(a_ptr + a_off, mask=amask, other=0.0)  # A^T tile [BLOCK_M, BLOCK_K]
         acc = mma(a.to(b.dtype), b, acc, DOT_PREC)
-    d_ptrs = dst_ptr + e.to(tl.int64) * stride_de + ms[:, None] * stride_dm + ns[None, :] * stride_dn
+        if TWO:
+            a2 = tl.load(a2_ptr + a_off, mask=amask, other=0.0)
+            acc2 = mma(a2.to(b.dtype), b, acc2, DOT_PREC)
     dmask = mmask[:, None] & nmask[None, :]
+    e64 = e.to(tl.int64)
+    _wgrad_store(acc, dst_ptr + e64 * stride_de + ms[:, None] * stride_dm + ns[None, :] * stride_dn, dst_ptr, dmask,
+                 ACCUMULATE, DOT_PREC)
+    if TWO:
+        _wgrad_store(acc2, dst2_ptr + e64 * stride2_de + ms[:, None] * stride2_dm + ns[None, :] * stride2_dn,
+                     dst2_ptr, dmask, ACCUMULATE, DOT_PREC)
+
+
+@triton.jit
+def _wgrad_store(acc, d_ptrs, like_ptr, dmask, ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr):
     if ACCUMULATE:  # Megatron main_grad fusion: one rounding of (dst + grad) into dst's dtype
         acc += tl.load(d_ptrs, mask=dmask, other=0.0).to(tl.float32)
-    tl.store(d_ptrs, to_out(acc, dst_ptr, DOT_PREC), mask=dmask)
+    tl.store(d_ptrs, to_out(acc, like_ptr, DOT_PREC), mask=dmask)
+
+
+_WGRAD_KEY = ["MD", "ND", "M", "E", "TOPK"]
+_wgrad_kernel = _launch.autotune(_WGRAD_CONFIGS, cfg(16, 16, 16, 1, 1), key=_WGRAD_KEY,
+                                 restore_value=["dst_ptr"])(_wgrad_body)
+_wgrad_pair_kernel = _launch.autotune(_WGRAD_PAIR_CONFIGS, cfg(16, 16, 16, 1, 1), key=_WGRAD_KEY,
+                                      restore_value=["dst_ptr", "dst2_ptr"])(_wgrad_body)
 
 
 def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, accumulate=False, single=False,
-          n_rows=None):
-    """dst[e] (+)= A_e^T @ B_e over expert e's rows (A, B 2-D; rows gathered by token when *_gather).
-    dst_EMN: [E, MD, ND] (for SINGLE, a [1, MD, ND] view)."""
+          n_rows=None, a2=None, dst2_EMN=None):
+    """dst[e] (+)= A_e^T @ B_e over expert e's rows (A, B 2-D; rows gathered by token when *_gather), and
+    with a2/dst2 given, dst2[e] (+)= A2_e^T @ B_e in the same launch (A2 strided as A). dst_EMN: [E, MD, ND]
+    (for SINGLE, a [1, MD, ND] view)."""
     E, MD, ND = dst_EMN.shape
     if E == 0 or MD == 0 or ND == 0:
         return dst_EMN
+    two = a2 is not None
+    if two:
+        assert a2.stride() == a.stride() and a2.shape == a.shape and dst2_EMN.shape == dst_EMN.shape
+    d2 = dst2_EMN if two else dst_EMN
     M = n_rows if single else routes_N.numel()
     grid = lambda meta: (triton.cdiv(MD, meta["BLOCK_M"]) * triton.cdiv(ND, meta["BLOCK_N"]), E)
     _launch.launch(
-        _wgrad_kernel, grid,
-        a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), routes_N, offsets_E1,
-        dst_EMN, dst_EMN.stride(0), dst_EMN.stride(1), dst_EMN.stride(2),
+        _wgrad_pair_kernel if two else _wgrad_kernel, grid,
+        a, a2 if two else a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), routes_N, offsets_E1,
+        dst_EMN, dst_EMN.stride(0), dst_EMN.stride(1), dst_EMN.stride(2), d2, d2.stride(0), d2.stride(1), d2.stride(2),
         MD, ND, M, E, topk,
-        SINGLE=single, A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate,
+        SINGLE=single, A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate, TWO=two,
         DOT_PREC=_launch.dot_precision(b.dtype),
     )
     return dst_EMN
@@ -228,19 +334,32 @@ def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, accu
 # One expert MLP's backward (routed or shared), and the shared expert with its output gate
 
 
-def wgrad_into(dst, a, b, routes_N, offsets_E1, topk, *, a_gather, b_gather, accumulate, single=False, n_rows=None):
-    """wgrad into a 3-D destination, into E per-expert tensors through one float32 buffer, or nowhere (None:
-    the gradient is not wanted, e.g. an MXFP8 weight without a master)."""
-    if dst is None:
+def wgrad_into(dsts, sources, b, routes_N, offsets_E1, topk, *, a_gather, b_gather, accumulate, single=False,
+               n_rows=None):
+    """dsts[i] (+)= sources[i]^T @ B per expert for one or two (dst, A) pairs sharing B: each dst a 3-D
+    tensor, E per-expert tensors (written through a float32 buffer), or None (the gradient is not
+    wanted, e.g. an MXFP8 weight without a master). Two wanted destinations of one kind share a launch."""
+    live = [(d, a) for d, a in zip(dsts, sources) if d is not None]
+    if len(live) == 2 and isinstance(live[0][0], torch.Tensor) != isinstance(live[1][0], torch.Tensor):
+        for d, a in live:
+            wgrad_into((d,), (a,), b, routes_N, offsets_E1, topk, a_gather=a_gather, b_gather=b_gather,
+                       accumulate=accumulate, single=single, n_rows=n_rows)
         return
-    kw = dict(a_gather=a_gather, b_gather=b_gather, single=single, n_rows=n_rows)
-    if isinstance(dst, torch.Tensor):
-        wgrad(a, b, dst, routes_N, offsets_E1, topk, accumulate=accumulate, **kw)
+    if not live:
         return
-    tmp = torch.empty(len(dst), *dst[0].shape, dtype=torch.float32, device=b.device)
-    wgrad(a, b, tmp, routes_N, offsets_E1, topk, accumulate=False, **kw)
-    for e, t in enumerate(dst):
-        (t.add_ if accumulate else t.copy_)(tmp[e])
+    split = not isinstance(live[0][0], torch.Tensor)
+    if split:
+        targets = [torch.empty(len(d), *d[0].shape, dtype=torch.float32, device=b.device) for d, _ in live]
+    else:
+        targets = [d for d, _ in live]
+    two = len(live) == 2
+    wgrad(live[0][1], b, targets[0], routes_N, offsets_E1, topk, a_gather=a_gather, b_gather=b_gather,
+          accumulate=accumulate and not split, single=single, n_rows=n_rows,
+          a2=live[1][1] if two else None, dst2_EMN=targets[1] if two else None)
+    if split:
+        for (d, _), tmp in zip(live, targets):
+            for e, t in enumerate(d):
+                (t.add_ if accumulate else t.copy_)(tmp[e])
 
 
 def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit,
@@ -252,10 +371,13 @@ def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, 
     n_rows = x_TH.shape[0] if single else None
     dgu, dscale, hs = bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, single=single)
     d_gate, d_up, d_down = d_weights
-    for dst, a, b, a_gather in ((d_down, dy_TH, hs, True), (d_gate, dgu[:, :I], x_TH, False),
-                                (d_up, dgu[:, I:], x_TH, False)):
-        wgrad_into(dst, a, b, routes_N, offsets_E1, topk, a_gather=a_gather, b_gather=not a_gather,
-                   accumulate=accumulate, single=single, n_rows=n_rows)
+    kw = dict(accumulate=accumulate, single=single, n_rows=n_rows)
+    wgrad_into((d_down,), (dy_TH,), hs, routes_N, offsets_E1, topk, a_gather=True, b_gather=False, **kw)
+    # d_gate and d_up in one launch: both read the gathered x tile
+    pairs = [((d_gate, d_up), (dgu[:, :I], dgu[:, I:]))] if PAIR_WGRAD else [((d_gate,), (dgu[:, :I],)),
+                                                                            ((d_up,), (dgu[:, I:],))]
+    for dsts, sources in pairs:
+        wgrad_into(dsts, sources, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
     grouped_rows(dgu, gate_t, dx_out, routes_N, offsets_E1, w2=up_t, scatter=scatter, single=single)
     return dscale
 
