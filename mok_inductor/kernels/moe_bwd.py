@@ -64,6 +64,7 @@ def _bwd_act_body(
     DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    limit = tl.cast(limit, tl.float32)  # Inductor passes a Python float as fp64: keep the epilogue in fp32
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, E, I, SINGLE, BLOCK_M, BLOCK_N, GROUP_M)
     group, row_start, row_end = _tile_rows(pid_m, offsets_ptr, M, E, SINGLE, False, BLOCK_M, GROUPS_POW2)
     if row_start >= row_end:
@@ -150,6 +151,7 @@ def _swiglu_bwd_kernel(
 ):
     """The second pass of the two-pass bwd_act: BLOCK_M rows, all of I in BLOCK_N steps (d scale summed
     in that fixed order; rows of the `-1` tail are skipped, their d scale stays 0)."""
+    limit = tl.cast(limit, tl.float32)  # (fp64 under Inductor, see _bwd_act_body)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     if SINGLE:
         rmask = rows < M

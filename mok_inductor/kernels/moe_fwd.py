@@ -196,6 +196,10 @@ def _gate_up_kernel(
     HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # Inductor passes Python floats as fp64 (the epilogue would compute in fp64): float32 scalars
+    limit = tl.cast(limit, tl.float32)
+    above = tl.cast(above, tl.float32)
+    below = tl.cast(below, tl.float32)
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, E, I, SINGLE, BLOCK_M, BLOCK_N, GROUP_M)
     group, row_start, row_end = _tile_rows(pid_m, offsets_ptr, M, E, SINGLE, True, BLOCK_M, GROUPS_POW2)
     if row_start >= row_end:
