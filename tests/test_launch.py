@@ -44,3 +44,17 @@ def test_traced_launch_configs(name):
 
 def test_untuned_kernel_is_handed_over_as_is():
     assert _launch.traced_variant(moe_fwd._combine_kernel) is moe_fwd._combine_kernel
+
+
+def test_size_choice_adds_no_guard_on_a_symbolic_size():
+    # the size thresholds (two-pass bwd_act, MXFP8 dequantize-first) decide concrete sizes by value; an
+    # unknown symbolic size takes the caller's choice and adds no guard (a guard would recompile across T)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    assert _launch.at_least(300, 256, symbolic=False) and not _launch.at_least(255, 256, symbolic=True)
+    env = ShapeEnv()
+    n = env.create_unbacked_symint()
+    assert _launch.at_least(n, 256, symbolic=True) is True
+    assert _launch.at_least(n, 256, symbolic=False) is False
+    assert _launch.at_least(n * 0 + 512, 256, symbolic=False) is True  # statically known
+    assert not env.guards

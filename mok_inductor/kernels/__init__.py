@@ -54,6 +54,7 @@ AVAILABLE = _available()
 from ..mxfp8 import RoutedOperands
 
 if _HAVE_TRITON:
+    from . import _launch
     from .moe_bwd import bwd_act, expert_backward, shared_backward, wgrad
     from .moe_fwd import combine, dequantized, expert_mlp, flat, gate_up, grouped_rows, plain, plain_t, shared_forward
     from .schedule import build_schedule
@@ -80,9 +81,13 @@ def _stacked(ops: RoutedOperands) -> RoutedOperands:
 MX_DEQUANTIZE_MIN_ROWS = 256
 
 
-def _dequantized_if_large(ops: RoutedOperands, n_routes: int, dtype, fields) -> RoutedOperands:
+def _dequantized_if_large(ops: RoutedOperands, n_routes, dtype, fields, *, symbolic: bool) -> RoutedOperands:
+    """`symbolic`: the choice when n_routes is a symbolic size (torch.compile, dynamic shapes), where the
+    forward keeps the K-loop reads (decode, no transient copy) and the backward dequantizes (training)."""
     E = ops.gate.data.shape[0]
-    if n_routes < MX_DEQUANTIZE_MIN_ROWS * max(E, 1):
+    if not any(getattr(ops, f) is not None and getattr(ops, f).quantized for f in fields):
+        return ops
+    if not _launch.at_least(n_routes, MX_DEQUANTIZE_MIN_ROWS * max(E, 1), symbolic):
         return ops
     return ops._replace(**{f: dequantized(getattr(ops, f), dtype) for f in fields if getattr(ops, f) is not None})
 
@@ -108,7 +113,7 @@ def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperan
     T, H = x_TH.shape
     K = top_experts_TK.shape[1]
     N = T * K
-    ops = _dequantized_if_large(ops, N, x_TH.dtype, ("gate", "up", "down"))
+    ops = _dequantized_if_large(ops, N, x_TH.dtype, ("gate", "up", "down"), symbolic=False)
     I = ops.gate.data.shape[1]
     dev, dtype = x_TH.device, x_TH.dtype
     sorted_N, offsets_E1 = schedule.sorted_routes_N, schedule.expert_offsets_E1
@@ -151,7 +156,7 @@ def backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, ops: Rout
     T, H = x_TH.shape
     K = top_experts_TK.shape[1]
     dev, dtype = x_TH.device, x_TH.dtype
-    ops = _dequantized_if_large(ops, T * K, dtype, ("gate_t", "up_t", "down_t"))
+    ops = _dequantized_if_large(ops, T * K, dtype, ("gate_t", "up_t", "down_t"), symbolic=True)
     if dy_TH.dtype != dtype:
         dy_TH = dy_TH.to(dtype)
     sorted_N, offsets_E1 = schedule.sorted_routes_N, schedule.expert_offsets_E1

@@ -80,6 +80,21 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
 
 
+def at_least(n, bound: int, symbolic: bool) -> bool:
+    """n >= bound for a size-based kernel choice, without a guard: a symbolic n (torch.compile with dynamic
+    shapes) decides only where that is statically known, else `symbolic` (a guard would recompile the
+    graph for every token count across the bound)."""
+    if isinstance(n, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        if statically_known_true(n >= bound):
+            return True
+        if statically_known_true(n < bound):
+            return False
+        return symbolic
+    return n >= bound
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 GEMMs in full precision (SPEC's 1e-4 rules out tf32); others use the tensor cores.
     "interp": the interpreter's tl.dot is wrong on bfloat16 operands, so `mma` upcasts them."""

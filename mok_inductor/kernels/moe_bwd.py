@@ -187,8 +187,8 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
     E, _, H = down_t.data.shape
     dev, dtype = gu_M2I.device, dy_TH.dtype  # dy is in the activation dtype (gu may be float32)
     n_routes = M if single else routes_N.numel()
-    if two_pass is None:
-        two_pass = M >= TWO_PASS_MIN_ROWS * (1 if single else E)
+    if two_pass is None:  # (dynamic shapes: two passes, the choice at training sizes)
+        two_pass = _launch.at_least(M, TWO_PASS_MIN_ROWS * (1 if single else E), symbolic=True)
     P = 1 if two_pass else triton.cdiv(I, _BWD_ACT_MIN_BLOCK_N)
     dgu = torch.empty(M, 2 * I, dtype=dtype, device=dev)
     dscale_P = torch.zeros(P, n_routes, dtype=torch.float32, device=dev)
