@@ -263,8 +263,6 @@ def run_shape(name, kind, contenders, results, log):
         add("floor", "fwd", floor_ms, floor_ms, floor_ms, fwd_flops, note=f"{touched} experts touched")
 
     for c in contenders:
-        if c == "eager" and not decode and name != "gpt-oss-20b" and name != "mixtral-8x7b":
-            pass
         f = CONTENDERS[c]
         args = (x, rw, te, w_gu, w_d)
         try:

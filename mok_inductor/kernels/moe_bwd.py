@@ -100,8 +100,9 @@ def _bwd_act_body(
     tl.store(dscale_ptr + pid_n * stride_sp + route, part, mask=rmask)
 
 
-_bwd_act_kernel = _launch.autotune(_BWD_ACT_CONFIGS, _BWD_ACT_INTERPRET, key=["M", "H", "I", "E", "TOPK"])(_bwd_act_body)
-_bwd_gemm_kernel = _launch.autotune(_BWD_GEMM_CONFIGS, _BWD_ACT_INTERPRET, key=["M", "H", "I", "E", "TOPK"])(_bwd_act_body)
+_BWD_ACT_KEY = ["M", "H", "I", "E", "TOPK"]
+_bwd_act_kernel = _launch.autotune(_BWD_ACT_CONFIGS, _BWD_ACT_INTERPRET, key=_BWD_ACT_KEY)(_bwd_act_body)
+_bwd_gemm_kernel = _launch.autotune(_BWD_GEMM_CONFIGS, _BWD_ACT_INTERPRET, key=_BWD_ACT_KEY)(_bwd_act_body)
 
 
 @triton.jit
@@ -168,6 +169,7 @@ def _swiglu_bwd_kernel(
         total += _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr,
                                   dgu_ptr, stride_om, stride_on, hs_ptr, I, limit, HAS_SCALE, HAS_LIMIT, DOT_PREC)
     tl.store(dscale_ptr + route, total, mask=rmask)
+
 
 # Two passes (a plain GEMM writing dy @ down in float32, then the SwiGLU backward elementwise) when there
 # are at least this many rows per expert: the fused epilogue's register pressure holds the GEMM to
