@@ -197,7 +197,7 @@ def test_two_pass_bwd_act_vs_oracle(name, monkeypatch):
 
     monkeypatch.setattr(moe_bwd, "TWO_PASS_MIN_ROWS", 0)
     kw = dict(CASES)[name]
-    case = make_case(**kw, device=DEV, requires_grad=False, seed=hash(name) % 1000 + 1)
+    case = make_case(**kw, device=DEV, requires_grad=False, seed=len(name) + 1)
     _check_all(case)
 
 
