@@ -12,8 +12,8 @@ Forward data flow: x --gate_up (gather fused)--> gu [N, 2I] (saved), h [N, I] --
 route [N, H] --combine (router weights, shared expert, its gate; fp32 in k order)--> y [T, H].
 Backward: bwd_act (dy @ down, SwiGLU backward from the saved g, u) -> dgu [N, 2I], d router weights, rw * h;
 wgrad (down; gate and up in one launch); grouped_rows (gate, up) -> dx per route -> combine over k (+ shared
-dx, + the gate's logit gradient) -> dx [T, H]. Backward computes 12·N·H·I FLOPs (no GEMM is recomputed); the price is the saved
-activations: [N, 2I] (g and u) instead of h [N, I].
+dx, + the gate's logit gradient) -> dx [T, H]. Backward computes 12·N·H·I FLOPs (no GEMM is recomputed);
+the price is the saved activations: [N, 2I] (g and u) instead of h [N, I].
 
 Shapes only decide grids, allocations and kernel choices (worst-case tile counts; idle programs exit; a
 symbolic size decides without a guard, `_launch.at_least`), there is no

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import _launch
 from ._launch import cfg, mma, to_out
-from .moe_fwd import (GROUP_M, _tile_ids, _tile_rows, grouped_rows, plain_t, row_tiles_worst, rowdot, swiglu,
+from .moe_fwd import (GROUP_M, _tile_ids, _tile_rows, clamp_gu, grouped_rows, plain_t, row_tiles_worst, rowdot,
                       w_args, w_tile)
 
 # (Register pressure: the epilogue holds acc, g, u, h and the gradients, so tiles of 128 x 128 spilled
@@ -114,7 +114,9 @@ def _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, 
     g_ptrs = gu_ptr + rows64 * stride_gm + cols[None, :] * stride_gn
     g = tl.load(g_ptrs, mask=omask, other=0.0).to(tl.float32)
     u = tl.load(g_ptrs + I * stride_gn, mask=omask, other=0.0).to(tl.float32)
-    h32 = swiglu(g, u, limit, HAS_LIMIT)
+    gc, uc = clamp_gu(g, u, limit, HAS_LIMIT)
+    sig = tl.sigmoid(gc)
+    h32 = gc * sig * uc  # swiglu(g, u), its clamp and sigmoid reused by the gradient below
     part = tl.sum(acc * h32, axis=1)
     h = to_out(h32, hs_ptr, DOT_PREC).to(tl.float32)  # the forward's h, as the down GEMM read it
     if HAS_SCALE:
@@ -124,13 +126,6 @@ def _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, 
     else:
         tl.store(hs_ptr + rows64 * I + cols[None, :], to_out(h, hs_ptr, DOT_PREC), mask=omask)
         dh = acc
-    if HAS_LIMIT:
-        gc = tl.where(g > limit, limit, g)
-        uc = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
-    else:
-        gc = g
-        uc = u
-    sig = tl.sigmoid(gc)
     dg = dh * uc * (sig * (1.0 + gc * (1.0 - sig)))
     du = dh * gc * sig
     if HAS_LIMIT:  # the clamp passes no gradient where it clipped (NaN is not clipped)
@@ -219,7 +214,7 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
             dgu, dgu.stride(0), dgu.stride(1), dscale_P, hs, M, E, I, lim,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=8, **flags,
         )
-    return dgu, dscale_P.sum(0), hs  # fixed-order reduction over the I-tiles
+    return dgu, dscale_P[0] if P == 1 else dscale_P.sum(0), hs  # fixed-order reduction over the I-tiles
 
 
 # ---------------------------------------------------------------------------------------------

@@ -104,14 +104,18 @@ def w_tile(w_ptr, s_ptr, e64, kk, cols, kmask, cmask, s_e, s_n, s_k, ss_e, ss_n,
     if MX:
         # one scale load per element (L1 hits: 32 neighbours share one). Measured on the H200 (session 4): a
         # [BLOCK_N] row of scales per 32-block of k, spread with where(), was slower (decode 0.52 vs 0.37 ms)
-        sc = tl.load(s_ptr + e64 * ss_e + (kk // 32)[:, None] * ss_k + cols[None, :] * ss_n, mask=m,
-                     other=0).to(tl.int32)
-        # 2**(sc - 127) built from its float32 bits (exact; sc = 0, an all-zero block, gives 0)
-        factor = (sc << 23).to(tl.float32, bitcast=True)
-        w = w.to(tl.float32) * factor
+        sc = tl.load(s_ptr + e64 * ss_e + (kk // 32)[:, None] * ss_k + cols[None, :] * ss_n, mask=m, other=0)
+        w = w.to(tl.float32) * e8m0_factor(sc)
         if DOT_PREC != "interp":
             w = w.to(like_ptr.dtype.element_ty)
     return w
+
+
+@triton.jit
+def e8m0_factor(sc):
+    """2**(sc - 127) of uint8 E8M0 scales, built from its float32 bits (exact; sc = 0, an all-zero block,
+    gives 0)."""
+    return (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
 def w_args(op) -> tuple:
@@ -136,12 +140,11 @@ def _dequant_kernel(
     j = tl.arange(0, 32)
     m2 = (rows < NR)[:, None] & (kb < KD // 32)[None, :]
     sc = tl.load(q_ptr + e64 * q_e + rows[:, None] * q_n + kb[None, :] * q_k, mask=m2, other=0)
-    factor = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2**(sc - 127), exact (as in w_tile)
     kk = kb[None, :, None] * 32 + j[None, None, :]
     m3 = m2[:, :, None]
     w = tl.load(w_ptr + e64 * s_e + rows[:, None, None] * s_n + kk * s_k, mask=m3, other=0.0)
     tl.store(out_ptr + e64 * NR * KD + rows[:, None, None] * KD + kk,
-             (w.to(tl.float32) * factor[:, :, None]).to(out_ptr.dtype.element_ty), mask=m3)
+             (w.to(tl.float32) * e8m0_factor(sc)[:, :, None]).to(out_ptr.dtype.element_ty), mask=m3)
 
 
 def dequantized(op: Operand, dtype: torch.dtype) -> Operand:
@@ -163,12 +166,19 @@ def dequantized(op: Operand, dtype: torch.dtype) -> Operand:
 
 
 @triton.jit
-def swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
-    """silu(clamp(g, max=limit)) * clamp(u, -limit, limit) in float32; where() rather than min/max: a NaN
-    is not clipped, it propagates."""
+def clamp_gu(g, u, limit, HAS_LIMIT: tl.constexpr):
+    """(clamp(g, max=limit), clamp(u, -limit, limit)); where() rather than min/max: a NaN is not clipped,
+    it propagates."""
     if HAS_LIMIT:
         g = tl.where(g > limit, limit, g)
         u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
+    return g, u
+
+
+@triton.jit
+def swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
+    """silu(clamp(g, max=limit)) * clamp(u, -limit, limit) in float32."""
+    g, u = clamp_gu(g, u, limit, HAS_LIMIT)
     return g * tl.sigmoid(g) * u
 
 
@@ -193,8 +203,8 @@ def _gate_up_kernel(
     M, H, I, E, TOPK,  # rows (routes), hidden, intermediate, experts, routes per token
     limit, above, below,  # swiglu clamp (HAS_LIMIT); the stored dtype's neighbours of it (KEEP_CLIP)
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 (the epilogue would compute in fp64): float32 scalars
     limit = tl.cast(limit, tl.float32)
