@@ -56,8 +56,8 @@ def breakdown(name, kind="balanced"):
         ("bwd wgrad down", lambda: wgrad(dy, hs, d_d, so, off, K, a_gather=True, b_gather=False), f),
         ("bwd wgrad gate", lambda: wgrad(dgu[:, :I], x, d_g, so, off, K, a_gather=False, b_gather=True), f),
         ("bwd wgrad up", lambda: wgrad(dgu[:, I:], x, d_u, so, off, K, a_gather=False, b_gather=True), f),
-        ("bwd wgrad gate+up (one launch)", lambda: wgrad(dgu[:, :I], x, d_g, so, off, K, a_gather=False, b_gather=True,
-                                                         a2=dgu[:, I:], dst2_EMN=d_u), 2 * f),
+        ("bwd wgrad gate+up (one launch)", lambda: wgrad(dgu, x, d_g, so, off, K, a_gather=False, b_gather=True,
+                                                         dst2_EMN=d_u), 2 * f),
         ("bwd dx (gate+up dgrad)", lambda: grouped_rows(dgu, plain_t(wg), dx_N, so, off, w2=plain_t(wu)), 2 * f),
         ("bwd combine dx", lambda: combine(dx_N, te_N, y), 0),
     ]

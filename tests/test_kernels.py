@@ -231,13 +231,17 @@ def test_unpaired_wgrads_vs_oracle(monkeypatch):
 
 
 @pytest.mark.parametrize("kinds", [("tensor", "tensor"), ("list", "list"), ("tensor", "list"), ("none", "list"),
-                                   ("tensor", "none")])
+                                   ("tensor", "none"), ("tensor", "bf16")])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_wgrad_into_destination_kinds(kinds, accumulate):
-    # dst (+)= A_e^T @ x[tok] per expert, for each kind of destination pair (3-D, per-expert list, not wanted)
+@pytest.mark.parametrize("I", [16, 12])
+def test_wgrad_into_destination_kinds(kinds, accumulate, I, monkeypatch):
+    # dst (+)= A_e^T @ x[tok] per expert, for each kind of destination pair (3-D, per-expert list, bf16, not
+    # wanted). Two 3-D destinations of one dtype are one GEMM over both halves of A: at I = 12 a row tile
+    # straddles the halves. Several row steps per expert (the gather index is loaded one step ahead).
     from mok_inductor.kernels import moe_bwd
 
-    T, H, I, E, K = 9, 24, 16, 3, 2
+    real_wgrad = moe_bwd.wgrad
+    T, H, E, K = 41, 24, 3, 2
     gen = torch.Generator().manual_seed(1)
     te = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(DEV)
     sched = kernels.build_schedule(te, E)
@@ -257,13 +261,45 @@ def test_wgrad_into_destination_kinds(kinds, accumulate):
 
     dsts = []
     for j, kind in enumerate(kinds):
-        dsts.append(None if kind == "none" else starts[j].clone() if kind == "tensor" else list(starts[j].clone()))
-    moe_bwd.wgrad_into(tuple(dsts), (dgu[:, :I], dgu[:, I:]), x, sched.sorted_routes_N, sched.expert_offsets_E1, K,
+        start = starts[j].clone()
+        dsts.append(None if kind == "none" else start if kind == "tensor" else start.bfloat16() if kind == "bf16"
+                    else list(start))
+    launches = []
+    monkeypatch.setattr(moe_bwd, "wgrad", lambda *a, **kw: launches.append(kw) or real_wgrad(*a, **kw))
+    moe_bwd.wgrad_into(tuple(dsts), dgu, x, sched.sorted_routes_N, sched.expert_offsets_E1, K,
                        a_gather=False, b_gather=True, accumulate=accumulate)
     for j, d in enumerate(dsts):
         if d is not None:
             got = d if isinstance(d, torch.Tensor) else torch.stack(d)
-            assert rel_err(got, want(j)) <= TOLERANCE[torch.float32]
+            assert rel_err(got, want(j)) <= TOLERANCE[torch.bfloat16 if kinds[j] == "bf16" else torch.float32]
+    one_gemm = kinds in (("tensor", "tensor"), ("list", "list"))
+    n_launches = 1 if one_gemm or "none" in kinds else 2
+    assert [kw["dst2_EMN"] is not None for kw in launches] == [one_gemm] * n_launches
+
+
+def test_wgrad_int64_offsets_equal_int32(monkeypatch):
+    # OFF32 (int32 element offsets, chosen when every operand offset fits) against the int64 path, which the
+    # small shapes here would not take by themselves: bitwise equal, both gather sides
+    from mok_inductor.kernels import moe_bwd
+
+    T, H, I, E, K = 37, 24, 12, 3, 2
+    gen = torch.Generator().manual_seed(4)
+    te = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(DEV)
+    sched = kernels.build_schedule(te, E)
+    x = torch.randn(T, H, generator=gen).to(DEV)
+    dgu = torch.randn(T * K, 2 * I, generator=gen).to(DEV)
+    outs = []
+    for big in (False, True):
+        if big:
+            monkeypatch.setattr(moe_bwd, "_span", lambda t: 2 ** 31)
+        d_g, d_u = torch.full((E, I, H), float("nan"), device=DEV), torch.full((E, I, H), float("nan"), device=DEV)
+        d_d = torch.full((E, H, I), float("nan"), device=DEV)
+        kw = dict(routes_N=sched.sorted_routes_N, offsets_E1=sched.expert_offsets_E1, topk=K)
+        moe_bwd.wgrad(dgu, x, d_g, a_gather=False, b_gather=True, dst2_EMN=d_u, **kw)
+        moe_bwd.wgrad(x, dgu[:, :I], d_d, a_gather=True, b_gather=False, **kw)
+        outs.append((d_g, d_u, d_d))
+    for a, b in zip(*outs):
+        assert not a.isnan().any() and torch.equal(a, b)
 
 
 def test_one_expert_gets_everything_bf16():

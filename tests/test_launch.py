@@ -15,7 +15,6 @@ KERNELS = {
     "bwd_act": (moe_bwd._bwd_act_kernel, moe_bwd._BWD_ACT_CONFIGS),
     "bwd_gemm": (moe_bwd._bwd_gemm_kernel, moe_bwd._BWD_GEMM_CONFIGS),
     "wgrad": (moe_bwd._wgrad_kernel, moe_bwd._WGRAD_CONFIGS),
-    "wgrad_pair": (moe_bwd._wgrad_pair_kernel, moe_bwd._WGRAD_PAIR_CONFIGS),
 }
 
 

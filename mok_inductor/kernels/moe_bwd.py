@@ -9,8 +9,8 @@ elementwise pass), and the grouped weight-gradient GEMM with the main-grad accum
         --_swiglu_bwd_kernel--> the same dgu, hs and d scale (the fused epilogue's register pressure keeps
         its GEMM to 64-wide tiles; the plain GEMM runs 128 x 128)
     dgu_N2I --grouped_rows (gate[e], up[e])--> dx per route --combine over k--> dx_TH
-    wgrad: d_down[e] = dy[tok]^T @ (rw * h), and d_gate[e] = dg^T @ x[tok], d_up[e] = du^T @ x[tok] in one
-        launch (two accumulators sharing the gathered x tile): a fixed-order loop over expert e's rows
+    wgrad: d_down[e] = dy[tok]^T @ (rw * h), and [d_gate[e]; d_up[e]] = [dg | du]^T @ x[tok] as one GEMM
+        (each half of its rows stored to its own weight's gradient): a fixed-order loop over expert e's rows
         (deterministic, no atomics), written or ADDED into the destination (float32 or bfloat16 main grads).
 
 The shared expert runs the same kernels with SINGLE=True (one group of T rows, no gather) and the
@@ -170,8 +170,8 @@ def _swiglu_bwd_kernel(
 # are at least this many rows per expert: the fused epilogue's register pressure holds the GEMM to
 # 64-wide tiles (measured on the H200: see docs/benchmarks.md); below it, one launch is cheaper.
 TWO_PASS_MIN_ROWS = 256
-# d_gate and d_up in one wgrad launch (two accumulators, one gathered x tile); False: one launch each
-# (benchmarks/ab_backward.py's A/B switch)
+# d_gate and d_up in one wgrad launch (one GEMM over both halves of dgu, one gathered x tile); False: one
+# launch each (benchmarks/ab_backward.py's A/B switch)
 PAIR_WGRAD = True
 
 
@@ -221,32 +221,41 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
 # Weight gradients: dst[e][m, n] (+)= sum over expert e's rows r of A[r, m] * B[r, n]
 
 
-_WGRAD_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4), cfg(128, 128, 32, 4, 4), cfg(64, 128, 64, 4, 4),
-                  cfg(128, 64, 64, 4, 4), cfg(128, 256, 64, 8, 3), cfg(256, 128, 64, 8, 3), cfg(128, 128, 128, 8, 3)]
-
-
-# TWO holds two accumulators (the gate and up gradients, one B tile): a plain GEMM's tiles at half the width
-_WGRAD_PAIR_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 64, 64, 4, 4), cfg(64, 128, 64, 4, 4), cfg(128, 64, 64, 8, 4),
-                       cfg(128, 128, 32, 8, 4)]
+# 128 x 256 first (the best plain Triton GEMM at these shapes, benchmarks/ceiling.py on the H200)
+_WGRAD_CONFIGS = [cfg(128, 256, 64, 8, 3), cfg(256, 128, 64, 8, 3), cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4),
+                  cfg(64, 128, 64, 4, 4), cfg(128, 64, 64, 4, 4), cfg(128, 128, 128, 8, 3)]
 
 
 @triton.jit
 def _wgrad_body(
-    a_ptr, a2_ptr, stride_ar, stride_am,  # A (and A2, TWO): row index = token (A_GATHER) or sorted row; [*, MD]
+    a_ptr, stride_ar, stride_am,  # A: row index = token (A_GATHER) or sorted row; [*, MD] (SPLIT: [*, 2 MD])
     b_ptr, stride_br, stride_bn,  # B: row index = token (B_GATHER) or sorted row; [*, ND]
-    routes_ptr, offsets_ptr,  # sorted_routes [M], expert_offsets [E+1]
+    tokens_ptr, offsets_ptr,  # int32 token of each sorted row [M] (the gather index), expert_offsets [E+1]
     dst_ptr, stride_de, stride_dm, stride_dn,  # dst [E, MD, ND] (any float dtype, strided)
-    dst2_ptr, stride2_de, stride2_dm, stride2_dn,  # dst2 [E, MD, ND] (TWO): A2^T @ B
-    MD, ND, M, E, TOPK,
+    dst2_ptr, stride2_de, stride2_dm, stride2_dn,  # dst2 [E, MD, ND] (SPLIT): A[:, MD:]^T @ B, dst's dtype
+    MD, ND, M, E,
     SINGLE: tl.constexpr, A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
-    TWO: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATHER: tl.constexpr, SPLIT: tl.constexpr, OFF32: tl.constexpr, DOT_PREC: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """One [BLOCK_M, BLOCK_N] tile of expert e's A^T @ B, reducing over its rows in order. SPLIT: A has two
+    halves of MD columns (d_gate's and d_up's operands) reduced as one GEMM of 2 MD rows, each half's rows
+    stored to its own destination. (Measured on the H200, benchmarks/wgrad_ab.py: the gather index loaded
+    one step ahead, int32 offsets (OFF32, when every offset fits) and one GEMM of 2 MD rows instead of two
+    accumulators took the gate/up weight gradient from about 360 to 520-580 TFLOP/s.)"""
     pid = tl.program_id(0)
     e = tl.program_id(1)
+    if SPLIT:
+        rows_out = 2 * MD
+    else:
+        rows_out = MD
+    num_m = tl.cdiv(rows_out, BLOCK_M)
     num_n = tl.cdiv(ND, BLOCK_N)
-    ms = (pid // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ns = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mmask = ms < MD
+    first = (pid // (GROUP_M * num_n)) * GROUP_M  # GROUP_M row tiles per L2 group
+    gsize = tl.minimum(num_m - first, GROUP_M)
+    ms = (first + (pid % (GROUP_M * num_n)) % gsize) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = ((pid % (GROUP_M * num_n)) // gsize) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = ms < rows_out
     nmask = ns < ND
     if SINGLE:
         lo = 0
@@ -255,76 +264,82 @@ def _wgrad_body(
         lo = tl.load(offsets_ptr + e)
         hi = tl.load(offsets_ptr + e + 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ks = tl.arange(0, BLOCK_K)
+    if GATHER:  # the gather index of the next step is loaded one step ahead, off the loads' critical path
+        nxt = tl.load(tokens_ptr + lo + ks, mask=lo + ks < hi, other=0)
     for r0 in range(lo, hi, BLOCK_K):
         rows = r0 + ks
         rmask = rows < hi
-        if SINGLE:
-            tok = rows
+        if GATHER:
+            tok = nxt
+            nxt = tl.load(tokens_ptr + rows + BLOCK_K, mask=rows + BLOCK_K < hi, other=0)
         else:
-            tok = tl.load(routes_ptr + rows, mask=rmask, other=0) // TOPK
+            tok = rows
+        ar = rows
+        br = rows
         if A_GATHER:
             ar = tok
-        else:
-            ar = rows
         if B_GATHER:
             br = tok
-        else:
-            br = rows
-        a_off = ar[None, :].to(tl.int64) * stride_ar + ms[:, None] * stride_am
-        amask = mmask[:, None] & rmask[None, :]
-        b = tl.load(b_ptr + br[:, None].to(tl.int64) * stride_br + ns[None, :] * stride_bn,
+        if not OFF32:
+            ar = ar.to(tl.int64)
+            br = br.to(tl.int64)
+        b = tl.load(b_ptr + br[:, None] * stride_br + ns[None, :] * stride_bn,
                     mask=rmask[:, None] & nmask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        a = tl.load(a_ptr + a_off, mask=amask, other=0.0)  # A^T tile [BLOCK_M, BLOCK_K]
+        a = tl.load(a_ptr + ar[None, :] * stride_ar + ms[:, None] * stride_am,
+                    mask=mmask[:, None] & rmask[None, :], other=0.0)  # A^T tile [BLOCK_M, BLOCK_K]
         acc = mma(a.to(b.dtype), b, acc, DOT_PREC)
-        if TWO:
-            a2 = tl.load(a2_ptr + a_off, mask=amask, other=0.0)
-            acc2 = mma(a2.to(b.dtype), b, acc2, DOT_PREC)
     dmask = mmask[:, None] & nmask[None, :]
     e64 = e.to(tl.int64)
-    _wgrad_store(acc, dst_ptr + e64 * stride_de + ms[:, None] * stride_dm + ns[None, :] * stride_dn, dst_ptr, dmask,
-                 ACCUMULATE, DOT_PREC)
-    if TWO:
-        _wgrad_store(acc2, dst2_ptr + e64 * stride2_de + ms[:, None] * stride2_dm + ns[None, :] * stride2_dn,
-                     dst2_ptr, dmask, ACCUMULATE, DOT_PREC)
-
-
-@triton.jit
-def _wgrad_store(acc, d_ptrs, like_ptr, dmask, ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr):
+    d_ptrs = dst_ptr + e64 * stride_de + ms[:, None] * stride_dm + ns[None, :] * stride_dn
+    if SPLIT:
+        d2_ptrs = dst2_ptr + e64 * stride2_de + (ms - MD)[:, None] * stride2_dm + ns[None, :] * stride2_dn
+        d_ptrs = tl.where((ms < MD)[:, None], d_ptrs, d2_ptrs)
     if ACCUMULATE:  # Megatron main_grad fusion: one rounding of (dst + grad) into dst's dtype
         acc += tl.load(d_ptrs, mask=dmask, other=0.0).to(tl.float32)
-    tl.store(d_ptrs, to_out(acc, like_ptr, DOT_PREC), mask=dmask)
+    tl.store(d_ptrs, to_out(acc, dst_ptr, DOT_PREC), mask=dmask)
 
 
-_WGRAD_KEY = ["MD", "ND", "M", "E", "TOPK"]
+_WGRAD_KEY = ["MD", "ND", "M", "E"]
 _wgrad_kernel = _launch.autotune(_WGRAD_CONFIGS, cfg(16, 16, 16, 1, 1), key=_WGRAD_KEY,
-                                 restore_value=["dst_ptr"])(_wgrad_body)
-_wgrad_pair_kernel = _launch.autotune(_WGRAD_PAIR_CONFIGS, cfg(16, 16, 16, 1, 1), key=_WGRAD_KEY,
-                                      restore_value=["dst_ptr", "dst2_ptr"])(_wgrad_body)
+                                 restore_value=["dst_ptr", "dst2_ptr"])(_wgrad_body)
+
+
+def _span(t) -> int:
+    """The largest element offset a view reaches from its first element."""
+    return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))  # (torch strides are never negative)
 
 
 def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, accumulate=False, single=False,
-          n_rows=None, a2=None, dst2_EMN=None):
-    """dst[e] (+)= A_e^T @ B_e over expert e's rows (A, B 2-D; rows gathered by token when *_gather), and
-    with a2/dst2 given, dst2[e] (+)= A2_e^T @ B_e in the same launch (A2 strided as A). dst_EMN: [E, MD, ND]
-    (for SINGLE, a [1, MD, ND] view)."""
+          n_rows=None, dst2_EMN=None, tokens_N=None):
+    """dst[e] (+)= A_e^T @ B_e over expert e's rows (A, B 2-D; rows gathered by token when *_gather). With
+    dst2 given, A has 2 MD columns: dst[e] (+)= A_e[:, :MD]^T @ B_e and dst2[e] (+)= A_e[:, MD:]^T @ B_e in one
+    GEMM (dst2 of dst's dtype). dst_EMN: [E, MD, ND] (for SINGLE, a [1, MD, ND] view). tokens_N: the int32
+    token of each sorted route (routes_N // topk, computed here when not given)."""
     E, MD, ND = dst_EMN.shape
     if E == 0 or MD == 0 or ND == 0:
         return dst_EMN
-    two = a2 is not None
-    if two:
-        assert a2.stride() == a.stride() and a2.shape == a.shape and dst2_EMN.shape == dst_EMN.shape
-    d2 = dst2_EMN if two else dst_EMN
+    split = dst2_EMN is not None
+    if split:
+        assert dst2_EMN.shape == dst_EMN.shape and dst2_EMN.dtype == dst_EMN.dtype and a.shape[1] == 2 * MD
+    d2 = dst2_EMN if split else dst_EMN
     M = n_rows if single else routes_N.numel()
-    grid = lambda meta: (triton.cdiv(MD, meta["BLOCK_M"]) * triton.cdiv(ND, meta["BLOCK_N"]), E)
+    gather = (a_gather or b_gather) and not single
+    if gather and tokens_N is None:
+        tokens_N = routes_N // topk
+    idx = tokens_N if gather else offsets_E1
+    # int32 offsets when no operand reaches 2**31 elements (a symbolic size that may: int64)
+    off32 = not _launch.at_least(max(_span(a), _span(b)), 2 ** 31, symbolic=True)
+    rows_out = 2 * MD if split else MD
+    grid = lambda meta: (triton.cdiv(rows_out, meta["BLOCK_M"]) * triton.cdiv(ND, meta["BLOCK_N"]), E)
     _launch.launch(
-        _wgrad_pair_kernel if two else _wgrad_kernel, grid,
-        a, a2 if two else a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), routes_N, offsets_E1,
+        _wgrad_kernel, grid,
+        a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), idx, offsets_E1,
         dst_EMN, dst_EMN.stride(0), dst_EMN.stride(1), dst_EMN.stride(2), d2, d2.stride(0), d2.stride(1), d2.stride(2),
-        MD, ND, M, E, topk,
-        SINGLE=single, A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate, TWO=two,
-        DOT_PREC=_launch.dot_precision(b.dtype),
+        MD, ND, M, E,
+        SINGLE=single, A_GATHER=a_gather, B_GATHER=b_gather, GATHER=gather, ACCUMULATE=accumulate, SPLIT=split,
+        OFF32=off32,
+        DOT_PREC=_launch.dot_precision(b.dtype), GROUP_M=GROUP_M,
     )
     return dst_EMN
 
@@ -333,29 +348,32 @@ def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, accu
 # One expert MLP's backward (routed or shared), and the shared expert with its output gate
 
 
-def wgrad_into(dsts, sources, b, routes_N, offsets_E1, topk, *, a_gather, b_gather, accumulate, single=False,
-               n_rows=None):
-    """dsts[i] (+)= sources[i]^T @ B per expert for one or two (dst, A) pairs sharing B: each dst a 3-D
-    tensor, E per-expert tensors (written through a float32 buffer), or None (the gradient is not
-    wanted, e.g. an MXFP8 weight without a master). Two wanted destinations of one kind share a launch."""
-    live = [(d, a) for d, a in zip(dsts, sources) if d is not None]
-    if len(live) == 2 and isinstance(live[0][0], torch.Tensor) != isinstance(live[1][0], torch.Tensor):
-        for d, a in live:
-            wgrad_into((d,), (a,), b, routes_N, offsets_E1, topk, a_gather=a_gather, b_gather=b_gather,
-                       accumulate=accumulate, single=single, n_rows=n_rows)
-        return
+def wgrad_into(dsts, a, b, routes_N, offsets_E1, topk, *, a_gather, b_gather, accumulate, single=False,
+               n_rows=None, tokens_N=None):
+    """dsts[j] (+)= A[:, j*MD:(j+1)*MD]^T @ B per expert, for one or two destinations sharing B (A holds
+    their operands side by side): each dst a 3-D tensor, E per-expert tensors (written through a float32
+    buffer), or None (the gradient is not wanted, e.g. an MXFP8 weight without a master). Two wanted
+    destinations of one kind and dtype share a launch (one GEMM over both halves of A), unless PAIR_WGRAD
+    is off."""
+    md = a.shape[1] // len(dsts)
+    live = [(d, a[:, j * md:(j + 1) * md]) for j, d in enumerate(dsts) if d is not None]
     if not live:
         return
-    split = not isinstance(live[0][0], torch.Tensor)
-    if split:
+    kw = dict(a_gather=a_gather, b_gather=b_gather, single=single, n_rows=n_rows, tokens_N=tokens_N)
+    split = [not isinstance(d, torch.Tensor) for d, _ in live]
+    dtypes = [torch.float32 if sp else d.dtype for (d, _), sp in zip(live, split)]
+    if len(live) == 2 and (not PAIR_WGRAD or split[0] != split[1] or dtypes[0] != dtypes[1]):
+        for d, part in live:
+            wgrad_into((d,), part, b, routes_N, offsets_E1, topk, accumulate=accumulate, **kw)
+        return
+    if split[0]:
         targets = [torch.empty(len(d), *d[0].shape, dtype=torch.float32, device=b.device) for d, _ in live]
     else:
         targets = [d for d, _ in live]
     two = len(live) == 2
-    wgrad(live[0][1], b, targets[0], routes_N, offsets_E1, topk, a_gather=a_gather, b_gather=b_gather,
-          accumulate=accumulate and not split, single=single, n_rows=n_rows,
-          a2=live[1][1] if two else None, dst2_EMN=targets[1] if two else None)
-    if split:
+    wgrad(a if two else live[0][1], b, targets[0], routes_N, offsets_E1, topk, accumulate=accumulate and not split[0],
+          dst2_EMN=targets[1] if two else None, **kw)
+    if split[0]:
         for (d, _), tmp in zip(live, targets):
             for e, t in enumerate(d):
                 (t.add_ if accumulate else t.copy_)(tmp[e])
@@ -366,17 +384,14 @@ def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, 
     """Weight gradients (d_gate, d_up, d_down) = `d_weights` (written or ADDED; None entries skipped) and
     dx_out[dest(r)] = dg @ gate[e] + du @ up[e] of the expert MLPs whose forward saved `gu_M2I`. gate_t, up_t
     read as [E, H, I], down_t as [E, I, H] (the transposed weights). Returns d scale [routes] float32."""
-    I = gu_M2I.shape[1] // 2
     n_rows = x_TH.shape[0] if single else None
     dgu, dscale, hs = bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, single=single)
     d_gate, d_up, d_down = d_weights
-    kw = dict(accumulate=accumulate, single=single, n_rows=n_rows)
-    wgrad_into((d_down,), (dy_TH,), hs, routes_N, offsets_E1, topk, a_gather=True, b_gather=False, **kw)
-    # d_gate and d_up in one launch: both read the gathered x tile
-    pairs = [((d_gate, d_up), (dgu[:, :I], dgu[:, I:]))] if PAIR_WGRAD else [((d_gate,), (dgu[:, :I],)),
-                                                                            ((d_up,), (dgu[:, I:],))]
-    for dsts, sources in pairs:
-        wgrad_into(dsts, sources, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
+    tokens_N = None if single else routes_N // topk  # the wgrads' gather index, once for both
+    kw = dict(accumulate=accumulate, single=single, n_rows=n_rows, tokens_N=tokens_N)
+    wgrad_into((d_down,), dy_TH, hs, routes_N, offsets_E1, topk, a_gather=True, b_gather=False, **kw)
+    # d_gate and d_up as one GEMM over dgu = [dg | du] (PAIR_WGRAD): both read the gathered x tile
+    wgrad_into((d_gate, d_up), dgu, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
     grouped_rows(dgu, gate_t, dx_out, routes_N, offsets_E1, w2=up_t, scatter=scatter, single=single)
     return dscale
 
