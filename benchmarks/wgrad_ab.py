@@ -9,7 +9,7 @@ one process against mok's own kernel (`kernels.moe_bwd.wgrad`).
                  session 4), then each of: int32 offsets, an L2 swizzle of the tiles, the index loaded one
                  step ahead, gate and up as one GEMM of 2I rows (what it does since)
 
-    python benchmarks/wgrad_ab.py --shapes qwen3-30b-a3b,mixtral-8x7b [--out DIR]
+    python benchmarks/wgrad_ab.py --shapes qwen3-30b-a3b,mixtral-8x7b [--out DIR] [--mok-only]
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _wg(a_ptr, sa_r, b_ptr, sb_r, idx_ptr, routes_ptr, offs_ptr, c_ptr, MD, ND, 
              mask=(ms < MD)[:, None] & (ns < ND)[None, :])
 
 
-def run(name):
+def run(name, mok_only=False):
     from mok_inductor import kernels as K_
     from mok_inductor.kernels import moe_bwd
 
@@ -132,6 +132,8 @@ def run(name):
         "G + all four": (lambda: diag(True, 1, i32=True, swz=True, pref=True, wide=True), 2, True),
         "no gather, int32, swizzle, MD = 2I": (lambda: diag(True, 0, i32=True, swz=True, wide=True), 2, True),
     }
+    if mok_only:
+        variants = {}
     # mok's kernel (moe_bwd._wgrad_kernel, autotuned over its configs) as the backward calls it
     kw = dict(routes_N=so, offsets_E1=off, topk=K, tokens_N=tok)
     variants["mok wgrad gate"] = (lambda: moe_bwd.wgrad(a, x, c, a_gather=False, b_gather=True, **kw), 1, True)
@@ -156,10 +158,11 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--mok-only", action="store_true", help="time mok's kernel alone")
     a = p.parse_args()
     rows = []
     for s in a.shapes.split(","):
-        rows += run(s)
+        rows += run(s, a.mok_only)
         with open(os.path.join(a.out, "wgrad_ab.json"), "w") as f:
             json.dump(rows, f, indent=1)
 
