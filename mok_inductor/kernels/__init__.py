@@ -5,7 +5,7 @@
     moe_fwd.py   gathered gate/up GEMM (writes the saved [g | u] and h), grouped row GEMM (the down
                  GEMM; the data gradients), combine, row dot
     moe_bwd.py   down-dgrad GEMM with the SwiGLU backward (+ d router weights) in its epilogue or in a
-                 second pass, grouped weight-gradient GEMM (gate and up paired) with the main-grad
+                 second pass, grouped weight-gradient GEMM (gate and up as one GEMM) with the main-grad
                  accumulating epilogue
 
 Forward data flow: x --gate_up (gather fused)--> gu [N, 2I] (saved), h [N, I] --grouped_rows (down)--> y per
