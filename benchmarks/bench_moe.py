@@ -316,6 +316,7 @@ def table(results):
 
 
 def plot(results, path):
+    """Bars of TFLOP/s per shape and contender, fwd and fwd+bwd (decode shapes are in the table only)."""
     try:
         import matplotlib
 
@@ -324,7 +325,9 @@ def plot(results, path):
     except ImportError:
         return False
     keys = sorted({(r.shape, r.routing) for r in results if not r.shape.endswith("decode")})
-    names = ["dense", "mok", "grouped_mm", "grouped_mm_compiled", "liger", "eager"]
+    measured = {r.contender for r in results if r.tflops > 0}
+    names = [n for n in ["dense", "mok", "mok_mxfp8", "grouped_mm", "grouped_mm_compiled", "liger", "eager"]
+             if n in measured]  # only the contenders this run timed
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     for ax, mode in zip(axes, ["fwd", "fwd+bwd"]):
         w = 0.8 / len(names)
@@ -338,7 +341,7 @@ def plot(results, path):
         ax.set_xticklabels([f"{s}\n{r}" for s, r in keys], fontsize=7)
         ax.set_ylabel("TFLOP/s")
         ax.set_title(f"{mode}, bf16, H200")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(names))  # below the bars
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
