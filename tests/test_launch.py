@@ -57,3 +57,32 @@ def test_size_choice_adds_no_guard_on_a_symbolic_size():
     assert _launch.at_least(n, 256, symbolic=False) is False
     assert _launch.at_least(n * 0 + 512, 256, symbolic=False) is True  # statically known
     assert not env.guards
+
+
+def test_wgrad_int32_offsets_choice():
+    # the wgrad's int32 offsets only where every element offset fits: large views (meta tensors, no
+    # memory), a column-major view, a stride-0 expansion; a symbolic size takes int64 and adds no guard
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fits = moe_bwd.offsets_fit_int32
+    rows = 2 ** 20
+    assert fits(torch.empty(rows, 2 ** 11, device="meta"))  # largest offset 2**31 - 1
+    assert not fits(torch.empty(rows + 1, 2 ** 11, device="meta"))
+    assert not fits(torch.empty(2 ** 11, 2 ** 20 + 1, device="meta").t())  # column-major: the columns' stride
+    assert fits(torch.empty(1, 4, device="meta").expand(2 ** 31, 4))  # stride 0: one row read again
+    assert not fits(torch.empty(3, 3, device="meta"), torch.empty(rows + 1, 2 ** 11, device="meta"))
+    env = ShapeEnv()
+    n = env.create_unbacked_symint()
+    x = torch.empty(2, 2048, device="meta")
+    assert fits(x) and not moe_bwd.offsets_fit_int32(_SymView((n, 2048), (2048, 1)), x)
+    assert not env.guards
+
+
+class _SymView:
+    """A stand-in view with symbolic shape and strides (what a traced wgrad operand carries)."""
+
+    def __init__(self, shape, stride):
+        self.shape, self._stride = shape, stride
+
+    def stride(self):
+        return self._stride

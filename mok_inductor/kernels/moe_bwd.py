@@ -265,6 +265,12 @@ def _wgrad_body(
         hi = tl.load(offsets_ptr + e + 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ks = tl.arange(0, BLOCK_K)
+    if OFF32:
+        a_cols = ms[:, None] * stride_am
+        b_cols = ns[None, :] * stride_bn
+    else:  # every term of the offsets in int64
+        a_cols = ms[:, None].to(tl.int64) * stride_am
+        b_cols = ns[None, :].to(tl.int64) * stride_bn
     if GATHER:  # the gather index of the next step is loaded one step ahead, off the loads' critical path
         nxt = tl.load(tokens_ptr + lo + ks, mask=lo + ks < hi, other=0)
     for r0 in range(lo, hi, BLOCK_K):
@@ -284,23 +290,26 @@ def _wgrad_body(
         if not OFF32:
             ar = ar.to(tl.int64)
             br = br.to(tl.int64)
-        b = tl.load(b_ptr + br[:, None] * stride_br + ns[None, :] * stride_bn,
+        b = tl.load(b_ptr + br[:, None] * stride_br + b_cols,
                     mask=rmask[:, None] & nmask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        a = tl.load(a_ptr + ar[None, :] * stride_ar + ms[:, None] * stride_am,
+        a = tl.load(a_ptr + ar[None, :] * stride_ar + a_cols,
                     mask=mmask[:, None] & rmask[None, :], other=0.0)  # A^T tile [BLOCK_M, BLOCK_K]
         acc = mma(a.to(b.dtype), b, acc, DOT_PREC)
     dmask = mmask[:, None] & nmask[None, :]
     e64 = e.to(tl.int64)
-    d_ptrs = dst_ptr + e64 * stride_de + ms[:, None] * stride_dm + ns[None, :] * stride_dn
+    ms64 = ms[:, None].to(tl.int64)  # (the epilogue's offsets in int64: any destination layout)
+    ns64 = ns[None, :].to(tl.int64)
+    d_ptrs = dst_ptr + e64 * stride_de + ms64 * stride_dm + ns64 * stride_dn
     if SPLIT:
-        d2_ptrs = dst2_ptr + e64 * stride2_de + (ms - MD)[:, None] * stride2_dm + ns[None, :] * stride2_dn
+        d2_ptrs = dst2_ptr + e64 * stride2_de + (ms64 - MD) * stride2_dm + ns64 * stride2_dn
         d_ptrs = tl.where((ms < MD)[:, None], d_ptrs, d2_ptrs)
     if ACCUMULATE:  # Megatron main_grad fusion: one rounding of (dst + grad) into dst's dtype
         acc += tl.load(d_ptrs, mask=dmask, other=0.0).to(tl.float32)
     tl.store(d_ptrs, to_out(acc, dst_ptr, DOT_PREC), mask=dmask)
 
 
-_WGRAD_KEY = ["MD", "ND", "M", "E"]
+# (SPLIT and A_GATHER in the key: at H == I the down and the gate/up weight gradients share MD, ND, M, E)
+_WGRAD_KEY = ["MD", "ND", "M", "E", "SPLIT", "A_GATHER"]
 _wgrad_kernel = _launch.autotune(_WGRAD_CONFIGS, cfg(16, 16, 16, 1, 1), key=_WGRAD_KEY,
                                  restore_value=["dst_ptr", "dst2_ptr"])(_wgrad_body)
 
@@ -308,6 +317,12 @@ _wgrad_kernel = _launch.autotune(_WGRAD_CONFIGS, cfg(16, 16, 16, 1, 1), key=_WGR
 def _span(t) -> int:
     """The largest element offset a view reaches from its first element."""
     return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))  # (torch strides are never negative)
+
+
+def offsets_fit_int32(*views) -> bool:
+    """Whether every element offset of these views fits int32, decided without a guard: a symbolic size
+    that may reach 2**31 counts as not fitting (int64 offsets, the safe choice)."""
+    return not any(_launch.at_least(_span(v), 2 ** 31, symbolic=True) for v in views)
 
 
 def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, accumulate=False, single=False,
@@ -328,8 +343,7 @@ def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, accu
     if gather and tokens_N is None:
         tokens_N = routes_N // topk
     idx = tokens_N if gather else offsets_E1
-    # int32 offsets when no operand reaches 2**31 elements (a symbolic size that may: int64)
-    off32 = not _launch.at_least(max(_span(a), _span(b)), 2 ** 31, symbolic=True)
+    off32 = offsets_fit_int32(a, b)
     rows_out = 2 * MD if split else MD
     grid = lambda meta: (triton.cdiv(rows_out, meta["BLOCK_M"]) * triton.cdiv(ND, meta["BLOCK_N"]), E)
     _launch.launch(
