@@ -231,12 +231,12 @@ def test_unpaired_wgrads_vs_oracle(monkeypatch):
 
 
 @pytest.mark.parametrize("kinds", [("tensor", "tensor"), ("list", "list"), ("tensor", "list"), ("none", "list"),
-                                   ("tensor", "none"), ("tensor", "bf16")])
+                                   ("tensor", "none"), ("tensor", "bf16"), ("bf16list", "bf16list")])
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("I", [16, 12])
 def test_wgrad_into_destination_kinds(kinds, accumulate, I, monkeypatch):
-    # dst (+)= A_e^T @ x[tok] per expert, for each kind of destination pair (3-D, per-expert list, bf16, not
-    # wanted). Two 3-D destinations of one dtype are one GEMM over both halves of A: at I = 12 a row tile
+    # dst (+)= A_e^T @ x[tok] per expert, for each kind of destination pair (3-D, per-expert list, bf16, a
+    # bf16 per-expert list, not wanted). Two 3-D destinations of one dtype are one GEMM over both halves of A: at I = 12 a row tile
     # straddles the halves. Several row steps per expert (the gather index is loaded one step ahead).
     from mok_inductor.kernels import moe_bwd
 
@@ -263,7 +263,7 @@ def test_wgrad_into_destination_kinds(kinds, accumulate, I, monkeypatch):
     for j, kind in enumerate(kinds):
         start = starts[j].clone()
         dsts.append(None if kind == "none" else start if kind == "tensor" else start.bfloat16() if kind == "bf16"
-                    else list(start))
+                    else list(start.bfloat16()) if kind == "bf16list" else list(start))
     launches = []
     monkeypatch.setattr(moe_bwd, "wgrad", lambda *a, **kw: launches.append(kw) or real_wgrad(*a, **kw))
     moe_bwd.wgrad_into(tuple(dsts), dgu, x, sched.sorted_routes_N, sched.expert_offsets_E1, K,
@@ -271,8 +271,8 @@ def test_wgrad_into_destination_kinds(kinds, accumulate, I, monkeypatch):
     for j, d in enumerate(dsts):
         if d is not None:
             got = d if isinstance(d, torch.Tensor) else torch.stack(d)
-            assert rel_err(got, want(j)) <= TOLERANCE[torch.bfloat16 if kinds[j] == "bf16" else torch.float32]
-    one_gemm = kinds in (("tensor", "tensor"), ("list", "list"))
+            assert rel_err(got, want(j)) <= TOLERANCE[torch.bfloat16 if "bf16" in kinds[j] else torch.float32]
+    one_gemm = kinds in (("tensor", "tensor"), ("list", "list"), ("bf16list", "bf16list"))
     n_launches = 1 if one_gemm or "none" in kinds else 2
     assert [kw["dst2_EMN"] is not None for kw in launches] == [one_gemm] * n_launches
 

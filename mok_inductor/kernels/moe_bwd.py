@@ -366,7 +366,7 @@ def wgrad_into(dsts, a, b, routes_N, offsets_E1, topk, *, a_gather, b_gather, ac
                n_rows=None, tokens_N=None):
     """dsts[j] (+)= A[:, j*MD:(j+1)*MD]^T @ B per expert, for one or two destinations sharing B (A holds
     their operands side by side): each dst a 3-D tensor, E per-expert tensors (written through a float32
-    buffer), or None (the gradient is not wanted, e.g. an MXFP8 weight without a master). Two wanted
+    buffer, then copied or added by one multi-tensor op), or None (the gradient is not wanted, e.g. an MXFP8 weight without a master). Two wanted
     destinations of one kind and dtype share a launch (one GEMM over both halves of A), unless PAIR_WGRAD
     is off."""
     md = a.shape[1] // len(dsts)
@@ -387,10 +387,9 @@ def wgrad_into(dsts, a, b, routes_N, offsets_E1, topk, *, a_gather, b_gather, ac
     two = len(live) == 2
     wgrad(a if two else live[0][1], b, targets[0], routes_N, offsets_E1, topk, accumulate=accumulate and not split[0],
           dst2_EMN=targets[1] if two else None, **kw)
-    if split[0]:
+    if split[0]:  # into the E per-expert tensors: one multi-tensor op (each rounds once from float32)
         for (d, _), tmp in zip(live, targets):
-            for e, t in enumerate(d):
-                (t.add_ if accumulate else t.copy_)(tmp[e])
+            (torch._foreach_add_ if accumulate else torch._foreach_copy_)(list(d), list(tmp.unbind(0)))
 
 
 def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit,
