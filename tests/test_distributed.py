@@ -529,3 +529,29 @@ def test_ep_code_path_on_one_rank(device, tmp_path):
 
 def test_megatron_backend_and_transformers_experts_over_a_group(tmp_path):
     _spawn(2, "integrations2", tmp_path)
+
+
+def test_ep_benchmark_script_on_gloo(tmp_path):
+    """benchmarks/bench_ep.py (the multi-GPU run of issue 10) on 2 gloo ranks at its tiny shape: it exits 0
+    only when EP equals one rank computing every expert (forward and gradients, bf16 at 1e-2), and writes
+    both contenders' times for group sizes 1 and 2."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(root, "benchmarks", "bench_ep.py"), "--tiny", "--iters", "2", "--warmup", "1",
+           "--profile-iters", "1", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.load(open(tmp_path / "bench_ep.json"))
+    assert res["meta"]["backend"] == "gloo" and [r["ranks"] for r in res["results"]] == [1, 2]
+    two = res["results"][1]
+    assert two["correct"] is True and set(two["max_rel_err"]) >= {"y", "dx", "d_router_weights", "d_gate_up",
+                                                                  "d_down", "baseline_y"}
+    assert max(two["max_rel_err"].values()) <= 1e-2
+    for r in res["results"]:
+        for c in ("mok", "baseline"):
+            assert r[c]["fwd_ms"] > 0 and r[c]["fwd_bwd_ms"] > 0 and 0 <= r[c]["comm_share"]
