@@ -1,6 +1,7 @@
 """Same-process A/B of the backward's kernel choices (mok fwd+bwd through `mok_inductor.moe`, bf16, balanced
-routing): the two-pass bwd_act (kernels.moe_bwd.TWO_PASS_MIN_ROWS) and the paired gate/up weight gradient
-(kernels.moe_bwd.PAIR_WGRAD), each against the previous kernels, variants interleaved round by round so that
+routing): the two-pass bwd_act (kernels.moe_bwd.TWO_PASS_MIN_ROWS), the gate/up weight gradient in one launch
+(kernels.moe_bwd.PAIR_WGRAD) and the one-pass bwd_act with its epilogue over column halves
+(kernels.moe_bwd.SUBTILE_EPILOGUE), each against the previous kernels, variants interleaved round by round so that
 clock drift hits them alike.
 
     python benchmarks/ab_backward.py --shapes qwen3-30b-a3b,mixtral-8x7b [--rounds 3] [--out DIR]
@@ -20,10 +21,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_moe import SHAPES, bench, make_inputs  # noqa: E402
 
-VARIANTS = {  # name: (TWO_PASS_MIN_ROWS, PAIR_WGRAD)
-    "fused bwd_act, 3 wgrads (session 3)": (1 << 62, False),
-    "two-pass bwd_act, 3 wgrads": (None, False),
-    "two-pass bwd_act, paired gate/up wgrad (default)": (None, True),
+VARIANTS = {  # name: (TWO_PASS_MIN_ROWS, PAIR_WGRAD, SUBTILE_EPILOGUE)
+    "fused bwd_act, 3 wgrads (session 3)": (1 << 62, False, False),
+    "two-pass bwd_act, 3 wgrads": (None, False, False),
+    "two-pass bwd_act, gate/up wgrad as one GEMM (default)": (None, True, False),
+    "fused bwd_act with the subtiled epilogue, gate/up wgrad as one GEMM": (1 << 62, True, True),
 }
 
 
@@ -51,12 +53,12 @@ def main():
 
         times = {v: [] for v in VARIANTS}
         for _ in range(a.rounds):
-            for v, (min_rows, pair) in VARIANTS.items():
+            for v, (min_rows, pair, subtile) in VARIANTS.items():
                 moe_bwd.TWO_PASS_MIN_ROWS = default_rows if min_rows is None else min_rows
-                moe_bwd.PAIR_WGRAD = pair
+                moe_bwd.PAIR_WGRAD, moe_bwd.SUBTILE_EPILOGUE = pair, subtile
                 step()
                 times[v].append(bench(step)[0])
-        moe_bwd.TWO_PASS_MIN_ROWS, moe_bwd.PAIR_WGRAD = default_rows, True
+        moe_bwd.TWO_PASS_MIN_ROWS, moe_bwd.PAIR_WGRAD, moe_bwd.SUBTILE_EPILOGUE = default_rows, True, False
         for v, ts in times.items():
             ms = sorted(ts)[len(ts) // 2]
             rows.append(dict(shape=name, variant=v, ms=ms, tflops=flops / (ms * 1e-3) / 1e12, rounds=ts))

@@ -51,6 +51,8 @@ def breakdown(name, kind="balanced"):
         ("fwd combine", lambda: combine(y_N, te_N, y, rw_N=rw_N), 0),
         ("bwd act fused (dy@down + SwiGLU bwd + drw)",
          lambda: bwd_act(dy, plain_t(w_d), gu, rw_N, so, off, K, None, two_pass=False), f),
+        ("bwd act fused, subtiled epilogue (128-wide tiles)",
+         lambda: bwd_act(dy, plain_t(w_d), gu, rw_N, so, off, K, None, two_pass=False, subtile=True), f),
         ("bwd act two-pass (GEMM fp32, then SwiGLU bwd)",
          lambda: bwd_act(dy, plain_t(w_d), gu, rw_N, so, off, K, None, two_pass=True), f),
         ("bwd wgrad down", lambda: wgrad(dy, hs, d_d, so, off, K, a_gather=True, b_gather=False), f),

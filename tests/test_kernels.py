@@ -202,9 +202,11 @@ def test_two_pass_bwd_act_vs_oracle(name, monkeypatch):
 
 
 @pytest.mark.parametrize("limit", [None, 0.5])
-def test_two_pass_bwd_act_equals_fused(limit):
-    # same roundings: dg, du and scale * h bitwise equal; d scale summed in another fixed order
-    case = make_case(T=21, H=32, I=48, E=3, K=2, dtype=torch.bfloat16, limit=limit, drop=0.2, device=DEV,
+@pytest.mark.parametrize("variant", ["two_pass", "subtile"])
+def test_two_pass_bwd_act_equals_fused(limit, variant, monkeypatch):
+    # the two-pass and the subtiled-epilogue variants against the fused kernel, same roundings: dg, du and
+    # scale * h bitwise equal; d scale summed in another fixed order
+    case = make_case(T=21, H=32, I=44, E=3, K=2, dtype=torch.bfloat16, limit=limit, drop=0.2, device=DEV,
                      requires_grad=False, seed=5)
     E = case.gate_up_proj.shape[0]
     sched = kernels.build_schedule(case.top_experts, E)
@@ -212,8 +214,15 @@ def test_two_pass_bwd_act_equals_fused(limit):
     dy = random_like(case.x, 11)
     rw = case.router_weights.float().reshape(-1)
     down_t = kernels.plain_t(case.down_proj)
+    kw = [dict(two_pass=False), dict(two_pass=True) if variant == "two_pass" else dict(two_pass=False, subtile=True)]
+    from mok_inductor.kernels import _launch, moe_bwd
+
+    launched, real_launch = [], _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kwa: launched.append(k) or real_launch(k, *a, **kwa))
     outs = [kernels.bwd_act(dy, down_t, fwd.gu_N2I, rw, sched.sorted_routes_N, sched.expert_offsets_E1, 2, limit,
-                            two_pass=tp) for tp in (False, True)]
+                            **k) for k in kw]
+    second = moe_bwd._bwd_gemm_kernel if variant == "two_pass" else moe_bwd._bwd_act_sub_kernel
+    assert launched[0] is moe_bwd._bwd_act_kernel and launched[1] is second
     n_valid = int(sched.expert_offsets_E1[-1])
     (dgu0, ds0, hs0), (dgu1, ds1, hs1) = outs
     assert torch.equal(dgu0[:n_valid], dgu1[:n_valid]) and torch.equal(hs0[:n_valid], hs1[:n_valid])
@@ -228,6 +237,16 @@ def test_unpaired_wgrads_vs_oracle(monkeypatch):
 
     monkeypatch.setattr(moe_bwd, "PAIR_WGRAD", False)
     _check_all(make_case(**dict(CASES)["shared_gate_limit_bf16"], device=DEV, requires_grad=False, seed=3))
+
+
+def test_subtiled_bwd_act_backward_vs_oracle(monkeypatch):
+    # the whole backward with the one-pass bwd_act's subtiled epilogue (SUBTILE_EPILOGUE, an A/B candidate),
+    # shared expert, gate and clamp included
+    from mok_inductor.kernels import moe_bwd
+
+    monkeypatch.setattr(moe_bwd, "SUBTILE_EPILOGUE", True)
+    monkeypatch.setattr(moe_bwd, "TWO_PASS_MIN_ROWS", 1 << 62)
+    _check_all(make_case(**dict(CASES)["shared_gate_limit_bf16"], device=DEV, requires_grad=False, seed=6))
 
 
 @pytest.mark.parametrize("kinds", [("tensor", "tensor"), ("list", "list"), ("tensor", "list"), ("none", "list"),

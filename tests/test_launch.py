@@ -14,6 +14,7 @@ KERNELS = {
     "grouped_rows": (moe_fwd._grouped_rows_kernel, moe_fwd._GROUPED_ROWS_CONFIGS),
     "bwd_act": (moe_bwd._bwd_act_kernel, moe_bwd._BWD_ACT_CONFIGS),
     "bwd_gemm": (moe_bwd._bwd_gemm_kernel, moe_bwd._BWD_GEMM_CONFIGS),
+    "bwd_act_sub": (moe_bwd._bwd_act_sub_kernel, moe_bwd._BWD_ACT_SUB_CONFIGS),
     "wgrad": (moe_bwd._wgrad_kernel, moe_bwd._WGRAD_CONFIGS),
 }
 

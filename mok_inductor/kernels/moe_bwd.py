@@ -42,6 +42,14 @@ _BWD_ACT_MIN_BLOCK_N = (_BWD_ACT_INTERPRET if _launch.INTERPRET else min(
     _BWD_ACT_CONFIGS, key=lambda c: c.kwargs["BLOCK_N"])).kwargs["BLOCK_N"]
 
 
+# SUBTILE: the fused epilogue over two column halves of the tile one after the other, so that a 128-wide
+# tile's epilogue holds half of g, u, h and the gradients at a time (an A/B candidate against the two
+# passes, not yet measured on the H200: benchmarks/breakdown.py times it)
+_BWD_ACT_SUB_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4), cfg(64, 128, 64, 4, 4),
+                        cfg(128, 64, 64, 8, 3)]
+_BWD_ACT_SUB_MIN_BLOCK_N = (_BWD_ACT_INTERPRET if _launch.INTERPRET else min(
+    _BWD_ACT_SUB_CONFIGS, key=lambda c: c.kwargs["BLOCK_N"])).kwargs["BLOCK_N"]
+
 # The two-pass variant's GEMM holds only its accumulator: the large tiles of a plain GEMM
 _BWD_GEMM_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 8, 4), cfg(64, 128, 64, 4, 4),
                      cfg(128, 64, 64, 4, 4)]
@@ -61,7 +69,7 @@ def _bwd_act_body(
     dh_ptr,  # float32 [M, I] out (STORE_ACC: the accumulator only, no epilogue)
     M, H, I, E, TOPK, limit,
     SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, MX_D: tl.constexpr, STORE_ACC: tl.constexpr,
-    DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
+    SUBTILE: tl.constexpr, DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     limit = tl.cast(limit, tl.float32)  # Inductor passes a Python float as fp64: keep the epilogue in fp32
@@ -95,14 +103,26 @@ def _bwd_act_body(
     if STORE_ACC:  # the two-pass variant: dy @ down in float32, the SwiGLU backward in _swiglu_bwd_kernel
         tl.store(dh_ptr + rows64 * I + cols[None, :], acc, mask=omask)
         return
-    part = _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr, dgu_ptr,
-                            stride_om, stride_on, hs_ptr, I, limit, HAS_SCALE, HAS_LIMIT, DOT_PREC)
+    if SUBTILE:  # the two column halves one after the other (acc [M, N] -> [M, N/2, 2] -> two [M, N/2])
+        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        cols0 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+        cols1 = cols0 + BLOCK_N // 2
+        part = _swiglu_bwd_tile(acc0, rows64, cols0, rmask[:, None] & (cols0 < I)[None, :], route, rmask, gu_ptr,
+                                stride_gm, stride_gn, scale_ptr, dgu_ptr, stride_om, stride_on, hs_ptr, I, limit,
+                                HAS_SCALE, HAS_LIMIT, DOT_PREC)
+        part += _swiglu_bwd_tile(acc1, rows64, cols1, rmask[:, None] & (cols1 < I)[None, :], route, rmask, gu_ptr,
+                                 stride_gm, stride_gn, scale_ptr, dgu_ptr, stride_om, stride_on, hs_ptr, I, limit,
+                                 HAS_SCALE, HAS_LIMIT, DOT_PREC)
+    else:
+        part = _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr,
+                                dgu_ptr, stride_om, stride_on, hs_ptr, I, limit, HAS_SCALE, HAS_LIMIT, DOT_PREC)
     tl.store(dscale_ptr + pid_n * stride_sp + route, part, mask=rmask)
 
 
 _BWD_ACT_KEY = ["M", "H", "I", "E", "TOPK"]
 _bwd_act_kernel = _launch.autotune(_BWD_ACT_CONFIGS, _BWD_ACT_INTERPRET, key=_BWD_ACT_KEY)(_bwd_act_body)
 _bwd_gemm_kernel = _launch.autotune(_BWD_GEMM_CONFIGS, _BWD_ACT_INTERPRET, key=_BWD_ACT_KEY)(_bwd_act_body)
+_bwd_act_sub_kernel = _launch.autotune(_BWD_ACT_SUB_CONFIGS, _BWD_ACT_INTERPRET, key=_BWD_ACT_KEY)(_bwd_act_body)
 
 
 @triton.jit
@@ -170,15 +190,21 @@ def _swiglu_bwd_kernel(
 # are at least this many rows per expert: the fused epilogue's register pressure holds the GEMM to
 # 64-wide tiles (measured on the H200: see docs/benchmarks.md); below it, one launch is cheaper.
 TWO_PASS_MIN_ROWS = 256
+# The one-pass bwd_act with the subtiled epilogue where one pass runs (below TWO_PASS_MIN_ROWS, or with it
+# set out of reach): off until measured (benchmarks/ab_backward.py's switch)
+SUBTILE_EPILOGUE = False
 # d_gate and d_up in one wgrad launch (one GEMM over both halves of dgu, one gathered x tile); False: one
 # launch each (benchmarks/ab_backward.py's A/B switch)
 PAIR_WGRAD = True
 
 
-def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, single=False, two_pass=None):
+def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, single=False, two_pass=None,
+            subtile=False):
     """-> (dgu [M, 2I] dy.dtype, dscale [routes] float32 = <dy @ down[e], h> per route, hs [M, I] = scale * h
     in dy.dtype (h without a scale)). down_t: the down weight's transpose as an `mxfp8.Operand` read as
-    [E, I, H]; gu: the forward's saved [g | u]. two_pass: None picks by rows per expert (shapes only)."""
+    [E, I, H]; gu: the forward's saved [g | u]. two_pass: None picks by rows per expert (shapes only);
+    subtile: the one-pass kernel with its epilogue over column halves (_BWD_ACT_SUB_CONFIGS; not chosen by
+    default)."""
     M = gu_M2I.shape[0]
     I = gu_M2I.shape[1] // 2
     E, _, H = down_t.data.shape
@@ -186,7 +212,8 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
     n_routes = M if single else routes_N.numel()
     if two_pass is None:  # (dynamic shapes: two passes, the choice at training sizes)
         two_pass = _launch.at_least(M, TWO_PASS_MIN_ROWS * (1 if single else E), symbolic=True)
-    P = 1 if two_pass else triton.cdiv(I, _BWD_ACT_MIN_BLOCK_N)
+    subtile = subtile and not two_pass
+    P = 1 if two_pass else triton.cdiv(I, _BWD_ACT_SUB_MIN_BLOCK_N if subtile else _BWD_ACT_MIN_BLOCK_N)
     dgu = torch.empty(M, 2 * I, dtype=dtype, device=dev)
     dscale_P = torch.zeros(P, n_routes, dtype=torch.float32, device=dev)
     hs = torch.empty(M, I, dtype=dtype, device=dev)
@@ -199,11 +226,11 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
                  DOT_PREC=_launch.dot_precision(dtype))
     lim = 0.0 if limit is None else float(limit)
     _launch.launch(
-        _bwd_gemm_kernel if two_pass else _bwd_act_kernel, grid,
+        _bwd_gemm_kernel if two_pass else _bwd_act_sub_kernel if subtile else _bwd_act_kernel, grid,
         dy_TH, dy_TH.stride(0), dy_TH.stride(1), routes_N, offsets_E1, *w_args(down_t),
         gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1), scale_arg,
         dgu, dgu.stride(0), dgu.stride(1), dscale_P, dscale_P.stride(0), hs, dh,
-        M, H, I, E, topk, lim, MX_D=down_t.quantized, STORE_ACC=two_pass,
+        M, H, I, E, topk, lim, MX_D=down_t.quantized, STORE_ACC=two_pass, SUBTILE=subtile,
         GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M, **flags,
     )
     if two_pass:
@@ -398,7 +425,8 @@ def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, 
     dx_out[dest(r)] = dg @ gate[e] + du @ up[e] of the expert MLPs whose forward saved `gu_M2I`. gate_t, up_t
     read as [E, H, I], down_t as [E, I, H] (the transposed weights). Returns d scale [routes] float32."""
     n_rows = x_TH.shape[0] if single else None
-    dgu, dscale, hs = bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, single=single)
+    dgu, dscale, hs = bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, single=single,
+                              subtile=SUBTILE_EPILOGUE)
     d_gate, d_up, d_down = d_weights
     tokens_N = None if single else routes_N // topk  # the wgrads' gather index, once for both
     kw = dict(accumulate=accumulate, single=single, n_rows=n_rows, tokens_N=tokens_N)
