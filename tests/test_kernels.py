@@ -255,8 +255,9 @@ def test_subtiled_bwd_act_backward_vs_oracle(monkeypatch):
 @pytest.mark.parametrize("I", [16, 12])
 def test_wgrad_into_destination_kinds(kinds, accumulate, I, monkeypatch):
     # dst (+)= A_e^T @ x[tok] per expert, for each kind of destination pair (3-D, per-expert list, bf16, a
-    # bf16 per-expert list, not wanted). Two 3-D destinations of one dtype are one GEMM over both halves of A: at I = 12 a row tile
-    # straddles the halves. Several row steps per expert (the gather index is loaded one step ahead).
+    # bf16 per-expert list, not wanted). Two destinations of one kind and dtype are one GEMM over both halves
+    # of A: at I = 12 a row tile straddles the halves. Several row steps per expert (the gather index is
+    # loaded one step ahead).
     from mok_inductor.kernels import moe_bwd
 
     real_wgrad = moe_bwd.wgrad

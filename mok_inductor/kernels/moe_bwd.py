@@ -69,8 +69,8 @@ def _bwd_act_body(
     dh_ptr,  # float32 [M, I] out (STORE_ACC: the accumulator only, no epilogue)
     M, H, I, E, TOPK, limit,
     SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, MX_D: tl.constexpr, STORE_ACC: tl.constexpr,
-    SUBTILE: tl.constexpr, DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUBTILE: tl.constexpr, DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     limit = tl.cast(limit, tl.float32)  # Inductor passes a Python float as fp64: keep the epilogue in fp32
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, E, I, SINGLE, BLOCK_M, BLOCK_N, GROUP_M)
@@ -393,9 +393,9 @@ def wgrad_into(dsts, a, b, routes_N, offsets_E1, topk, *, a_gather, b_gather, ac
                n_rows=None, tokens_N=None):
     """dsts[j] (+)= A[:, j*MD:(j+1)*MD]^T @ B per expert, for one or two destinations sharing B (A holds
     their operands side by side): each dst a 3-D tensor, E per-expert tensors (written through a float32
-    buffer, then copied or added by one multi-tensor op), or None (the gradient is not wanted, e.g. an MXFP8 weight without a master). Two wanted
-    destinations of one kind and dtype share a launch (one GEMM over both halves of A), unless PAIR_WGRAD
-    is off."""
+    buffer, then copied or added by one multi-tensor op), or None (the gradient is not wanted, e.g. an
+    MXFP8 weight without a master). Two wanted destinations of one kind and dtype share a launch (one GEMM
+    over both halves of A), unless PAIR_WGRAD is off."""
     md = a.shape[1] // len(dsts)
     live = [(d, a[:, j * md:(j + 1) * md]) for j, d in enumerate(dsts) if d is not None]
     if not live:
