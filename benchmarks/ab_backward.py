@@ -1,8 +1,9 @@
-"""Same-process A/B of the backward's kernel choices (mok fwd+bwd through `mok_inductor.moe`, bf16, balanced
-routing): the two-pass bwd_act (kernels.moe_bwd.TWO_PASS_MIN_ROWS), the gate/up weight gradient in one launch
-(kernels.moe_bwd.PAIR_WGRAD) and the one-pass bwd_act with its epilogue over column halves
-(kernels.moe_bwd.SUBTILE_EPILOGUE), each against the previous kernels, variants interleaved round by round so that
-clock drift hits them alike.
+"""Same-process A/B of the kernel choices (mok fwd+bwd through `mok_inductor.moe`, bf16, balanced routing):
+the two-pass bwd_act (kernels.moe_bwd.TWO_PASS_MIN_ROWS), the gate/up weight gradient in one launch
+(kernels.moe_bwd.PAIR_WGRAD), the one-pass bwd_act with its epilogue over column halves
+(kernels.moe_bwd.SUBTILE_EPILOGUE) and the persistent gate/up GEMM of the forward
+(kernels.moe_fwd.PERSISTENT_GATE_UP), each against the previous kernels, variants interleaved round by
+round so that clock drift hits them alike.
 
     python benchmarks/ab_backward.py --shapes qwen3-30b-a3b,mixtral-8x7b [--rounds 3] [--out DIR]
 """
@@ -21,17 +22,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_moe import SHAPES, bench, make_inputs  # noqa: E402
 
-VARIANTS = {  # name: (TWO_PASS_MIN_ROWS, PAIR_WGRAD, SUBTILE_EPILOGUE)
-    "fused bwd_act, 3 wgrads (session 3)": (1 << 62, False, False),
-    "two-pass bwd_act, 3 wgrads": (None, False, False),
-    "two-pass bwd_act, gate/up wgrad as one GEMM (default)": (None, True, False),
-    "fused bwd_act with the subtiled epilogue, gate/up wgrad as one GEMM": (1 << 62, True, True),
+# name: (moe_bwd.TWO_PASS_MIN_ROWS, moe_bwd.PAIR_WGRAD, moe_bwd.SUBTILE_EPILOGUE, moe_fwd.PERSISTENT_GATE_UP)
+VARIANTS = {
+    "fused bwd_act, 3 wgrads (session 3)": (1 << 62, False, False, False),
+    "two-pass bwd_act, 3 wgrads": (None, False, False, False),
+    "two-pass bwd_act, gate/up wgrad as one GEMM (default)": (None, True, False, False),
+    "fused bwd_act with the subtiled epilogue, gate/up wgrad as one GEMM": (1 << 62, True, True, False),
+    "default + persistent gate/up GEMM in the forward": (None, True, False, True),
 }
 
 
 def main():
     import mok_inductor
-    from mok_inductor.kernels import moe_bwd
+    from mok_inductor.kernels import moe_bwd, moe_fwd
 
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b")
@@ -53,12 +56,14 @@ def main():
 
         times = {v: [] for v in VARIANTS}
         for _ in range(a.rounds):
-            for v, (min_rows, pair, subtile) in VARIANTS.items():
+            for v, (min_rows, pair, subtile, persistent) in VARIANTS.items():
                 moe_bwd.TWO_PASS_MIN_ROWS = default_rows if min_rows is None else min_rows
                 moe_bwd.PAIR_WGRAD, moe_bwd.SUBTILE_EPILOGUE = pair, subtile
+                moe_fwd.PERSISTENT_GATE_UP = persistent
                 step()
                 times[v].append(bench(step)[0])
         moe_bwd.TWO_PASS_MIN_ROWS, moe_bwd.PAIR_WGRAD, moe_bwd.SUBTILE_EPILOGUE = default_rows, True, False
+        moe_fwd.PERSISTENT_GATE_UP = False
         for v, ts in times.items():
             ms = sorted(ts)[len(ts) // 2]
             rows.append(dict(shape=name, variant=v, ms=ms, tflops=flops / (ms * 1e-3) / 1e12, rounds=ts))

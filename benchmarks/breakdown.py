@@ -19,6 +19,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_moe import SHAPES, bench, make_inputs  # noqa: E402
 
 
+def persistent(fn, *args, **kw):
+    """fn(*args, **kw) with the persistent gate/up kernel (kernels.moe_fwd.PERSISTENT_GATE_UP)."""
+    from mok_inductor.kernels import moe_fwd
+
+    moe_fwd.PERSISTENT_GATE_UP = True
+    try:
+        return fn(*args, **kw)
+    finally:
+        moe_fwd.PERSISTENT_GATE_UP = False
+
+
 def breakdown(name, kind="balanced"):
     from mok_inductor import kernels as K_
     from mok_inductor.kernels import bwd_act, combine, gate_up, grouped_rows, plain, plain_t, wgrad
@@ -47,6 +58,8 @@ def breakdown(name, kind="balanced"):
         ("schedule", lambda: K_.build_schedule(te, E), 0),
         ("fwd gate_up (+gather), writes g, u, h", lambda: gate_up(x, g_op, u_op, gu, so, off, K, None, h_out=h),
          2 * f),
+        ("fwd gate_up persistent (A/B candidate)", lambda: persistent(gate_up, x, g_op, u_op, gu, so, off, K, None,
+                                                                    h_out=h), 2 * f),
         ("fwd down (scatter to routes)", lambda: grouped_rows(h, d_op, y_N, so, off), f),
         ("fwd combine", lambda: combine(y_N, te_N, y, rw_N=rw_N), 0),
         ("bwd act fused (dy@down + SwiGLU bwd + drw)",

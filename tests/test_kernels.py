@@ -201,6 +201,27 @@ def test_two_pass_bwd_act_vs_oracle(name, monkeypatch):
     _check_all(case)
 
 
+@pytest.mark.parametrize("name", ["shared_gate_limit_bf16", "empty_experts_fp32", "all_dropped_bf16", "basic_fp32"])
+def test_persistent_gate_up_equals_default(name, monkeypatch):
+    # the persistent gate/up kernel (PERSISTENT_GATE_UP, an A/B candidate): a few programs loop over every
+    # tile, idle and `-1`-tail tiles included (the tail's g, u, h zero); bitwise the default kernel's
+    # forward, routed and shared, and the whole backward against the oracle
+    from mok_inductor.kernels import _launch, moe_fwd
+
+    case = make_case(**dict(CASES)[name], device=DEV, requires_grad=False, seed=8)
+    sched = kernels.build_schedule(case.top_experts, case.gate_up_proj.shape[0])
+    ref = _forward(kernels, case, sched)
+    launched, real_launch = [], _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kwa: launched.append(k) or real_launch(k, *a, **kwa))
+    monkeypatch.setattr(moe_fwd, "PERSISTENT_GATE_UP", True)
+    got = _forward(kernels, case, sched)
+    assert moe_fwd._gate_up_persistent_kernel in launched and moe_fwd._gate_up_kernel not in launched
+    for a, b in zip(got, ref):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+    _check_all(case)
+
+
 @pytest.mark.parametrize("limit", [None, 0.5])
 @pytest.mark.parametrize("variant", ["two_pass", "subtile"])
 def test_two_pass_bwd_act_equals_fused(limit, variant, monkeypatch):

@@ -11,6 +11,7 @@ from mok_inductor.kernels import _launch, moe_bwd, moe_fwd
 
 KERNELS = {
     "gate_up": (moe_fwd._gate_up_kernel, moe_fwd._GATE_UP_CONFIGS),
+    "gate_up_persistent": (moe_fwd._gate_up_persistent_kernel, moe_fwd._GATE_UP_CONFIGS),
     "grouped_rows": (moe_fwd._grouped_rows_kernel, moe_fwd._GROUPED_ROWS_CONFIGS),
     "bwd_act": (moe_bwd._bwd_act_kernel, moe_bwd._BWD_ACT_CONFIGS),
     "bwd_gemm": (moe_bwd._bwd_gemm_kernel, moe_bwd._BWD_GEMM_CONFIGS),

@@ -191,7 +191,70 @@ _GATE_UP_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 64, 64, 4, 4), cfg(64, 128
                     cfg(64, 64, 128, 4, 3)]
 
 
-@_launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=["M", "H", "I", "E", "TOPK"])
+_GATE_UP_KEY = ["M", "H", "I", "E", "TOPK"]
+
+
+@triton.jit
+def _gate_up_tile(
+    x_ptr, stride_xt, stride_xh, routes_ptr,
+    wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k, wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k,
+    gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm, stride_hi,
+    H, I, E, TOPK, limit, above, below, group, row_start, row_end, pid_n,
+    SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, PERSISTENT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The K loop and epilogue of one tile of expert `group`'s rows [row_start, row_end). PERSISTENT: the
+    tile may be idle (no rows) or of the `-1` tail group: no K step runs, and the tail's g, u, h are zero."""
+    rows = row_start + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < I
+    rows64 = rows[:, None].to(tl.int64)
+    g_ptrs = gu_ptr + rows64 * stride_gm + cols[None, :] * stride_gn
+    h_ptrs = h_ptr + rows64 * stride_hm + cols[None, :] * stride_hi
+    omask = rmask[:, None] & cmask[None, :]
+    if SINGLE:
+        tok = rows
+    else:
+        tok = tl.load(routes_ptr + rows, mask=rmask, other=0) // TOPK
+    ks = tl.arange(0, BLOCK_K)
+    e64 = group.to(tl.int64)
+    a_row = x_ptr + tok[:, None].to(tl.int64) * stride_xt
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PERSISTENT:
+        k_end = tl.where((group < E) & (row_start < row_end), H, 0)
+    else:
+        k_end = H
+    for k0 in range(0, k_end, BLOCK_K):
+        kk = k0 + ks
+        kmask = kk < H
+        a = tl.load(a_row + kk[None, :] * stride_xh, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        bg = w_tile(wg_ptr, gs_ptr, e64, kk, cols, kmask, cmask, g_e, g_n, g_k, gs_e, gs_n, gs_k, x_ptr,
+                    MX_G, DOT_PREC)
+        bu = w_tile(wu_ptr, us_ptr, e64, kk, cols, kmask, cmask, u_e, u_n, u_k, us_e, us_n, us_k, x_ptr,
+                    MX_U, DOT_PREC)
+        acc_g = mma(a, bg, acc_g, DOT_PREC)
+        acc_u = mma(a, bu, acc_u, DOT_PREC)
+    g = to_out(acc_g, gu_ptr, DOT_PREC).to(tl.float32)
+    u = to_out(acc_u, gu_ptr, DOT_PREC).to(tl.float32)
+    if KEEP_CLIP:  # never round across a clamp bound (reference.round_keep_clip). where(), not min/max:
+        # the GPU's min/max return the non-NaN operand, and a NaN must stay NaN (it compares false here)
+        g = tl.where(acc_g > limit, tl.where(g < above, above, g), tl.where(g > below, below, g))
+        u = tl.where(acc_u > limit, tl.where(u < above, above, u), tl.where(u > below, below, u))
+        u = tl.where(acc_u < -limit, tl.where(u > -above, -above, u), tl.where(u < -below, -below, u))
+    if PERSISTENT:  # the `-1` routes' slots: zero g, u (and h)
+        g = tl.where(group < E, g, 0.0)
+        u = tl.where(group < E, u, 0.0)
+    tl.store(g_ptrs, g.to(gu_ptr.dtype.element_ty), mask=omask)
+    tl.store(g_ptrs + I * stride_gn, u.to(gu_ptr.dtype.element_ty), mask=omask)
+    if WRITE_H:
+        h = swiglu(g, u, limit, HAS_LIMIT)
+        tl.store(h_ptrs, to_out(h, h_ptr, DOT_PREC), mask=omask)
+
+
+@_launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY)
 @triton.jit
 def _gate_up_kernel(
     x_ptr, stride_xt, stride_xh,  # x [T, H]
@@ -214,52 +277,65 @@ def _gate_up_kernel(
     group, row_start, row_end = _tile_rows(pid_m, offsets_ptr, M, E, SINGLE, True, BLOCK_M, GROUPS_POW2)
     if row_start >= row_end:
         return
-    rows = row_start + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < I
-    rows64 = rows[:, None].to(tl.int64)
-    g_ptrs = gu_ptr + rows64 * stride_gm + cols[None, :] * stride_gn
-    h_ptrs = h_ptr + rows64 * stride_hm + cols[None, :] * stride_hi
-    omask = rmask[:, None] & cmask[None, :]
     if group >= E:  # the `-1` routes' slots: their g, u and h rows are zero
+        rows = row_start + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        omask = (rows < row_end)[:, None] & (cols < I)[None, :]
+        rows64 = rows[:, None].to(tl.int64)
+        g_ptrs = gu_ptr + rows64 * stride_gm + cols[None, :] * stride_gn
         zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=gu_ptr.dtype.element_ty)
         tl.store(g_ptrs, zero, mask=omask)
         tl.store(g_ptrs + I * stride_gn, zero, mask=omask)
         if WRITE_H:
-            tl.store(h_ptrs, zero, mask=omask)
+            tl.store(h_ptr + rows64 * stride_hm + cols[None, :] * stride_hi, zero.to(h_ptr.dtype.element_ty),
+                     mask=omask)
         return
+    _gate_up_tile(x_ptr, stride_xt, stride_xh, routes_ptr, wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k,
+                  wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k, gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm,
+                  stride_hi, H, I, E, TOPK, limit, above, below, group, row_start, row_end, pid_n,
+                  SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, False, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@_launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY)
+@triton.jit
+def _gate_up_persistent_kernel(
+    x_ptr, stride_xt, stride_xh, routes_ptr, offsets_ptr,
+    wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k, wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k,
+    gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm, stride_hi,
+    M, H, I, E, TOPK, limit, above, below,
+    SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """_gate_up_kernel's tiles (the same arguments) looped over by a grid of about one program per SM, the
+    tile loop flattened into the K loop (the next tile's loads can overlap this tile's epilogue)."""
+    limit = tl.cast(limit, tl.float32)
+    above = tl.cast(above, tl.float32)
+    below = tl.cast(below, tl.float32)
     if SINGLE:
-        tok = rows
+        num_m = tl.cdiv(M, BLOCK_M)
     else:
-        tok = tl.load(routes_ptr + rows, mask=rmask, other=0) // TOPK
-    ks = tl.arange(0, BLOCK_K)
-    e64 = group.to(tl.int64)
-    a_row = x_ptr + tok[:, None].to(tl.int64) * stride_xt
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + ks
-        kmask = kk < H
-        a = tl.load(a_row + kk[None, :] * stride_xh, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        bg = w_tile(wg_ptr, gs_ptr, e64, kk, cols, kmask, cmask, g_e, g_n, g_k, gs_e, gs_n, gs_k, x_ptr,
-                    MX_G, DOT_PREC)
-        bu = w_tile(wu_ptr, us_ptr, e64, kk, cols, kmask, cmask, u_e, u_n, u_k, us_e, us_n, us_k, x_ptr,
-                    MX_U, DOT_PREC)
-        acc_g = mma(a, bg, acc_g, DOT_PREC)
-        acc_u = mma(a, bu, acc_u, DOT_PREC)
-    g = to_out(acc_g, gu_ptr, DOT_PREC).to(tl.float32)
-    u = to_out(acc_u, gu_ptr, DOT_PREC).to(tl.float32)
-    if KEEP_CLIP:  # never round across a clamp bound (reference.round_keep_clip). where(), not min/max:
-        # the GPU's min/max return the non-NaN operand, and a NaN must stay NaN (it compares false here)
-        g = tl.where(acc_g > limit, tl.where(g < above, above, g), tl.where(g > below, below, g))
-        u = tl.where(acc_u > limit, tl.where(u < above, above, u), tl.where(u > below, below, u))
-        u = tl.where(acc_u < -limit, tl.where(u > -above, -above, u), tl.where(u < -below, -below, u))
-    tl.store(g_ptrs, g.to(gu_ptr.dtype.element_ty), mask=omask)
-    tl.store(g_ptrs + I * stride_gn, u.to(gu_ptr.dtype.element_ty), mask=omask)
-    if WRITE_H:
-        h = swiglu(g, u, limit, HAS_LIMIT)
-        tl.store(h_ptrs, to_out(h, h_ptr, DOT_PREC), mask=omask)
+        num_m = tl.cdiv(M, BLOCK_M) + E + 1
+    for tile in tl.range(tl.program_id(0), num_m * tl.cdiv(I, BLOCK_N), tl.num_programs(0), flatten=True):
+        pid_m, pid_n = _tile_ids(tile, M, E, I, SINGLE, BLOCK_M, BLOCK_N, GROUP_M)
+        group, row_start, row_end = _tile_rows(pid_m, offsets_ptr, M, E, SINGLE, True, BLOCK_M, GROUPS_POW2)
+        _gate_up_tile(x_ptr, stride_xt, stride_xh, routes_ptr, wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k,
+                      wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k, gu_ptr, stride_gm, stride_gn, h_ptr,
+                      stride_hm, stride_hi, H, I, E, TOPK, limit, above, below, group, row_start, row_end, pid_n,
+                      SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, True, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+# The gate/up GEMM as a persistent kernel (_gate_up_persistent_kernel): an A/B candidate, off until measured
+# on the H200 (a plain persistent Triton GEMM beat the non-persistent one by 6-17% on the forward layouts,
+# benchmarks/ceiling.py); PERSISTENT_PROGRAMS programs per SM.
+PERSISTENT_GATE_UP = False
+PERSISTENT_PROGRAMS = 1
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 4  # (the interpreter: a few programs, each looping over several tiles)
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=None, single=False):
@@ -271,12 +347,19 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
     if M == 0 or I == 0:
         return gu_out
     E, _, H = gate.data.shape
-    grid = lambda meta: (row_tiles_worst(M, E, meta["BLOCK_M"], single) * triton.cdiv(I, meta["BLOCK_N"]),)
+    def tiles(meta):
+        return row_tiles_worst(M, E, meta["BLOCK_M"], single) * triton.cdiv(I, meta["BLOCK_N"])
+
+    if PERSISTENT_GATE_UP:
+        kernel, progs = _gate_up_persistent_kernel, _num_sms(x_TH.device) * PERSISTENT_PROGRAMS
+        grid = (progs,)  # (programs past the last tile loop zero times; no size comparison, no guard)
+    else:
+        kernel, grid = _gate_up_kernel, lambda meta: (tiles(meta),)  # noqa: E731
     h = h_out if h_out is not None else gu_out
     keep_clip = limit is not None and gu_out.dtype in (torch.bfloat16, torch.float16)
     above, below = (float(v) for v in reference.clip_bounds(limit, gu_out.dtype)) if keep_clip else (0.0, 0.0)
     _launch.launch(
-        _gate_up_kernel, grid,
+        kernel, grid,
         x_TH, x_TH.stride(0), x_TH.stride(1), routes_N, offsets_E1,
         *w_args(gate), *w_args(up),
         gu_out, gu_out.stride(0), gu_out.stride(1), h, h.stride(0), h.stride(1),
