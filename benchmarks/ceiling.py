@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_moe import SHAPES, bench, make_inputs  # noqa: E402
+from mok_inductor.kernels.moe_fwd import swizzle  # noqa: E402
 
 
 def _c(bm, bn, bk, w, s):
@@ -35,19 +36,11 @@ _CONFIGS = [_c(128, 128, 64, 8, 3), _c(128, 128, 64, 8, 4), _c(128, 256, 64, 8, 
             _c(128, 128, 64, 4, 4), _c(64, 128, 64, 4, 4), _c(128, 64, 64, 4, 4), _c(128, 128, 128, 8, 3)]
 
 
-@triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "E"])
 @triton.jit
-def _bgemm(a_ptr, sa_e, sa_m, sa_k, b_ptr, sb_e, sb_k, sb_n, c_ptr, M, N, K, E,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """C[e] = A[e] @ B[e], C contiguous [E, M, N]; grid (tiles of one expert, E), 8 row tiles per L2 group."""
-    pid = tl.program_id(0)
-    e = tl.program_id(1).to(tl.int64)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    first = (pid // (8 * num_n)) * 8
-    gsize = tl.minimum(num_m - first, 8)
-    pm = first + (pid % (8 * num_n)) % gsize
-    pn = (pid % (8 * num_n)) // gsize
+def _bgemm_tile(a_ptr, sa_e, sa_m, sa_k, b_ptr, sb_e, sb_k, sb_n, c_ptr, M, N, K, e, pid,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tile `pid` of C[e] = A[e] @ B[e], C contiguous [E, M, N]; 8 row tiles per L2 group."""
+    pm, pn = swizzle(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), 8)
     ms = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     ns = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -65,32 +58,22 @@ def _bgemm(a_ptr, sa_e, sa_m, sa_k, b_ptr, sb_e, sb_k, sb_n, c_ptr, M, N, K, E,
 
 @triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "E"])
 @triton.jit
+def _bgemm(a_ptr, sa_e, sa_m, sa_k, b_ptr, sb_e, sb_k, sb_n, c_ptr, M, N, K, E,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The batched GEMMs, one program per tile: grid (tiles of one expert, E)."""
+    _bgemm_tile(a_ptr, sa_e, sa_m, sa_k, b_ptr, sb_e, sb_k, sb_n, c_ptr, M, N, K, tl.program_id(1).to(tl.int64),
+                tl.program_id(0), BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "E"])
+@triton.jit
 def _bgemm_persistent(a_ptr, sa_e, sa_m, sa_k, b_ptr, sb_e, sb_k, sb_n, c_ptr, M, N, K, E, NUM_SMS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The same GEMMs, NUM_SMS programs looping over all tiles (experts outermost), the tile loop flattened."""
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_e = num_m * num_n
-    ks = tl.arange(0, BLOCK_K)
+    per_e = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), per_e * E, NUM_SMS, flatten=True):
-        e = (tile // per_e).to(tl.int64)
-        pid = tile % per_e
-        first = (pid // (8 * num_n)) * 8
-        gsize = tl.minimum(num_m - first, 8)
-        pm = first + (pid % (8 * num_n)) % gsize
-        pn = (pid % (8 * num_n)) // gsize
-        ms = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-        ns = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            a = tl.load(a_ptr + e * sa_e + ms[:, None] * sa_m + kk[None, :] * sa_k,
-                        mask=(ms < M)[:, None] & (kk < K)[None, :], other=0.0)
-            b = tl.load(b_ptr + e * sb_e + kk[:, None] * sb_k + ns[None, :] * sb_n,
-                        mask=(kk < K)[:, None] & (ns < N)[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
-        tl.store(c_ptr + e * M * N + ms[:, None] * N + ns[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=(ms < M)[:, None] & (ns < N)[None, :])
+        _bgemm_tile(a_ptr, sa_e, sa_m, sa_k, b_ptr, sb_e, sb_k, sb_n, c_ptr, M, N, K, (tile // per_e).to(tl.int64),
+                    tile % per_e, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def triton_bmm(a, b, c, persistent=False):

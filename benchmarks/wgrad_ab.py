@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_moe import SHAPES, bench, make_inputs  # noqa: E402
 from ceiling import _CONFIGS  # noqa: E402
+from mok_inductor.kernels.moe_fwd import swizzle  # noqa: E402
 
 
 @triton.autotune(configs=_CONFIGS, key=["MD", "ND", "M", "E", "DYN", "GATHER", "I32", "SWZ", "PREF"])
@@ -41,11 +42,7 @@ def _wg(a_ptr, sa_r, b_ptr, sb_r, idx_ptr, routes_ptr, offs_ptr, c_ptr, MD, ND, 
     e = tl.program_id(1)
     num_n = tl.cdiv(ND, BLOCK_N)
     if SWZ:
-        num_m = tl.cdiv(MD, BLOCK_M)
-        first = (pid // (8 * num_n)) * 8
-        gsize = tl.minimum(num_m - first, 8)
-        pm = first + (pid % (8 * num_n)) % gsize
-        pn = (pid % (8 * num_n)) // gsize
+        pm, pn = swizzle(pid, tl.cdiv(MD, BLOCK_M), num_n, 8)
     else:
         pm = pid // num_n
         pn = pid % num_n

@@ -13,11 +13,14 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from _helpers import TOLERANCE, make_case, random_like, rel_err
 from oracle import oracle_moe
 
 from mok_inductor import kernels, reference
+from mok_inductor.kernels.moe_fwd import swizzle
 from mok_inductor.ops import split_gate_up
 
 pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason="needs CUDA or TRITON_INTERPRET=1")
@@ -479,3 +482,21 @@ def test_compiled_cuda_emits_user_kernels():
     y_eager.backward(dy)
     for n, t in c.tensors().items():
         assert rel_err(t.grad, e.tensors()[n].grad) <= TOLERANCE[torch.bfloat16], n
+
+
+@triton.jit
+def _swizzle_ids_kernel(out_ptr, num_m, num_n):
+    pid = tl.program_id(0)
+    pm, pn = swizzle(pid, num_m, num_n, 8)
+    tl.store(out_ptr + 2 * pid, pm)
+    tl.store(out_ptr + 2 * pid + 1, pn)
+
+
+@pytest.mark.parametrize("num_m,num_n", [(1, 1), (3, 5), (8, 2), (9, 3), (20, 4), (17, 1)])
+def test_swizzle_covers_every_tile_once(num_m, num_n):
+    # moe_fwd.swizzle, the L2 tile order of the grouped GEMMs and the wgrad: a bijection of the tile ids
+    # onto the num_m x num_n grid, also with more row tiles than one group of 8 and a partial last group
+    out = torch.full((num_m * num_n, 2), -1, dtype=torch.int32, device=DEV)
+    _swizzle_ids_kernel[(num_m * num_n,)](out, num_m, num_n)
+    got = sorted(map(tuple, out.cpu().tolist()))
+    assert got == [(m, n) for m in range(num_m) for n in range(num_n)]

@@ -30,16 +30,22 @@ import triton.language as tl
 from . import _launch
 from ._launch import cfg, mma, to_out
 from .moe_fwd import (GROUP_M, _tile_ids, _tile_rows, clamp_gu, grouped_rows, plain_t, row_tiles_worst, rowdot,
-                      w_args, w_tile)
+                      swizzle, w_args, w_tile)
 
 # (Register pressure: the epilogue holds acc, g, u, h and the gradients, so tiles of 128 x 128 spilled
 # 370-390 bytes on the H200; these are the configs that did not, or nearly not)
 _BWD_ACT_CONFIGS = [cfg(64, 128, 64, 8, 3), cfg(128, 64, 64, 8, 4), cfg(64, 64, 64, 4, 4), cfg(64, 128, 64, 8, 4),
                     cfg(128, 64, 64, 8, 3), cfg(64, 64, 128, 4, 3)]
 _BWD_ACT_INTERPRET = cfg(16, 16, 32, 1, 1)
-# the smallest BLOCK_N of any config: the partial router-gradient buffer has one row per I-tile
-_BWD_ACT_MIN_BLOCK_N = (_BWD_ACT_INTERPRET if _launch.INTERPRET else min(
-    _BWD_ACT_CONFIGS, key=lambda c: c.kwargs["BLOCK_N"])).kwargs["BLOCK_N"]
+
+
+def _min_block_n(configs) -> int:
+    """The smallest BLOCK_N a launch may pick: the partial router-gradient buffer has one row per I-tile."""
+    picked = [_BWD_ACT_INTERPRET] if _launch.INTERPRET else configs
+    return min(c.kwargs["BLOCK_N"] for c in picked)
+
+
+_BWD_ACT_MIN_BLOCK_N = _min_block_n(_BWD_ACT_CONFIGS)
 
 
 # SUBTILE: the fused epilogue over two column halves of the tile one after the other, so that a 128-wide
@@ -47,8 +53,7 @@ _BWD_ACT_MIN_BLOCK_N = (_BWD_ACT_INTERPRET if _launch.INTERPRET else min(
 # passes, not yet measured on the H200: benchmarks/breakdown.py times it)
 _BWD_ACT_SUB_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4), cfg(64, 128, 64, 4, 4),
                         cfg(128, 64, 64, 8, 3)]
-_BWD_ACT_SUB_MIN_BLOCK_N = (_BWD_ACT_INTERPRET if _launch.INTERPRET else min(
-    _BWD_ACT_SUB_CONFIGS, key=lambda c: c.kwargs["BLOCK_N"])).kwargs["BLOCK_N"]
+_BWD_ACT_SUB_MIN_BLOCK_N = _min_block_n(_BWD_ACT_SUB_CONFIGS)
 
 # The two-pass variant's GEMM holds only its accumulator: the large tiles of a plain GEMM
 _BWD_GEMM_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 8, 4), cfg(64, 128, 64, 4, 4),
@@ -276,12 +281,9 @@ def _wgrad_body(
         rows_out = 2 * MD
     else:
         rows_out = MD
-    num_m = tl.cdiv(rows_out, BLOCK_M)
-    num_n = tl.cdiv(ND, BLOCK_N)
-    first = (pid // (GROUP_M * num_n)) * GROUP_M  # GROUP_M row tiles per L2 group
-    gsize = tl.minimum(num_m - first, GROUP_M)
-    ms = (first + (pid % (GROUP_M * num_n)) % gsize) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ns = ((pid % (GROUP_M * num_n)) // gsize) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_m, pid_n = swizzle(pid, tl.cdiv(rows_out, BLOCK_M), tl.cdiv(ND, BLOCK_N), GROUP_M)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = ms < rows_out
     nmask = ns < ND
     if SINGLE:

@@ -66,21 +66,24 @@ def _tile_rows(pid_m, offsets_ptr, M, E, SINGLE: tl.constexpr, WITH_TAIL: tl.con
 
 
 @triton.jit
+def swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of tile `pid` of a num_m x num_n grid, GROUP_M row tiles at a time (L2 reuse: a
+    column block is read once per group of row tiles, not once per row tile)."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % gsize, (pid % per_group) // gsize
+
+
+@triton.jit
 def _tile_ids(pid, M, E, NCOLS, SINGLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of program `pid`, GROUP_M row tiles at a time (L2 reuse: a weight column block
-    is read once per group of row tiles, not once per row tile)."""
-    num_n = tl.cdiv(NCOLS, BLOCK_N)
+    """(pid_m, pid_n) of program `pid` over the worst-case row tiles of a schedule (see `swizzle`)."""
     if SINGLE:
         num_m = tl.cdiv(M, BLOCK_M)
     else:
         num_m = tl.cdiv(M, BLOCK_M) + E + 1
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    gsize = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % gsize
-    pid_n = (pid % per_group) // gsize
-    return pid_m, pid_n
+    return swizzle(pid, num_m, tl.cdiv(NCOLS, BLOCK_N), GROUP_M)
 
 
 def row_tiles_worst(M: int, E: int, block_m: int, single: bool) -> int:
