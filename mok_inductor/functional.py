@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -151,7 +152,20 @@ class MoKWorkspace:
     hidden_size: int  # H
     topk: int  # K
     ep_size: int = 1
-    group: Any = None  # the expert-parallel process group (None on one device)
+    # the expert-parallel process group (None on one device), held weakly: a cached workspace must not
+    # keep a group alive past destroy_process_group (its gloo threads would outlive the interpreter)
+    group_ref: Any = None
+
+    @property
+    def group(self):
+        """The expert-parallel process group (None on one device); RuntimeError once it was freed."""
+        if self.group_ref is None:
+            return None
+        group = self.group_ref()
+        if group is None:
+            raise RuntimeError("workspace: its expert-parallel process group no longer exists (destroyed); "
+                               "get a new workspace for the new group")
+        return group
 
 
 def _normalize_device(device) -> torch.device:
@@ -167,8 +181,24 @@ def _normalize_device(device) -> torch.device:
 
 
 @functools.lru_cache(maxsize=256)
+def _one_device_workspace(device: torch.device, T: int, H: int, K: int) -> MoKWorkspace:
+    return MoKWorkspace(device, T, H, K)
+
+
+# expert-parallel workspaces, per group (weakly: they go with their group)
+_EP_WORKSPACES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
 def _cached_workspace(device: torch.device, T: int, H: int, K: int, group=None, ep_size: int = 1) -> MoKWorkspace:
-    return MoKWorkspace(device, T, H, K, ep_size, group)
+    if group is None:
+        return _one_device_workspace(device, T, H, K)
+    per_group = _EP_WORKSPACES.setdefault(group, {})
+    key = (device, T, H, K, ep_size)
+    if key not in per_group:
+        if len(per_group) >= 256:  # the one-device cache's bound: the oldest shape goes
+            per_group.pop(next(iter(per_group)))
+        per_group[key] = MoKWorkspace(device, T, H, K, ep_size, weakref.ref(group))
+    return per_group[key]
 
 
 def _group_size(group) -> int:

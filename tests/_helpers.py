@@ -9,6 +9,7 @@ section 2's relative Frobenius error against the float64 oracle of `tests/oracle
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass, field
 from typing import Optional
@@ -287,3 +288,32 @@ def init_gloo(attempts: int = 5) -> None:
         except (RuntimeError, OSError):
             if attempt == attempts - 1:
                 raise
+
+
+def destroy_model_parallel(parallel_state) -> None:
+    """megatron.core.parallel_state.destroy_model_parallel, plus the group globals it leaves set
+    (megatron-core 0.16.1: the partial data-parallel groups with CP), which would keep those groups,
+    and their gloo threads, alive past destroy_process_group: one of those threads freeing a finished
+    collective's tensors during interpreter shutdown aborts the process."""
+    import torch.distributed as dist
+
+    parallel_state.destroy_model_parallel()
+    for name, value in list(vars(parallel_state).items()):
+        if name.startswith("_") and isinstance(value, dist.ProcessGroup):
+            setattr(parallel_state, name, None)
+
+
+
+def gloo_threads() -> list:
+    """The names of this process's gloo worker threads (Linux: /proc), [] elsewhere."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return []
+    names = []
+    for t in os.listdir(tasks):
+        try:
+            with open(os.path.join(tasks, t, "comm")) as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return [n for n in names if "gloo" in n]

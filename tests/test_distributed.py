@@ -15,6 +15,7 @@ Shapes: T in [0, 16] per rank, H=32, I=16, Is=24, E=8, K=2 (K=1 once). Tolerance
 """
 
 import datetime
+import gc
 import os
 import traceback
 
@@ -22,6 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Imported before any worker's init_process_group: importing torch._dynamo (as mok_inductor does) after
+# it leaves references to the world group that destroy_process_group cannot drop (torch 2.13); see _worker.
+import mok_inductor  # noqa: E402,F401
+from _helpers import gloo_threads  # noqa: E402
 
 H, I, IS, E = 32, 16, 24, 8
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -49,7 +55,14 @@ def _worker(rank, world, init_file, seed, suite, device):
                 raise AssertionError(f"rank {rank}/{world}, {fn.__name__}: {exc}\n{traceback.format_exc()}") from exc
             seed += 1000
     finally:
+        gc.collect()  # the cases' reference cycles (pytest.raises tracebacks) hold the group too
         dist.destroy_process_group()
+    # Nothing may keep the group alive past destroy_process_group: its gloo threads would outlive the
+    # interpreter, and one of them freeing a finished collective's tensors during interpreter shutdown
+    # aborts the process (SIGABRT), at random. (A cached workspace held its group once.)
+    gc.collect()
+    left = gloo_threads()
+    assert not left, f"rank {rank}: gloo threads alive after destroy_process_group: {left}"
 
 
 def _spawn(world, suite, tmp_path, device="cpu"):
@@ -332,6 +345,34 @@ def _functional_case(rank, world, seed, *, layout, main_grads, dtype=torch.float
         _check("d shared gate", _sum_over_ranks(d_sog), g_ref["sog"], dtype)
 
 
+def case_workspace_does_not_keep_its_group(rank, world, seed):
+    """A cached EP workspace holds its group weakly: after destroy_process_group(group) the group is
+    freed (its gloo threads with it) and the workspace says so; while the group lives, get_workspace
+    returns the same workspace, and one of a new group is a new workspace."""
+    import weakref
+
+    from mok_inductor import functional as mf
+
+    cfg = mf.MoKConfig()
+    group = dist.new_group(list(range(world)))
+    ws = mf.get_workspace(cfg, group, device="cpu", num_local_tokens=6, hidden_size=H, topk=2)
+    assert ws.group is group and ws.ep_size == world
+    assert mf.get_workspace(cfg, group, device="cpu", num_local_tokens=6, hidden_size=H, topk=2) is ws
+    te = torch.randint(0, E, (6, 2), generator=torch.Generator().manual_seed(seed + rank))
+    mf.build_schedule(ws, cfg, te, num_local_experts=E // world)  # collective over the group
+    alive = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    assert alive() is None, "a workspace kept its destroyed process group alive"
+    with pytest.raises(RuntimeError, match="^workspace: its expert-parallel process group no longer exists"):
+        ws.group
+    group2 = dist.new_group(list(range(world)))
+    ws2 = mf.get_workspace(cfg, group2, device="cpu", num_local_tokens=6, hidden_size=H, topk=2)
+    assert ws2 is not ws and ws2.group is group2
+    dist.destroy_process_group(group2)
+
+
 def case_functional_dense(rank, world, seed):
     _functional_case(rank, world, seed, layout="dense", main_grads=False)
 
@@ -357,6 +398,7 @@ def case_megatron_ep(rank, world, seed):
     from mok_inductor import megatron as mkm
     from mok_inductor.megatron.route_adapter import routing_map_to_mok_inputs
     import test_megatron as tm
+    from _helpers import destroy_model_parallel
     from oracle import oracle_moe
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
@@ -424,7 +466,7 @@ def case_megatron_ep(rank, world, seed):
         assert xl2.grad is not None and layer.router.weight.grad is not None
     finally:
         router_mod.Router.gating = original_gating
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel(parallel_state)
 
 
 # ---------------------------------------------------------------------------------------------- transformers
@@ -496,7 +538,8 @@ def case_ep_code_path_on_one_rank(rank, world, seed):
 SUITES = {
     "api2": [case_balanced, case_all_to_rank0, case_empty_rank, case_minus_one_routes, case_no_shared_k1, case_bf16,
              case_all_tokens_empty, case_matches_one_device_and_is_deterministic, case_errors_on_every_rank,
-             case_functional_dense, case_functional_main_grads, case_functional_split],
+             case_functional_dense, case_functional_main_grads, case_functional_split,
+             case_workspace_does_not_keep_its_group],
     "api4": [case_balanced_limit, case_all_to_rank0, case_empty_rank, case_minus_one_routes, case_bf16,
              case_matches_one_device_and_is_deterministic, case_errors_on_every_rank, case_functional_main_grads,
              case_functional_split],

@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from mok_inductor import functional as mf  # noqa: E402
 from mok_inductor import reference  # noqa: E402
 from mok_inductor import megatron as mkm  # noqa: E402
-from _helpers import init_gloo, rel_err
+from _helpers import destroy_model_parallel, init_gloo, rel_err
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 S, B, H, I, E, K = 12, 2, 64, 32, 8, 2
@@ -52,7 +52,7 @@ def megatron_env():
     yield
     router_mod.Router.gating = original_gating
     if owned_mp:
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel(parallel_state)
     if owned:
         dist.destroy_process_group()
 
