@@ -10,7 +10,6 @@ import os
 import sys
 import tempfile
 
-import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -32,22 +31,3 @@ def pytest_runtest_logreport(report):
     if path and report.failed:
         with open(path, "a") as f:
             f.write(f"\n===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
-
-
-def pytest_sessionfinish(session, exitstatus):
-    """No process group may outlive the tests: a gloo group still alive when the interpreter shuts down
-    can abort the process (SIGABRT) as one of its threads frees a finished collective's tensors."""
-    import gc
-
-    from _helpers import gloo_threads
-
-    gc.collect()
-    left = gloo_threads()
-    if left:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        message = f"gloo threads alive at the end of the session (a process group outlived its tests): {left}"
-        if reporter is not None:
-            reporter.write_line(f"ERROR: {message}", red=True)
-        else:
-            print(f"ERROR: {message}", file=sys.stderr)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
