@@ -379,6 +379,104 @@ def test_accumulate_into_main_grads(buf_dtype):
     assert out.grads.d_down is base.d_down  # written in place
 
 
+def _split(w, contiguous=True):
+    """A 3-D weight as E separate 2-D allocations (fresh storage each, as Megatron's per-expert params)."""
+    return [t.clone() if contiguous else t.t().contiguous().t() for t in w.unbind(0)]
+
+
+@pytest.mark.parametrize("name", ["basic_fp32", "shared_gate_limit_bf16", "empty_experts_fp32", "all_dropped_bf16"])
+@pytest.mark.parametrize("combined", [False, True])
+def test_split_per_expert_weights_read_in_place(name, combined, monkeypatch):
+    # split per-expert weights (sequences of E 2-D tensors; combined: each expert's [2I, H] FC1 with gate and
+    # up as row views of it) run on the kernels through address tables: bitwise the 3-D weights' outputs and
+    # gradients (the same tiles in the same order), written into per-expert gradient lists (poisoned first);
+    # nothing falls back to the reference or stacks the weights
+    from mok_inductor.kernels import moe_fwd
+
+    case = make_case(**dict(CASES)[name], device=DEV, requires_grad=False, seed=11 + combined)
+    wg, wu, wd, sg, su, sd, sog = _args(case)
+    E, I = wg.shape[0], wg.shape[1]
+    if combined:
+        fc1 = _split(case.gate_up_proj)
+        lg, lu = [t[:I] for t in fc1], [t[I:] for t in fc1]
+    else:
+        lg, lu = _split(wg), _split(wu)
+    ld = _split(wd)
+    monkeypatch.setattr(reference, "moe_forward", None)  # the reference must not run
+    monkeypatch.setattr(reference, "moe_backward", None)
+    monkeypatch.setattr(torch, "stack", None)  # nor a copy of the weights
+    tables, real_table = [], moe_fwd.address_table
+    monkeypatch.setattr(moe_fwd, "address_table", lambda p, d: tables.append(p) or real_table(p, d))
+    sched = kernels.build_schedule(case.top_experts, E)
+    dy = random_like(case.x, 5)
+    args = (case.x, case.router_weights, case.top_experts, sched)
+    fwd3 = kernels.moe_forward(*args, wg, wu, wd, sg, su, sd, sog, case.swiglu_limit)
+    fwdl = kernels.moe_forward(*args, lg, lu, ld, sg, su, sd, sog, case.swiglu_limit)
+    assert {tuple(t.data_ptr() for t in w) for w in (lg, lu, ld)} <= set(tables)
+    for a, b in zip(fwdl, fwd3):
+        assert torch.equal(a, b)
+    nan = lambda w: torch.full_like(w, float("nan"))  # noqa: E731
+    g3 = reference.GradBuffers(nan(wg), nan(wu), nan(wd), *(None if w is None else nan(w) for w in (sg, su, sd, sog)))
+    gl = reference.GradBuffers([nan(t) for t in lg], [nan(t) for t in lu], [nan(t) for t in ld],
+                               *(None if w is None else nan(w) for w in (sg, su, sd, sog)))
+    rest = (sg, su, sd, sog, fwd3.gu_shared_T2Is, case.swiglu_limit)
+    b3 = kernels.moe_backward(dy, case.x, case.router_weights, case.top_experts, sched, wg, wu, wd, fwd3.gu_N2I,
+                              *rest, grads=g3)
+    bl = kernels.moe_backward(dy, case.x, case.router_weights, case.top_experts, sched, lg, lu, ld, fwdl.gu_N2I,
+                              *rest, grads=gl)
+    assert torch.equal(bl.dx_TH, b3.dx_TH) and torch.equal(bl.d_router_weights_TK, b3.d_router_weights_TK)
+    for got, want in zip(bl.grads, b3.grads):
+        if want is not None:
+            assert torch.equal(torch.cat([t[None] for t in got]) if isinstance(got, list) else got, want)
+    monkeypatch.undo()
+    _check_all(case)  # (the 3-D path itself against the oracle)
+
+
+def test_split_weights_persistent_gate_up(monkeypatch):
+    # the persistent gate/up kernel through address tables: its idle and `-1`-tail tiles index the table
+    # with e = E (clamped, nothing read): bitwise the 3-D weights' forward
+    from mok_inductor.kernels import moe_fwd
+
+    monkeypatch.setattr(moe_fwd, "PERSISTENT_GATE_UP", True)
+    case = make_case(**dict(CASES)["shared_gate_limit_bf16"], device=DEV, requires_grad=False, seed=4)
+    wg, wu, wd, sg, su, sd, sog = _args(case)
+    sched = kernels.build_schedule(case.top_experts, wg.shape[0])
+    args = (case.x, case.router_weights, case.top_experts, sched)
+    fwd3 = kernels.moe_forward(*args, wg, wu, wd, sg, su, sd, sog, case.swiglu_limit)
+    fwdl = kernels.moe_forward(*args, _split(wg), _split(wu), _split(wd), sg, su, sd, sog, case.swiglu_limit)
+    for a, b in zip(fwdl, fwd3):
+        assert torch.equal(a, b)
+
+
+def test_split_weights_of_mixed_strides_are_stacked():
+    # experts that differ in strides cannot share one table: they are stacked (one copy), same results
+    from mok_inductor.kernels.moe_fwd import ExpertTable
+
+    case = make_case(T=9, H=32, I=16, E=3, K=2, dtype=torch.float32, device=DEV, requires_grad=False, seed=3)
+    wg, wu, wd, *_ = _args(case)
+    mixed = _split(wd)
+    mixed[1] = _split(wd[1:2], contiguous=False)[0]  # column-major
+    assert not ExpertTable.usable(mixed) and ExpertTable.usable(_split(wd))
+    assert not ExpertTable.usable([wd[0], wd[1][:, :8]])  # shapes differ
+    sched = kernels.build_schedule(case.top_experts, 3)
+    args = (case.x, case.router_weights, case.top_experts, sched)
+    y3 = kernels.moe_forward(*args, wg, wu, wd).y_TH
+    yl = kernels.moe_forward(*args, _split(wg), _split(wu), mixed).y_TH
+    assert torch.equal(yl, y3)
+
+
+def test_address_tables_are_cached_per_weight_set():
+    # the same weights (also their transposed views, which the backward reads) reuse one device table
+    from mok_inductor.kernels.moe_fwd import ExpertTable
+
+    ws = [torch.randn(4, 8, device=DEV) for _ in range(3)]
+    a, b = ExpertTable(ws), ExpertTable([w.t() for w in ws])
+    assert a.table is b.table and a.table.dtype == torch.int64 and a.table.device.type == ws[0].device.type
+    assert a.table.cpu().tolist() == [w.data_ptr() for w in ws]
+    assert a.shape == (3, 4, 8) and b.shape == (3, 8, 4) and b.stride() == (0, 1, 8)
+    assert ExpertTable([w.clone() for w in ws]).table is not a.table
+
+
 def test_strided_and_expanded_inputs():
     # gate/up as row views of one [E, 2I, H] tensor (zero-copy), dy of .sum() (stride 0)
     case = make_case(T=7, H=16, I=16, E=3, K=2, dtype=torch.float32, device=DEV, requires_grad=False)
@@ -459,6 +557,36 @@ def test_cuda_graph_capture():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+
+
+@needs_cuda
+def test_cuda_graph_capture_split_weights():
+    # split per-expert weights in a CUDA graph: their address tables are uploaded by the warm-up call and
+    # reused in the capture (replay equals eager); a first call under capture raises, saying to warm up
+    case = make_case(T=256, H=256, I=128, E=8, K=2, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    wg, wu, wd, *_ = _args(case)
+    lg, lu, ld = _split(wg), _split(wu), _split(wd)
+    dy = random_like(case.x, 2)
+    E = wg.shape[0]
+
+    def step(g_, u_, d_):
+        sched = kernels.build_schedule(case.top_experts, E)
+        fwd = kernels.moe_forward(case.x, case.router_weights, case.top_experts, sched, g_, u_, d_)
+        bwd = kernels.moe_backward(dy, case.x, case.router_weights, case.top_experts, sched, g_, u_, d_, fwd.gu_N2I)
+        return fwd.y_TH, bwd.dx_TH
+
+    eager = step(lg, lu, ld)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step(lg, lu, ld)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+    fresh = [_split(w) for w in (wg, wu, wd)]  # new addresses: no table yet
+    with pytest.raises(RuntimeError, match="^split per-expert weights: their first call is under CUDA-graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            step(*fresh)
 
 
 @needs_cuda

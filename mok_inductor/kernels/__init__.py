@@ -23,8 +23,9 @@ capturable in CUDA graphs and bitwise deterministic.
 MXFP8 operands are read in the K loops (e4m3 + scales, dequantized in registers) at small rows per expert,
 and dequantized once per call into a transient x.dtype copy at large ones (MX_DEQUANTIZE_MIN_ROWS).
 
-Not covered yet (falls back to the reference, which synchronises): bf16 weights given as Python lists
-(split per-expert allocations). Per-expert gradient destinations are written through one float32 buffer.
+Split per-expert weights (sequences of E 2-D tensors, bf16 or MXFP8) are read in place through a device
+table of the experts' addresses (`moe_fwd.ExpertTable`; stacked instead while torch.compile traces, or when
+the experts differ in strides). Per-expert gradient destinations are written through one float32 buffer.
 
 Shape legend: T tokens, H hidden, I intermediate, Is shared intermediate, E experts, K routes per token,
 N = T*K.
@@ -52,28 +53,45 @@ def _available() -> bool:
 
 AVAILABLE = _available()
 
-from ..mxfp8 import RoutedOperands
+from ..mxfp8 import Operand, RoutedOperands
 
 if _HAVE_TRITON:
     from . import _launch
     from .moe_bwd import bwd_act, expert_backward, shared_backward, wgrad
-    from .moe_fwd import combine, dequantized, expert_mlp, flat, gate_up, grouped_rows, plain, plain_t, shared_forward
+    from .moe_fwd import (ExpertTable, combine, dequantized, expert_mlp, flat, gate_up, grouped_rows, plain, plain_t,
+                          shared_forward)
     from .schedule import build_schedule
 else:  # pragma: no cover
     build_schedule = reference.build_schedule
 
 
-def _is_tensor3(w) -> bool:
-    return isinstance(w, torch.Tensor) and w.dim() == 3
-
-
 def _plain_operands(w_gate, w_up, w_down) -> RoutedOperands:
+    """bf16 (float) weights, 3-D or sequences of E 2-D tensors, as kernel operands."""
     return RoutedOperands(plain(w_gate), plain(w_up), plain(w_down), plain_t(w_gate), plain_t(w_up), plain_t(w_down))
 
 
-def _stacked(ops: RoutedOperands) -> RoutedOperands:
-    """3-D operands (split per-expert MXFP8 operands are stacked: one copy of the quantized bytes per call)."""
-    return RoutedOperands(*(None if o is None else o.stacked() for o in ops))
+def _num_experts(op) -> int:
+    return op.data.shape[0] if isinstance(op.data, torch.Tensor) else len(op.data)
+
+
+def _kernel_operands(ops: RoutedOperands, fields) -> RoutedOperands:
+    """The operands `fields` as the kernels read them (the others None): 3-D tensors, or, when any is split
+    per expert, every one through an address table (ExpertTable: no copy). While torch.compile traces (no
+    data pointers) or when a split operand's experts differ in shape or strides, split operands are stacked
+    instead (one copy)."""
+    ops = RoutedOperands(*(getattr(ops, f) if f in fields else None for f in RoutedOperands._fields))
+    live = [o for o in ops if o is not None]
+    if all(isinstance(o.data, torch.Tensor) for o in live):
+        return ops
+    tabulable = all(isinstance(p, torch.Tensor) or ExpertTable.usable(p)
+                    for o in live for p in (o.data, o.scale) if p is not None)
+    if torch.compiler.is_compiling() or not tabulable:
+        return RoutedOperands(*(None if o is None else o.stacked() for o in ops))
+
+    def table(p):
+        return None if p is None else ExpertTable.of(p)
+
+    return RoutedOperands(*(None if o is None else Operand(table(o.data), table(o.scale)) for o in ops))
 
 
 # MXFP8 operands are dequantized once per call (a transient x.dtype copy of the weights; moe_fwd.dequantized)
@@ -85,7 +103,7 @@ MX_DEQUANTIZE_MIN_ROWS = 256
 def _dequantized_if_large(ops: RoutedOperands, n_routes, dtype, fields, *, symbolic: bool) -> RoutedOperands:
     """`symbolic`: the choice when n_routes is a symbolic size (torch.compile, dynamic shapes), where the
     forward keeps the K-loop reads (decode, no transient copy) and the backward dequantizes (training)."""
-    E = ops.gate.data.shape[0]
+    E = _num_experts(ops.gate)
     if not any(getattr(ops, f) is not None and getattr(ops, f).quantized for f in fields):
         return ops
     if not _launch.at_least(n_routes, MX_DEQUANTIZE_MIN_ROWS * max(E, 1), symbolic):
@@ -99,9 +117,6 @@ def _dequantized_if_large(ops: RoutedOperands, n_routes, dtype, fields, *, symbo
 
 def moe_forward(x_TH, router_weights_TK, top_experts_TK, schedule, w_gate, w_up, w_down, s_gate=None,
                 s_up=None, s_down=None, s_out_gate_1H=None, swiglu_limit=None) -> reference.ForwardResult:
-    if not (_is_tensor3(w_gate) and _is_tensor3(w_up) and _is_tensor3(w_down)):
-        return reference.moe_forward(x_TH, router_weights_TK, top_experts_TK, schedule, w_gate, w_up, w_down,
-                                     s_gate, s_up, s_down, s_out_gate_1H, swiglu_limit)
     return forward(x_TH, router_weights_TK, top_experts_TK, schedule, _plain_operands(w_gate, w_up, w_down),
                    s_gate, s_up, s_down, s_out_gate_1H, swiglu_limit)
 
@@ -110,11 +125,11 @@ def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperan
             s_down=None, s_out_gate_1H=None, swiglu_limit=None) -> reference.ForwardResult:
     """The forward with the routed weights as kernel operands (`mxfp8.RoutedOperands`: bf16, or MXFP8
     row-wise data + scales read in the K loop, 3-D or split per expert)."""
-    ops = _stacked(ops)
     T, H = x_TH.shape
     K = top_experts_TK.shape[1]
     N = T * K
-    ops = _dequantized_if_large(ops, N, x_TH.dtype, ("gate", "up", "down"), symbolic=False)
+    fields = ("gate", "up", "down")
+    ops = _kernel_operands(_dequantized_if_large(ops, N, x_TH.dtype, fields, symbolic=False), fields)
     I = ops.gate.data.shape[1]
     dev, dtype = x_TH.device, x_TH.dtype
     sorted_N, offsets_E1 = schedule.sorted_routes_N, schedule.expert_offsets_E1
@@ -138,10 +153,6 @@ def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperan
 def moe_backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, w_gate, w_up, w_down, gu_N2I,
                  s_gate=None, s_up=None, s_down=None, s_out_gate_1H=None, gu_shared_T2Is=None, swiglu_limit=None,
                  *, grads=None, accumulate=False) -> reference.BackwardResult:
-    if not (_is_tensor3(w_gate) and _is_tensor3(w_up) and _is_tensor3(w_down)):
-        return reference.moe_backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, w_gate, w_up,
-                                      w_down, gu_N2I, s_gate, s_up, s_down, s_out_gate_1H, gu_shared_T2Is,
-                                      swiglu_limit, grads=grads, accumulate=accumulate)
     grads = reference.GradBuffers.allocate(grads, w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate_1H)
     return backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, _plain_operands(w_gate, w_up, w_down),
                     gu_N2I, s_gate, s_up, s_down, s_out_gate_1H, gu_shared_T2Is, swiglu_limit, grads=grads,
@@ -153,11 +164,11 @@ def backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, ops: Rout
              grads: reference.GradBuffers, accumulate=False) -> reference.BackwardResult:
     """The backward with the routed weights as kernel operands (the column-wise gate_t, up_t, down_t are
     read). `grads`: destinations (3-D, per-expert lists, or None for a routed gradient not wanted)."""
-    ops = _stacked(ops)
     T, H = x_TH.shape
     K = top_experts_TK.shape[1]
     dev, dtype = x_TH.device, x_TH.dtype
-    ops = _dequantized_if_large(ops, T * K, dtype, ("gate_t", "up_t", "down_t"), symbolic=True)
+    fields = ("gate_t", "up_t", "down_t")
+    ops = _kernel_operands(_dequantized_if_large(ops, T * K, dtype, fields, symbolic=True), fields)
     if dy_TH.dtype != dtype:
         dy_TH = dy_TH.to(dtype)
     sorted_N, offsets_E1 = schedule.sorted_routes_N, schedule.expert_offsets_E1

@@ -30,7 +30,7 @@ import triton.language as tl
 from . import _launch
 from ._launch import cfg, mma, to_out
 from .moe_fwd import (GROUP_M, _tile_ids, _tile_rows, clamp_gu, grouped_rows, plain_t, row_tiles_worst, rowdot,
-                      swizzle, w_args, w_tile)
+                      swizzle, w_args, w_bases, w_meta, w_tile)
 
 # (Register pressure: the epilogue holds acc, g, u, h and the gradients, so tiles of 128 x 128 spilled
 # 370-390 bytes on the H200; these are the configs that did not, or nearly not)
@@ -74,7 +74,7 @@ def _bwd_act_body(
     dh_ptr,  # float32 [M, I] out (STORE_ACC: the accumulator only, no epilogue)
     M, H, I, E, TOPK, limit,
     SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, MX_D: tl.constexpr, STORE_ACC: tl.constexpr,
-    SUBTILE: tl.constexpr, DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr,
+    SUBTILE: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     limit = tl.cast(limit, tl.float32)  # Inductor passes a Python float as fp64: keep the epilogue in fp32
@@ -94,15 +94,15 @@ def _bwd_act_body(
         tok = route // TOPK
     ks = tl.arange(0, BLOCK_K)
     e64 = group.to(tl.int64)
+    wd, ds = w_bases(wd_ptr, ds_ptr, e64, d_e, ds_e, E, W_TABLE, MX_D)
     dy_row = dy_ptr + tok[:, None].to(tl.int64) * stride_dt
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         kk = k0 + ks
         kmask = kk < H
         dya = tl.load(dy_row + kk[None, :] * stride_dh, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        wd = w_tile(wd_ptr, ds_ptr, e64, kk, cols, kmask, cmask, d_e, d_n, d_k, ds_e, ds_n, ds_k, hs_ptr,
-                    MX_D, DOT_PREC)
-        acc = mma(dya.to(hs_ptr.dtype.element_ty), wd, acc, DOT_PREC)
+        wd_t = w_tile(wd, ds, kk, cols, kmask, cmask, d_n, d_k, ds_n, ds_k, hs_ptr, MX_D, DOT_PREC)
+        acc = mma(dya.to(hs_ptr.dtype.element_ty), wd_t, acc, DOT_PREC)
     omask = rmask[:, None] & cmask[None, :]
     rows64 = rows[:, None].to(tl.int64)
     if STORE_ACC:  # the two-pass variant: dy @ down in float32, the SwiGLU backward in _swiglu_bwd_kernel
@@ -236,7 +236,7 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
         gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1), scale_arg,
         dgu, dgu.stride(0), dgu.stride(1), dscale_P, dscale_P.stride(0), hs, dh,
         M, H, I, E, topk, lim, MX_D=down_t.quantized, STORE_ACC=two_pass, SUBTILE=subtile,
-        GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M, **flags,
+        GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(down_t), **flags,
     )
     if two_pass:
         bm, bn = _SWIGLU_BWD_BLOCK

@@ -96,18 +96,44 @@ def row_tiles_worst(M: int, E: int, block_m: int, single: bool) -> int:
 
 
 @triton.jit
-def w_tile(w_ptr, s_ptr, e64, kk, cols, kmask, cmask, s_e, s_n, s_k, ss_e, ss_n, ss_k, like_ptr,
+def expert_ptr(ptr, e64, stride_e, E, TABLE: tl.constexpr, DT: tl.constexpr):
+    """The start of expert e's [n, k] matrix: ptr + e * stride_e, or (TABLE: split per-expert allocations)
+    the address in entry e of the int64 table at ptr, as a pointer to DT (e clamped into [0, E): the
+    tail group's and idle tiles' e is E and they read nothing)."""
+    if TABLE:
+        return tl.load(ptr + tl.where(e64 < E, e64, 0)).to(tl.pointer_type(DT))
+    else:
+        return ptr + e64 * stride_e
+
+
+@triton.jit
+def w_bases(w_ptr, s_ptr, e64, s_e, ss_e, E, TABLE: tl.constexpr, MX: tl.constexpr):
+    """(data, scales) starts of expert e of an operand (`w_args`). MX: e4m3 data, uint8 scales. Plain: the
+    scales argument is the data again (a tensor of the weight's dtype: through a table, the dtype the
+    addresses are cast to), returned as is."""
+    if MX:
+        w = expert_ptr(w_ptr, e64, s_e, E, TABLE, tl.float8e4nv)
+        s = expert_ptr(s_ptr, e64, ss_e, E, TABLE, tl.uint8)
+    else:
+        w = expert_ptr(w_ptr, e64, s_e, E, TABLE, s_ptr.dtype.element_ty)
+        s = s_ptr
+    return w, s
+
+
+@triton.jit
+def w_tile(w_ptr, s_ptr, kk, cols, kmask, cmask, s_n, s_k, ss_n, ss_k, like_ptr,
            MX: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The [BLOCK_K, BLOCK_N] tile W[e][cols, kk] (k down the tile); MX: e4m3 data dequantized with its
-    per-32 scales in registers (e4m3 * 2**(s - 127) is exact in bf16/fp16/fp32) into like_ptr's dtype, for
-    the activation dtype's tl.dot. (`tl.dot_scaled` is not used: on Hopper Triton decomposes it into the same
-    upcast, and the interpreter rejects it.) BLOCK_K is a multiple of 32: a K step holds whole scale blocks."""
+    """The [BLOCK_K, BLOCK_N] tile W[e][cols, kk] (k down the tile) of one expert's matrix (w_ptr, s_ptr:
+    its starts, `w_bases`); MX: e4m3 data dequantized with its per-32 scales in registers (e4m3 * 2**(s -
+    127) is exact in bf16/fp16/fp32) into like_ptr's dtype, for the activation dtype's tl.dot. (`tl.dot_scaled`
+    is not used: on Hopper Triton decomposes it into the same upcast, and the interpreter rejects it.) BLOCK_K
+    is a multiple of 32: a K step holds whole scale blocks."""
     m = kmask[:, None] & cmask[None, :]
-    w = tl.load(w_ptr + e64 * s_e + kk[:, None] * s_k + cols[None, :] * s_n, mask=m, other=0.0)
+    w = tl.load(w_ptr + kk[:, None] * s_k + cols[None, :] * s_n, mask=m, other=0.0)
     if MX:
         # one scale load per element (L1 hits: 32 neighbours share one). Measured on the H200 (session 4): a
         # [BLOCK_N] row of scales per 32-block of k, spread with where(), was slower (decode 0.52 vs 0.37 ms)
-        sc = tl.load(s_ptr + e64 * ss_e + (kk // 32)[:, None] * ss_k + cols[None, :] * ss_n, mask=m, other=0)
+        sc = tl.load(s_ptr + (kk // 32)[:, None] * ss_k + cols[None, :] * ss_n, mask=m, other=0)
         w = w.to(tl.float32) * e8m0_factor(sc)
         if DOT_PREC != "interp":
             w = w.to(like_ptr.dtype.element_ty)
@@ -121,12 +147,90 @@ def e8m0_factor(sc):
     return (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
+class ExpertTable:
+    """E 2-D tensors of one shape, strides, dtype and device (split per-expert allocations, or the experts
+    of a 3-D tensor) as one kernel operand read as [E, n, k]: the kernels read expert e at the address in
+    entry e of `table` (int64, on the device), with the common strides (`expert_ptr`). For the launch
+    wrappers it has a 3-D tensor's metadata: shape, stride() (0 between experts), dtype, device."""
+
+    def __init__(self, tensors):
+        tensors = tuple(tensors)
+        t0 = tensors[0]
+        self.tensors = tensors  # (the caller holds them for the call; kept here for the operand's lifetime)
+        self.shape = torch.Size((len(tensors),) + tuple(t0.shape))
+        self._strides = (0,) + tuple(t0.stride())
+        self.dtype, self.device = t0.dtype, t0.device
+        self.table = address_table(tuple(t.data_ptr() for t in tensors), t0.device)
+
+    @staticmethod
+    def usable(tensors) -> bool:
+        """Whether E tensors can be read through one table: 2-D, one shape, strides, dtype and device."""
+        tensors = tuple(tensors)
+        if not tensors or any(not isinstance(t, torch.Tensor) or t.dim() != 2 for t in tensors):
+            return False
+        t0 = tensors[0]
+        return all(t.shape == t0.shape and t.stride() == t0.stride() and t.dtype == t0.dtype
+                   and t.device == t0.device for t in tensors)
+
+    @staticmethod
+    def of(payload) -> "ExpertTable":
+        """The table of a 3-D tensor's experts or of a sequence of E 2-D tensors."""
+        return ExpertTable(payload.unbind(0) if isinstance(payload, torch.Tensor) else payload)
+
+    def stride(self, dim=None):
+        return self._strides if dim is None else self._strides[dim]
+
+
+# The device address tables, per (device, addresses); never evicted below the bound (a CUDA graph that
+# captured a kernel reading a table reads it again at every replay). Weights that stay in place (the
+# usual case) reuse their tables: one entry per routed weight operand of each layer.
+_TABLES: dict = {}
+_TABLES_MAX = 1 << 14
+
+
+def address_table(ptrs: tuple, device: torch.device) -> torch.Tensor:
+    """int64 [E] on `device` holding `ptrs`, cached. The first call for a set of addresses copies them to
+    the device (from pinned memory, stream-ordered), which a CUDA-graph capture cannot do: warm up first."""
+    key = (device, ptrs)
+    hit = _TABLES.get(key)
+    if hit is not None:
+        return hit[0]
+    host = torch.tensor(ptrs, dtype=torch.int64)
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split per-expert weights: their first call is under CUDA-graph capture, which "
+                               "cannot copy the weights' address table to the device; run the layer once "
+                               "before capturing (warm-up)")
+        host = host.pin_memory()
+        table = host.to(device, non_blocking=True)
+    else:
+        table = host
+    if len(_TABLES) >= _TABLES_MAX:
+        _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[key] = (table, host)  # (the pinned source stays alive until its copy has run)
+    return table
+
+
 def w_args(op) -> tuple:
-    """Kernel arguments of an operand (`mok_inductor.mxfp8.Operand` of 3-D tensors) read as [E, n, k]:
-    data, its strides, scales (the data again when plain), their strides."""
+    """Kernel arguments of an operand (`mok_inductor.mxfp8.Operand` of 3-D tensors or of `ExpertTable`s)
+    read as [E, n, k]: data, its strides, scales, their strides. A plain operand's scales are its data
+    again (through a table: its first expert's tensor, whose dtype the kernel reads the addresses as)."""
     d = op.data
     s = op.scale if op.scale is not None else d
-    return (d, d.stride(0), d.stride(1), d.stride(2), s, s.stride(0), s.stride(1), s.stride(2))
+    dp = d.table if isinstance(d, ExpertTable) else d
+    if isinstance(s, ExpertTable):
+        sp = s.table if op.scale is not None else s.tensors[0]
+    else:
+        sp = s
+    return (dp, d.stride(0), d.stride(1), d.stride(2), sp, s.stride(0), s.stride(1), s.stride(2))
+
+
+def w_meta(*ops) -> dict:
+    """W_TABLE of a launch's weight operands: all read through address tables (`ExpertTable`) or none."""
+    tables = {isinstance(op.data, ExpertTable) for op in ops}
+    if len(tables) != 1:
+        raise AssertionError("a launch's weight operands are all ExpertTables or all tensors")
+    return dict(W_TABLE=tables.pop())
 
 
 @triton.jit
@@ -156,6 +260,7 @@ def dequantized(op: Operand, dtype: torch.dtype) -> Operand:
     tile often enough that dequantizing it in every K loop costs more (kernels.MX_DEQUANTIZE_MIN_ROWS)."""
     if not op.quantized:
         return op
+    op = op.stacked()  # (split per-expert data and scales: one copy of the quantized bytes)
     d, q = op.data, op.scale
     E, n, k = d.shape
     out = torch.empty(E, n, k, dtype=dtype, device=d.device)
@@ -205,7 +310,7 @@ def _gate_up_tile(
     H, I, E, TOPK, limit, above, below, group, row_start, row_end, pid_n,
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, PERSISTENT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_TABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The K loop and epilogue of one tile of expert `group`'s rows [row_start, row_end). PERSISTENT: the
     tile may be idle (no rows) or of the `-1` tail group: no K step runs, and the tail's g, u, h are zero."""
@@ -223,6 +328,8 @@ def _gate_up_tile(
         tok = tl.load(routes_ptr + rows, mask=rmask, other=0) // TOPK
     ks = tl.arange(0, BLOCK_K)
     e64 = group.to(tl.int64)
+    wg, gs = w_bases(wg_ptr, gs_ptr, e64, g_e, gs_e, E, W_TABLE, MX_G)
+    wu, us = w_bases(wu_ptr, us_ptr, e64, u_e, us_e, E, W_TABLE, MX_U)
     a_row = x_ptr + tok[:, None].to(tl.int64) * stride_xt
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -234,10 +341,8 @@ def _gate_up_tile(
         kk = k0 + ks
         kmask = kk < H
         a = tl.load(a_row + kk[None, :] * stride_xh, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        bg = w_tile(wg_ptr, gs_ptr, e64, kk, cols, kmask, cmask, g_e, g_n, g_k, gs_e, gs_n, gs_k, x_ptr,
-                    MX_G, DOT_PREC)
-        bu = w_tile(wu_ptr, us_ptr, e64, kk, cols, kmask, cmask, u_e, u_n, u_k, us_e, us_n, us_k, x_ptr,
-                    MX_U, DOT_PREC)
+        bg = w_tile(wg, gs, kk, cols, kmask, cmask, g_n, g_k, gs_n, gs_k, x_ptr, MX_G, DOT_PREC)
+        bu = w_tile(wu, us, kk, cols, kmask, cmask, u_n, u_k, us_n, us_k, x_ptr, MX_U, DOT_PREC)
         acc_g = mma(a, bg, acc_g, DOT_PREC)
         acc_u = mma(a, bu, acc_u, DOT_PREC)
     g = to_out(acc_g, gu_ptr, DOT_PREC).to(tl.float32)
@@ -269,8 +374,9 @@ def _gate_up_kernel(
     M, H, I, E, TOPK,  # rows (routes), hidden, intermediate, experts, routes per token
     limit, above, below,  # swiglu clamp (HAS_LIMIT); the stored dtype's neighbours of it (KEEP_CLIP)
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr,
+    GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 (the epilogue would compute in fp64): float32 scalars
     limit = tl.cast(limit, tl.float32)
@@ -296,7 +402,8 @@ def _gate_up_kernel(
     _gate_up_tile(x_ptr, stride_xt, stride_xh, routes_ptr, wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k,
                   wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k, gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm,
                   stride_hi, H, I, E, TOPK, limit, above, below, group, row_start, row_end, pid_n,
-                  SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, False, BLOCK_M, BLOCK_N, BLOCK_K)
+                  SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, False, W_TABLE,
+                  BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @_launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY)
@@ -307,8 +414,9 @@ def _gate_up_persistent_kernel(
     gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm, stride_hi,
     M, H, I, E, TOPK, limit, above, below,
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, GROUPS_POW2: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr,
+    GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """_gate_up_kernel's tiles (the same arguments) looped over by a grid of about one program per SM, the
     tile loop flattened into the K loop (the next tile's loads can overlap this tile's epilogue)."""
@@ -325,7 +433,8 @@ def _gate_up_persistent_kernel(
         _gate_up_tile(x_ptr, stride_xt, stride_xh, routes_ptr, wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k,
                       wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k, gu_ptr, stride_gm, stride_gn, h_ptr,
                       stride_hm, stride_hi, H, I, E, TOPK, limit, above, below, group, row_start, row_end, pid_n,
-                      SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, True, BLOCK_M, BLOCK_N, BLOCK_K)
+                      SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, True, W_TABLE,
+                      BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # The gate/up GEMM as a persistent kernel (_gate_up_persistent_kernel): an A/B candidate, off until measured
@@ -369,7 +478,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         M, H, I, E, topk, 0.0 if limit is None else float(limit), above, below,
         SINGLE=single, MX_G=gate.quantized, MX_U=up.quantized, WRITE_H=h_out is not None,
         HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip, DOT_PREC=_launch.dot_precision(x_TH.dtype),
-        GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M,
+        GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(gate, up),
     )
     return gu_out
 
@@ -392,7 +501,7 @@ def _grouped_rows_kernel(
     out_ptr, stride_om, stride_on,  # out [rows, NCOL]; row = route (SCATTER) or the sorted row
     M, NCOL, KD, E,
     SINGLE: tl.constexpr, SCATTER: tl.constexpr, TWO: tl.constexpr, MX1: tl.constexpr, MX2: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr,
     GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -406,22 +515,22 @@ def _grouped_rows_kernel(
     cmask = cols < NCOL
     ks = tl.arange(0, BLOCK_K)
     e64 = group.to(tl.int64)
+    w1, q1 = w_bases(w1_ptr, q1_ptr, e64, s1_e, q1_e, E, W_TABLE, MX1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a_row = a_ptr + rows[:, None].to(tl.int64) * stride_am
     for k0 in range(0, KD, BLOCK_K):
         kk = k0 + ks
         kmask = kk < KD
         a = tl.load(a_row + kk[None, :] * stride_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = w_tile(w1_ptr, q1_ptr, e64, kk, cols, kmask, cmask, s1_e, s1_n, s1_k, q1_e, q1_n, q1_k, out_ptr,
-                   MX1, DOT_PREC)
+        w = w_tile(w1, q1, kk, cols, kmask, cmask, s1_n, s1_k, q1_n, q1_k, out_ptr, MX1, DOT_PREC)
         acc = mma(a, w, acc, DOT_PREC)
     if TWO:
+        w2, q2 = w_bases(w2_ptr, q2_ptr, e64, s2_e, q2_e, E, W_TABLE, MX2)
         for k0 in range(0, KD, BLOCK_K):
             kk = k0 + ks
             kmask = kk < KD
             a = tl.load(a_row + (KD + kk[None, :]) * stride_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            w = w_tile(w2_ptr, q2_ptr, e64, kk, cols, kmask, cmask, s2_e, s2_n, s2_k, q2_e, q2_n, q2_k, out_ptr,
-                       MX2, DOT_PREC)
+            w = w_tile(w2, q2, kk, cols, kmask, cmask, s2_n, s2_k, q2_n, q2_k, out_ptr, MX2, DOT_PREC)
             acc = mma(a, w, acc, DOT_PREC)
     if SCATTER:
         dest = tl.load(routes_ptr + rows, mask=rmask, other=0)
@@ -449,8 +558,9 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, 
         *w_args(w1), *w_args(w2),
         out, out.stride(0), out.stride(1),
         M, NCOL, KD, E,
-        SINGLE=single, SCATTER=scatter, TWO=two, MX1=w1.quantized, MX2=w2.quantized, DOT_PREC=_launch.dot_precision(a_MK.dtype),
-        GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M,
+        SINGLE=single, SCATTER=scatter, TWO=two, MX1=w1.quantized, MX2=w2.quantized,
+        DOT_PREC=_launch.dot_precision(a_MK.dtype), GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M,
+        **w_meta(w1, w2),
     )
     return out
 
@@ -560,13 +670,15 @@ def rowdot(x_TH, w_1H):
 # Pieces of the forward shared by the routed and the shared expert, bf16 and MXFP8
 
 def plain(w) -> Operand:
-    """A float weight as a kernel operand (no scales)."""
-    return Operand(w, None)
+    """A float weight (3-D, or a sequence of E 2-D tensors) as a kernel operand (no scales)."""
+    return Operand(w if isinstance(w, torch.Tensor) else tuple(w), None)
 
 
 def plain_t(w) -> Operand:
-    """The transpose of a float weight ([E, a, b] read as [E, b, a]) as a kernel operand."""
-    return Operand(w.transpose(-2, -1), None)
+    """The transpose of a float weight ([E, a, b], or E x [a, b], read as [E, b, a]) as a kernel operand."""
+    if isinstance(w, torch.Tensor):
+        return Operand(w.transpose(-2, -1), None)
+    return Operand(tuple(t.transpose(-2, -1) for t in w), None)
 
 
 def expert_mlp(x_TH, gate, up, down, gu_out, out, routes_N, offsets_E1, topk, limit, *, scatter, single=False):
