@@ -32,7 +32,6 @@ from bench_moe import SHAPES, bench, make_inputs  # noqa: E402
 
 def main():
     from mok_inductor import functional as mf
-    from mok_inductor import kernels
 
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b")
@@ -40,7 +39,9 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     rows = []
-    real_kernel_operands = kernels._kernel_operands
+    from mok_inductor.kernels.moe_fwd import ExpertTable
+
+    real_of = ExpertTable.of
     for name in a.shapes.split(","):
         T, H, I, E, K = SHAPES[name]
         x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, "balanced")
@@ -69,14 +70,13 @@ def main():
         for _ in range(a.rounds):
             for v, routed in layouts.items():
                 if v == "split, stacked per call":  # the stacking path (as while torch.compile traces)
-                    kernels._kernel_operands = lambda ops, fields: real_kernel_operands(  # noqa: E731
-                        kernels.RoutedOperands(*(None if o is None else o.stacked() for o in ops)), fields)
+                    ExpertTable.of = staticmethod(lambda p: real_of(p) if isinstance(p, torch.Tensor) else None)
                 try:
                     for m, fn in steps(routed).items():
                         fn()
                         times[(v, m)].append(bench(fn)[0])
                 finally:
-                    kernels._kernel_operands = real_kernel_operands
+                    ExpertTable.of = staticmethod(real_of)
         for (v, m), ts in times.items():
             ms = sorted(ts)[len(ts) // 2]
             base = sorted(times[("3-D weights", m)])[len(ts) // 2]

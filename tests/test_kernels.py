@@ -448,7 +448,7 @@ def test_split_weights_persistent_gate_up(monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_split_weights_of_mixed_strides_are_stacked():
+def test_split_weights_of_mixed_strides_are_stacked(monkeypatch):
     # experts that differ in strides cannot share one table: they are stacked (one copy), same results
     from mok_inductor.kernels.moe_fwd import ExpertTable
 
@@ -456,25 +456,92 @@ def test_split_weights_of_mixed_strides_are_stacked():
     wg, wu, wd, *_ = _args(case)
     mixed = _split(wd)
     mixed[1] = _split(wd[1:2], contiguous=False)[0]  # column-major
-    assert not ExpertTable.usable(mixed) and ExpertTable.usable(_split(wd))
-    assert not ExpertTable.usable([wd[0], wd[1][:, :8]])  # shapes differ
+    assert ExpertTable.of(mixed) is None and ExpertTable.of(_split(wd)) is not None
+    assert ExpertTable.of([wd[0], wd[1][:, :8]]) is None  # shapes differ
     sched = kernels.build_schedule(case.top_experts, 3)
     args = (case.x, case.router_weights, case.top_experts, sched)
     y3 = kernels.moe_forward(*args, wg, wu, wd).y_TH
+    stacked, real_stack = [], torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacked.append(len(ts)) or real_stack(ts, *a, **k))
     yl = kernels.moe_forward(*args, _split(wg), _split(wu), mixed).y_TH
+    assert stacked == [3]  # the down weight only; gate and up through tables
     assert torch.equal(yl, y3)
 
 
-def test_address_tables_are_cached_per_weight_set():
-    # the same weights (also their transposed views, which the backward reads) reuse one device table
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_split_mxfp8_weights_through_tables(dequantize, monkeypatch):
+    # split MXFP8 data and scales (kernels.forward/backward's operands) through address tables: bitwise the
+    # 3-D operands' forward and backward; dequantize: the large-rows path, whose transient 3-D copy is read
+    # through a table computed on the device, so repeated calls add nothing to the table cache
+    from mok_inductor import mxfp8
+    from mok_inductor.kernels import moe_fwd
+
+    if dequantize:
+        monkeypatch.setattr(kernels, "MX_DEQUANTIZE_MIN_ROWS", 0)
+    case = make_case(T=12, H=64, I=32, E=3, K=2, dtype=torch.bfloat16, device=DEV, requires_grad=False, seed=5)
+    qg, qd = mxfp8.quantize(case.gate_up_proj), mxfp8.quantize(case.down_proj)
+    ops3 = mxfp8.routed_operands(tuple(qg[:4]), tuple(qd[:4]))
+    split = lambda p: None if p is None else [t.clone() for t in p.unbind(0)]  # noqa: E731
+    opsl = mxfp8.routed_operands(tuple(split(p) for p in qg[:4]), tuple(split(p) for p in qd[:4]))
+    plain_down = [t.clone() for t in case.down_proj.unbind(0)]
+    sched = kernels.build_schedule(case.top_experts, 3)
+    args = (case.x, case.router_weights, case.top_experts, sched)
+    f3, fl = kernels.forward(*args, ops3), kernels.forward(*args, opsl)
+    assert torch.equal(f3.y_TH, fl.y_TH) and torch.equal(f3.gu_N2I, fl.gu_N2I)
+    dy = random_like(case.x, 3)
+
+    def grads():
+        return reference.GradBuffers(*(torch.zeros(3, *s_, dtype=torch.bfloat16, device=DEV)
+                                       for s_ in ((32, 64), (32, 64), (64, 32))))
+
+    b3 = kernels.backward(dy, *args[:3], sched, ops3, f3.gu_N2I, grads=grads())
+    bl = kernels.backward(dy, *args[:3], sched, opsl, fl.gu_N2I, grads=grads())
+    assert torch.equal(b3.dx_TH, bl.dx_TH) and torch.equal(b3.d_router_weights_TK, bl.d_router_weights_TK)
+    mixed = opsl._replace(down=mxfp8.Operand(tuple(plain_down), None))  # MXFP8 gate/up, a plain split down
+    kernels.forward(*args, mixed)
+    n = len(moe_fwd._TABLES)
+    for _ in range(3):
+        kernels.forward(*args, mixed)
+    assert len(moe_fwd._TABLES) == n
+
+
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_address_tables(misaligned, monkeypatch):
+    # the same weights (also their transposed views, which the backward reads) reuse one device table; a 3-D
+    # weight's table is computed on the device (not cached); the kernels are told the addresses are 16-byte
+    # aligned only when every one is (W_TABLE 2, else 1), with the same results either way
+    from mok_inductor.kernels import _launch, moe_fwd
     from mok_inductor.kernels.moe_fwd import ExpertTable
 
     ws = [torch.randn(4, 8, device=DEV) for _ in range(3)]
-    a, b = ExpertTable(ws), ExpertTable([w.t() for w in ws])
-    assert a.table is b.table and a.table.dtype == torch.int64 and a.table.device.type == ws[0].device.type
-    assert a.table.cpu().tolist() == [w.data_ptr() for w in ws]
-    assert a.shape == (3, 4, 8) and b.shape == (3, 8, 4) and b.stride() == (0, 1, 8)
-    assert ExpertTable([w.clone() for w in ws]).table is not a.table
+    a = ExpertTable.of(ws)
+    assert ExpertTable.of([w.t() for w in ws]).table is a.table and a.table.dtype == torch.int64
+    assert a.table.cpu().tolist() == [w.data_ptr() for w in ws] and a.aligned
+    assert a.shape == (3, 4, 8) and a.t().shape == (3, 8, 4) and a.t().stride() == (0, 1, 8)
+    assert ExpertTable.of([w.clone() for w in ws]).table is not a.table
+    w3 = torch.randn(3, 4, 8, device=DEV)
+    n = len(moe_fwd._TABLES)
+    t3 = ExpertTable.of(w3)
+    assert t3.table.cpu().tolist() == [w3[e].data_ptr() for e in range(3)] and len(moe_fwd._TABLES) == n
+
+    case = make_case(T=9, H=32, I=16, E=3, K=2, dtype=torch.bfloat16, device=DEV, requires_grad=False, seed=6)
+    wg, wu, wd, *_ = _args(case)
+    if misaligned:  # expert 1 of each weight one element (2 bytes) past a 16-byte boundary
+        def split(w):
+            out = _split(w)
+            buf = torch.empty(w[1].numel() + 1, dtype=w.dtype, device=w.device)
+            out[1] = buf[1:].view_as(w[1]).copy_(w[1])
+            return out
+    else:
+        split = _split
+    flags, real_launch = [], _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda k, g, *a, **kw: flags.append(kw.get("W_TABLE")) or
+                        real_launch(k, g, *a, **kw))
+    sched = kernels.build_schedule(case.top_experts, 3)
+    args = (case.x, case.router_weights, case.top_experts, sched)
+    yl = kernels.moe_forward(*args, split(wg), split(wu), split(wd)).y_TH
+    assert set(f for f in flags if f is not None) == {1 if misaligned else 2}
+    assert torch.equal(yl, kernels.moe_forward(*args, wg, wu, wd).y_TH)
 
 
 def test_strided_and_expanded_inputs():

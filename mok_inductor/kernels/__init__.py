@@ -65,31 +65,43 @@ else:  # pragma: no cover
     build_schedule = reference.build_schedule
 
 
-def _plain_operands(w_gate, w_up, w_down) -> RoutedOperands:
-    """bf16 (float) weights, 3-D or sequences of E 2-D tensors, as kernel operands."""
-    return RoutedOperands(plain(w_gate), plain(w_up), plain(w_down), plain_t(w_gate), plain_t(w_up), plain_t(w_down))
+def _plain_operands(w_gate, w_up, w_down, *, transposed: bool) -> RoutedOperands:
+    """bf16 (float) weights, 3-D or sequences of E 2-D tensors, as kernel operands: the row-wise ones (the
+    forward's) or the transposed ones (the backward's), the others None."""
+    if transposed:
+        return RoutedOperands(None, None, None, plain_t(w_gate), plain_t(w_up), plain_t(w_down))
+    return RoutedOperands(plain(w_gate), plain(w_up), plain(w_down), None, None, None)
 
 
 def _num_experts(op) -> int:
-    return op.data.shape[0] if isinstance(op.data, torch.Tensor) else len(op.data)
+    return op.data.shape[0] if isinstance(op.data, (torch.Tensor, ExpertTable)) else len(op.data)
 
 
 def _kernel_operands(ops: RoutedOperands, fields) -> RoutedOperands:
-    """The operands `fields` as the kernels read them (the others None): 3-D tensors, or, when any is split
-    per expert, every one through an address table (ExpertTable: no copy). While torch.compile traces (no
-    data pointers) or when a split operand's experts differ in shape or strides, split operands are stacked
-    instead (one copy)."""
+    """The operands `fields` as the kernels read them (the others None): all 3-D tensors, or, when any
+    is split per expert, all `ExpertTable`s (no copy; a 3-D one's table is computed on the device). Split
+    payloads that cannot be tables (traced: no data pointers; experts of different shapes or strides) are
+    stacked first (one copy)."""
     ops = RoutedOperands(*(getattr(ops, f) if f in fields else None for f in RoutedOperands._fields))
-    live = [o for o in ops if o is not None]
-    if all(isinstance(o.data, torch.Tensor) for o in live):
+    payloads = [p for o in ops if o is not None for p in (o.data, o.scale) if p is not None]
+    if all(isinstance(p, torch.Tensor) for p in payloads):
         return ops
-    tabulable = all(isinstance(p, torch.Tensor) or ExpertTable.usable(p)
-                    for o in live for p in (o.data, o.scale) if p is not None)
-    if torch.compiler.is_compiling() or not tabulable:
-        return RoutedOperands(*(None if o is None else o.stacked() for o in ops))
+    tensors = [t for p in payloads if not isinstance(p, ExpertTable)
+               for t in ((p,) if isinstance(p, torch.Tensor) else p)]
+    traced = torch.compiler.is_compiling() or _launch.traced(tensors)
+
+    def split(p):  # sequences -> ExpertTable, or stacked
+        if p is None or isinstance(p, (torch.Tensor, ExpertTable)):
+            return p
+        table = None if traced else ExpertTable.of(p)
+        return table if table is not None else torch.stack(list(p))
+
+    ops = RoutedOperands(*(None if o is None else Operand(split(o.data), split(o.scale)) for o in ops))
+    if not any(isinstance(p, ExpertTable) for o in ops if o is not None for p in (o.data, o.scale)):
+        return ops
 
     def table(p):
-        return None if p is None else ExpertTable.of(p)
+        return p if p is None or isinstance(p, ExpertTable) else ExpertTable.of(p)
 
     return RoutedOperands(*(None if o is None else Operand(table(o.data), table(o.scale)) for o in ops))
 
@@ -103,7 +115,7 @@ MX_DEQUANTIZE_MIN_ROWS = 256
 def _dequantized_if_large(ops: RoutedOperands, n_routes, dtype, fields, *, symbolic: bool) -> RoutedOperands:
     """`symbolic`: the choice when n_routes is a symbolic size (torch.compile, dynamic shapes), where the
     forward keeps the K-loop reads (decode, no transient copy) and the backward dequantizes (training)."""
-    E = _num_experts(ops.gate)
+    E = _num_experts(next(getattr(ops, f) for f in fields if getattr(ops, f) is not None))
     if not any(getattr(ops, f) is not None and getattr(ops, f).quantized for f in fields):
         return ops
     if not _launch.at_least(n_routes, MX_DEQUANTIZE_MIN_ROWS * max(E, 1), symbolic):
@@ -117,7 +129,8 @@ def _dequantized_if_large(ops: RoutedOperands, n_routes, dtype, fields, *, symbo
 
 def moe_forward(x_TH, router_weights_TK, top_experts_TK, schedule, w_gate, w_up, w_down, s_gate=None,
                 s_up=None, s_down=None, s_out_gate_1H=None, swiglu_limit=None) -> reference.ForwardResult:
-    return forward(x_TH, router_weights_TK, top_experts_TK, schedule, _plain_operands(w_gate, w_up, w_down),
+    return forward(x_TH, router_weights_TK, top_experts_TK, schedule,
+                   _plain_operands(w_gate, w_up, w_down, transposed=False),
                    s_gate, s_up, s_down, s_out_gate_1H, swiglu_limit)
 
 
@@ -154,7 +167,8 @@ def moe_backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, w_gat
                  s_gate=None, s_up=None, s_down=None, s_out_gate_1H=None, gu_shared_T2Is=None, swiglu_limit=None,
                  *, grads=None, accumulate=False) -> reference.BackwardResult:
     grads = reference.GradBuffers.allocate(grads, w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate_1H)
-    return backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, _plain_operands(w_gate, w_up, w_down),
+    return backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule,
+                    _plain_operands(w_gate, w_up, w_down, transposed=True),
                     gu_N2I, s_gate, s_up, s_down, s_out_gate_1H, gu_shared_T2Is, swiglu_limit, grads=grads,
                     accumulate=accumulate)
 

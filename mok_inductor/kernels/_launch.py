@@ -62,7 +62,7 @@ def traced_variant(kernel):
     return variants[1] if (config.max_autotune or config.max_autotune_gemm) else variants[0]
 
 
-def _traced(args) -> bool:
+def traced(args) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
 
@@ -74,7 +74,7 @@ def _traced(args) -> bool:
 
 def launch(kernel, grid, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), through wrap_triton when traced."""
-    if not INTERPRET and _traced(args):
+    if not INTERPRET and traced(args):
         torch.library.wrap_triton(traced_variant(kernel))[grid](*args, **kwargs)
     else:
         kernel[grid](*args, **kwargs)

@@ -21,6 +21,8 @@ N = T*K routes (M rows in a grouped kernel), G groups (E, or E + 1 with the `-1`
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -99,21 +101,30 @@ def row_tiles_worst(M: int, E: int, block_m: int, single: bool) -> int:
 def expert_ptr(ptr, e64, stride_e, E, TABLE: tl.constexpr, DT: tl.constexpr):
     """The start of expert e's [n, k] matrix: ptr + e * stride_e, or (TABLE: split per-expert allocations)
     the address in entry e of the int64 table at ptr, as a pointer to DT (e clamped into [0, E): the
-    tail group's and idle tiles' e is E and they read nothing)."""
-    if TABLE:
-        return tl.load(ptr + tl.where(e64 < E, e64, 0)).to(tl.pointer_type(DT))
-    else:
+    tail group's and idle tiles' e is E and they read nothing). TABLE == 2: every address is a multiple of
+    16 bytes, which the compiler must be told (a loaded address has no known alignment, and without it
+    the weight tiles are loaded element by element instead of by 16-byte asynchronous copies)."""
+    if TABLE == 0:
         return ptr + e64 * stride_e
+    else:
+        p = tl.load(ptr + tl.where(e64 < E, e64, 0)).to(tl.pointer_type(DT))
+        if TABLE == 2:
+            p = tl.multiple_of(p, 16)
+        return p
 
 
 @triton.jit
 def w_bases(w_ptr, s_ptr, e64, s_e, ss_e, E, TABLE: tl.constexpr, MX: tl.constexpr):
-    """(data, scales) starts of expert e of an operand (`w_args`). MX: e4m3 data, uint8 scales. Plain: the
-    scales argument is the data again (a tensor of the weight's dtype: through a table, the dtype the
+    """(data, scales) starts of expert e of an operand (`w_args`); TABLE as in expert_ptr, for the data (a
+    scale table is never declared aligned: the up half's scale rows start mid-line). MX: e4m3 data, uint8
+    scales. Plain: the scales argument is a tensor of the weight's dtype (through a table, the dtype the
     addresses are cast to), returned as is."""
     if MX:
         w = expert_ptr(w_ptr, e64, s_e, E, TABLE, tl.float8e4nv)
-        s = expert_ptr(s_ptr, e64, ss_e, E, TABLE, tl.uint8)
+        if TABLE == 0:
+            s = expert_ptr(s_ptr, e64, ss_e, E, 0, tl.uint8)
+        else:
+            s = expert_ptr(s_ptr, e64, ss_e, E, 1, tl.uint8)
     else:
         w = expert_ptr(w_ptr, e64, s_e, E, TABLE, s_ptr.dtype.element_ty)
         s = s_ptr
@@ -148,89 +159,98 @@ def e8m0_factor(sc):
 
 
 class ExpertTable:
-    """E 2-D tensors of one shape, strides, dtype and device (split per-expert allocations, or the experts
-    of a 3-D tensor) as one kernel operand read as [E, n, k]: the kernels read expert e at the address in
-    entry e of `table` (int64, on the device), with the common strides (`expert_ptr`). For the launch
-    wrappers it has a 3-D tensor's metadata: shape, stride() (0 between experts), dtype, device."""
+    """E [n, k] matrices of one shape, strides and dtype as one kernel operand read as [E, n, k]: the
+    kernels read expert e at the address in entry e of `table` (int64, on the device), with the common
+    strides (`expert_ptr`). Has a 3-D tensor's metadata for the launch wrappers: shape, stride() (0 between
+    experts), dtype, device; `witness` is a tensor of the weights' dtype (the kernels cast the addresses
+    to it), `aligned` whether every address is a multiple of 16 bytes."""
 
-    def __init__(self, tensors):
-        tensors = tuple(tensors)
-        t0 = tensors[0]
-        self.tensors = tensors  # (the caller holds them for the call; kept here for the operand's lifetime)
-        self.shape = torch.Size((len(tensors),) + tuple(t0.shape))
-        self._strides = (0,) + tuple(t0.stride())
-        self.dtype, self.device = t0.dtype, t0.device
-        self.table = address_table(tuple(t.data_ptr() for t in tensors), t0.device)
+    def __init__(self, table, shape, strides, witness, aligned):
+        self.table, self.witness, self.aligned = table, witness, aligned
+        self.shape, self._strides = torch.Size(shape), tuple(strides)
+        self.dtype, self.device = witness.dtype, witness.device
 
     @staticmethod
-    def usable(tensors) -> bool:
-        """Whether E tensors can be read through one table: 2-D, one shape, strides, dtype and device."""
-        tensors = tuple(tensors)
-        if not tensors or any(not isinstance(t, torch.Tensor) or t.dim() != 2 for t in tensors):
-            return False
+    def of(payload) -> Optional["ExpertTable"]:
+        """The table of a 3-D tensor's experts (computed on the device, uncached: capturable, and free for a
+        transient copy), or of a sequence of E 2-D tensors of one shape, strides, dtype and device (cached
+        per set of addresses, `address_table`); None for a sequence that is not so uniform."""
+        if isinstance(payload, torch.Tensor):
+            ptr, step = payload.data_ptr(), payload.stride(0) * payload.element_size()
+            table = torch.arange(payload.shape[0], dtype=torch.int64, device=payload.device) * step + ptr
+            return ExpertTable(table, payload.shape, (0,) + payload.stride()[1:], payload,
+                               ptr % 16 == 0 and step % 16 == 0)
+        tensors = tuple(payload)
+        if not tensors or not isinstance(tensors[0], torch.Tensor) or tensors[0].dim() != 2:
+            return None
         t0 = tensors[0]
-        return all(t.shape == t0.shape and t.stride() == t0.stride() and t.dtype == t0.dtype
-                   and t.device == t0.device for t in tensors)
+        meta = (t0.shape, t0.stride(), t0.dtype, t0.device)
+        ptrs = []
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or (t.shape, t.stride(), t.dtype, t.device) != meta:
+                return None
+            ptrs.append(t.data_ptr())
+        return ExpertTable(address_table(tuple(ptrs), t0.device), (len(tensors),) + tuple(t0.shape),
+                           (0,) + t0.stride(), t0, all(p % 16 == 0 for p in ptrs))
 
-    @staticmethod
-    def of(payload) -> "ExpertTable":
-        """The table of a 3-D tensor's experts or of a sequence of E 2-D tensors."""
-        return ExpertTable(payload.unbind(0) if isinstance(payload, torch.Tensor) else payload)
+    def t(self) -> "ExpertTable":
+        """The transposed matrices ([E, k, n]): the same addresses, the strides swapped."""
+        E, n, k = self.shape
+        return ExpertTable(self.table, (E, k, n), (0, self._strides[2], self._strides[1]), self.witness,
+                           self.aligned)
 
     def stride(self, dim=None):
         return self._strides if dim is None else self._strides[dim]
 
 
-# The device address tables, per (device, addresses); never evicted below the bound (a CUDA graph that
-# captured a kernel reading a table reads it again at every replay). Weights that stay in place (the
-# usual case) reuse their tables: one entry per routed weight operand of each layer.
+# The device address tables of split weights, per (device, addresses), least recently used evicted past
+# the bound (a CUDA graph that captured a kernel reading an evicted table would read freed memory at its
+# replays: the bound is far above one entry per routed weight of each layer).
 _TABLES: dict = {}
 _TABLES_MAX = 1 << 14
 
 
 def address_table(ptrs: tuple, device: torch.device) -> torch.Tensor:
-    """int64 [E] on `device` holding `ptrs`, cached. The first call for a set of addresses copies them to
-    the device (from pinned memory, stream-ordered), which a CUDA-graph capture cannot do: warm up first."""
+    """int64 [E] on `device` holding `ptrs`, cached. A set of addresses seen for the first time is copied to
+    the device synchronously (once per set of weights; then visible to every stream), which a CUDA-graph
+    capture cannot do: its first call must come before the capture (warm-up)."""
     key = (device, ptrs)
-    hit = _TABLES.get(key)
-    if hit is not None:
-        return hit[0]
-    host = torch.tensor(ptrs, dtype=torch.int64)
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
+    hit = _TABLES.pop(key, None)
+    if hit is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("split per-expert weights: their first call is under CUDA-graph capture, which "
                                "cannot copy the weights' address table to the device; run the layer once "
                                "before capturing (warm-up)")
-        host = host.pin_memory()
-        table = host.to(device, non_blocking=True)
-    else:
-        table = host
-    if len(_TABLES) >= _TABLES_MAX:
-        _TABLES.pop(next(iter(_TABLES)))
-    _TABLES[key] = (table, host)  # (the pinned source stays alive until its copy has run)
-    return table
+        hit = torch.tensor(ptrs, dtype=torch.int64).to(device)
+        while len(_TABLES) >= _TABLES_MAX:
+            _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[key] = hit  # (most recently used last)
+    return hit
 
 
 def w_args(op) -> tuple:
     """Kernel arguments of an operand (`mok_inductor.mxfp8.Operand` of 3-D tensors or of `ExpertTable`s)
     read as [E, n, k]: data, its strides, scales, their strides. A plain operand's scales are its data
-    again (through a table: its first expert's tensor, whose dtype the kernel reads the addresses as)."""
+    again (through a table: a tensor of its dtype, which the kernel reads the addresses as)."""
     d = op.data
     s = op.scale if op.scale is not None else d
     dp = d.table if isinstance(d, ExpertTable) else d
     if isinstance(s, ExpertTable):
-        sp = s.table if op.scale is not None else s.tensors[0]
+        sp = s.table if op.scale is not None else s.witness
     else:
         sp = s
     return (dp, d.stride(0), d.stride(1), d.stride(2), sp, s.stride(0), s.stride(1), s.stride(2))
 
 
 def w_meta(*ops) -> dict:
-    """W_TABLE of a launch's weight operands: all read through address tables (`ExpertTable`) or none."""
-    tables = {isinstance(op.data, ExpertTable) for op in ops}
-    if len(tables) != 1:
+    """W_TABLE of a launch's weight operands, all tensors (0) or all `ExpertTable`s: 2 when every data
+    address is 16-byte aligned, else 1."""
+    tables = [isinstance(op.data, ExpertTable) for op in ops]
+    if not any(tables):
+        return dict(W_TABLE=0)
+    if not all(tables):
         raise AssertionError("a launch's weight operands are all ExpertTables or all tensors")
-    return dict(W_TABLE=tables.pop())
+    return dict(W_TABLE=2 if all(op.data.aligned for op in ops) else 1)
 
 
 @triton.jit
@@ -669,16 +689,26 @@ def rowdot(x_TH, w_1H):
 # ---------------------------------------------------------------------------------------------
 # Pieces of the forward shared by the routed and the shared expert, bf16 and MXFP8
 
+def _split_payload(w, transposed: bool):
+    """A sequence of E 2-D weights as an ExpertTable (no copy), or, while traced (no data pointers) or when
+    the experts differ in shape or strides, as a tuple of (transposed) tensors, which kernels.forward stacks."""
+    w = tuple(w)
+    table = None if torch.compiler.is_compiling() or _launch.traced(w) else ExpertTable.of(w)
+    if table is not None:
+        return table.t() if transposed else table
+    return tuple(t.transpose(-2, -1) for t in w) if transposed else w
+
+
 def plain(w) -> Operand:
     """A float weight (3-D, or a sequence of E 2-D tensors) as a kernel operand (no scales)."""
-    return Operand(w if isinstance(w, torch.Tensor) else tuple(w), None)
+    return Operand(w if isinstance(w, torch.Tensor) else _split_payload(w, False), None)
 
 
 def plain_t(w) -> Operand:
     """The transpose of a float weight ([E, a, b], or E x [a, b], read as [E, b, a]) as a kernel operand."""
     if isinstance(w, torch.Tensor):
         return Operand(w.transpose(-2, -1), None)
-    return Operand(tuple(t.transpose(-2, -1) for t in w), None)
+    return Operand(_split_payload(w, True), None)
 
 
 def expert_mlp(x_TH, gate, up, down, gu_out, out, routes_N, offsets_E1, topk, limit, *, scatter, single=False):
