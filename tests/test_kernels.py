@@ -415,10 +415,9 @@ def test_split_per_expert_weights_read_in_place(name, combined, monkeypatch):
     assert {tuple(t.data_ptr() for t in w) for w in (lg, lu, ld)} <= set(tables)
     for a, b in zip(fwdl, fwd3):
         assert torch.equal(a, b)
-    nan = lambda w: torch.full_like(w, float("nan"))  # noqa: E731
-    g3 = reference.GradBuffers(nan(wg), nan(wu), nan(wd), *(None if w is None else nan(w) for w in (sg, su, sd, sog)))
-    gl = reference.GradBuffers([nan(t) for t in lg], [nan(t) for t in lu], [nan(t) for t in ld],
-                               *(None if w is None else nan(w) for w in (sg, su, sd, sog)))
+    g3 = _poisoned_grads(case)
+    gl = _poisoned_grads(case)  # the routed destinations as per-expert lists
+    gl = gl._replace(**{f: [t.clone() for t in getattr(gl, f)] for f in ("d_gate", "d_up", "d_down")})
     rest = (sg, su, sd, sog, fwd3.gu_shared_T2Is, case.swiglu_limit)
     b3 = kernels.moe_backward(dy, case.x, case.router_weights, case.top_experts, sched, wg, wu, wd, fwd3.gu_N2I,
                               *rest, grads=g3)

@@ -88,7 +88,7 @@ def _kernel_operands(ops: RoutedOperands, fields) -> RoutedOperands:
         return ops
     tensors = [t for p in payloads if not isinstance(p, ExpertTable)
                for t in ((p,) if isinstance(p, torch.Tensor) else p)]
-    traced = torch.compiler.is_compiling() or _launch.traced(tensors)
+    traced = _launch.without_pointers(tensors)
 
     def split(p):  # sequences -> ExpertTable, or stacked
         if p is None or isinstance(p, (torch.Tensor, ExpertTable)):

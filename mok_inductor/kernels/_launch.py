@@ -72,6 +72,12 @@ def traced(args) -> bool:
     return any(isinstance(a, (FakeTensor, FunctionalTensor)) for a in args)
 
 
+def without_pointers(tensors) -> bool:
+    """Whether these tensors have no data pointers to read: torch.compile is tracing, or they are fake or
+    functional (AOTAutograd). Split weights are then stacked instead of read through address tables."""
+    return torch.compiler.is_compiling() or traced(tensors)
+
+
 def launch(kernel, grid, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), through wrap_triton when traced."""
     if not INTERPRET and traced(args):

@@ -74,8 +74,8 @@ def _bwd_act_body(
     dh_ptr,  # float32 [M, I] out (STORE_ACC: the accumulator only, no epilogue)
     M, H, I, E, TOPK, limit,
     SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, MX_D: tl.constexpr, STORE_ACC: tl.constexpr,
-    SUBTILE: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUBTILE: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr, GROUPS_POW2: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     limit = tl.cast(limit, tl.float32)  # Inductor passes a Python float as fp64: keep the epilogue in fp32
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, E, I, SINGLE, BLOCK_M, BLOCK_N, GROUP_M)

@@ -121,10 +121,7 @@ def w_bases(w_ptr, s_ptr, e64, s_e, ss_e, E, TABLE: tl.constexpr, MX: tl.constex
     addresses are cast to), returned as is."""
     if MX:
         w = expert_ptr(w_ptr, e64, s_e, E, TABLE, tl.float8e4nv)
-        if TABLE == 0:
-            s = expert_ptr(s_ptr, e64, ss_e, E, 0, tl.uint8)
-        else:
-            s = expert_ptr(s_ptr, e64, ss_e, E, 1, tl.uint8)
+        s = expert_ptr(s_ptr, e64, ss_e, E, TABLE != 0, tl.uint8)  # (a table, never declared aligned)
     else:
         w = expert_ptr(w_ptr, e64, s_e, E, TABLE, s_ptr.dtype.element_ty)
         s = s_ptr
@@ -693,7 +690,7 @@ def _split_payload(w, transposed: bool):
     """A sequence of E 2-D weights as an ExpertTable (no copy), or, while traced (no data pointers) or when
     the experts differ in shape or strides, as a tuple of (transposed) tensors, which kernels.forward stacks."""
     w = tuple(w)
-    table = None if torch.compiler.is_compiling() or _launch.traced(w) else ExpertTable.of(w)
+    table = None if _launch.without_pointers(w) else ExpertTable.of(w)
     if table is not None:
         return table.t() if transposed else table
     return tuple(t.transpose(-2, -1) for t in w) if transposed else w
