@@ -155,7 +155,7 @@ def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperan
                                               swiglu_limit)
 
     y_TH = torch.empty(T, H, dtype=dtype, device=dev)
-    combine(y_NH, flat(top_experts_TK), y_TH, rw_N=flat(router_weights_TK.float()), s_TH=s_TH, logit_T=logit_T)
+    combine(y_NH, flat(top_experts_TK), y_TH, rw_N=flat(router_weights_TK), s_TH=s_TH, logit_T=logit_T)
     return reference.ForwardResult(y_TH, gu_N2I, gu_shared)
 
 

@@ -312,8 +312,10 @@ def swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
 # and, WRITE_H, the clamped SwiGLU h of the rounded g, u
 
 
+# the last: decode (a few rows per expert, the weights streamed), 0.2095 -> 0.2006 ms at qwen3-decode (H200,
+# benchmarks/decode_ab.py, session 7)
 _GATE_UP_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 64, 64, 4, 4), cfg(64, 128, 64, 4, 4), cfg(128, 64, 64, 8, 4),
-                    cfg(64, 64, 128, 4, 3)]
+                    cfg(64, 64, 128, 4, 3), cfg(64, 64, 64, 4, 6)]
 
 
 _GATE_UP_KEY = ["M", "H", "I", "E", "TOPK"]
@@ -590,7 +592,7 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, 
 def _combine_kernel(
     y_ptr, stride_yr, stride_yh,  # Y [T*K, H] per-route rows
     te_ptr,  # top_experts [T*K] (validity: >= 0)
-    rw_ptr,  # float32 [T*K] route weights (HAS_RW)
+    rw_ptr,  # [T*K] route weights (HAS_RW; any float dtype, used in float32)
     s_ptr, stride_st, stride_sh,  # S [T, H] (HAS_S)
     logit_ptr,  # float32 [T]: S is scaled by sigmoid(logit) (S_SIGMOID)
     bias_ptr, bscale_ptr,  # bias [H], float32 [T] (HAS_BIAS)
@@ -617,7 +619,7 @@ def _combine_kernel(
         valid = tl.load(te_ptr + r) >= 0
         y = tl.load(y_ptr + r * stride_yr + cols * stride_yh, mask=cmask & valid, other=0.0).to(tl.float32)
         if HAS_RW:
-            y = y * tl.load(rw_ptr + r)
+            y = y * tl.load(rw_ptr + r).to(tl.float32)
         acc += tl.where(valid, y, 0.0)
     out = to_out(acc, out_ptr, DOT_PREC)
     tl.store(out_ptr + t64 * stride_ot + cols * stride_oh, out, mask=cmask)

@@ -8,8 +8,8 @@
 Keys: the expert id, with `-1` routes as key E (so they sort last, in route order). Stable because
 chunk c's routes of key g take the slots after those of chunks < c, in route order inside a chunk
 (a one-hot prefix sum). Integer arithmetic only: deterministic. Static shapes, no host
-synchronisation (capturable in a CUDA graph). Ids outside [-1, E) are counted per chunk in bad_C and
-checked with torch._assert_async; they are treated as `-1` so no write goes out of bounds. The prefix
+synchronisation (capturable in a CUDA graph). Ids outside [-1, E) are counted per chunk in bad_C, folded
+into one flag by the prefix kernel and checked with torch._assert_async; they are treated as `-1` so no write goes out of bounds. The prefix
 sums are our own kernel rather than torch.cumsum: one launch instead of five, and no Inductor-generated
 scan over a strided dim inside compiled graphs.
 
@@ -59,10 +59,20 @@ def _schedule_prefix_kernel(
     counts_ptr,  # int32 [C, G]
     base_ptr,  # int32 [C, G] out: routes of key g in chunks < c
     totals_ptr,  # int32 [G] out: routes of key g
+    bad_ptr,  # int32 [C]: ids outside [-1, E) per chunk
+    ok_ptr,  # int32 [] out (program 0): 1 if no chunk has one, else 0
     C, G,
     BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
-    """One program per strip of BLOCK_G keys: a running exclusive prefix down the chunks, BLOCK_C at a time."""
+    """One program per strip of BLOCK_G keys: a running exclusive prefix down the chunks, BLOCK_C at a time.
+    Program 0 also folds the per-chunk counts of bad ids into one flag (what torch._assert_async reads: one
+    kernel, not a reduction, a comparison and the assert)."""
+    if tl.program_id(0) == 0:
+        nbad = tl.zeros((BLOCK_C,), dtype=tl.int32)
+        for c0 in range(0, C, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            nbad += tl.load(bad_ptr + c, mask=c < C, other=0)
+        tl.store(ok_ptr, (tl.sum(nbad, axis=0) == 0).to(tl.int32))
     g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
     gmask = g < G
     carry = tl.zeros((BLOCK_G,), dtype=tl.int32)
@@ -130,12 +140,13 @@ def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
     counts_CG = torch.empty(C, G, dtype=torch.int32, device=dev)
     bad_C = torch.empty(C, dtype=torch.int32, device=dev)
     _launch.launch(_schedule_count_kernel, (C,), te_N, counts_CG, bad_C, N, E, G_POW2=g_pow2, BLOCK=block)
-    torch._assert_async(bad_C.sum() == 0, f"top_experts: expected expert indices in [-1, {E})")
     base_CG = torch.empty(C, G, dtype=torch.int32, device=dev)
     totals_G = torch.empty(G, dtype=torch.int32, device=dev)
+    ok = torch.empty((), dtype=torch.int32, device=dev)
     block_g = 16 if not _launch.INTERPRET else min(16, g_pow2)
-    _launch.launch(_schedule_prefix_kernel, (triton.cdiv(G, block_g),), counts_CG, base_CG, totals_G, C, G,
-                   BLOCK_C=64, BLOCK_G=block_g)
+    _launch.launch(_schedule_prefix_kernel, (triton.cdiv(G, block_g),), counts_CG, base_CG, totals_G, bad_C, ok,
+                   C, G, BLOCK_C=64, BLOCK_G=block_g)
+    torch._assert_async(ok, f"top_experts: expected expert indices in [-1, {E})")
     sorted_N = torch.empty(N, dtype=torch.int32, device=dev)
     slots_N = torch.empty(N, dtype=torch.int32, device=dev)
     start_G = torch.empty(G, dtype=torch.int32, device=dev)
