@@ -2,9 +2,10 @@
 captured in one CUDA graph, and a profile of its replays, kernel by kernel (device time, the weight bytes
 each GEMM reads and the bandwidth that makes, the gaps between kernels); then the two GEMMs autotuned over
 a wider list of tile configs than the package's (smaller tiles, longer K steps, more stages), each graph
-timed again, in the same process.
+timed again, in the same process; --mxfp8 adds MXFP8 routed weights through the fp8 tensor cores
+(moe_fwd.MX_FP8_DOT) and through the dequantizing K loop.
 
-    python benchmarks/decode_ab.py [--shape qwen3-decode] [--out DIR]
+    python benchmarks/decode_ab.py [--shape qwen3-decode] [--mxfp8] [--out DIR]
 
 The floor is the bytes of the touched experts' weights over the measured copy bandwidth, as in
 benchmarks/bench_moe.py.
@@ -23,7 +24,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_moe import SHAPES, GraphedMok, bench, copy_bandwidth, make_inputs  # noqa: E402
+from bench_moe import SHAPES, GraphedMok, GraphedMokMxfp8, bench, copy_bandwidth, make_inputs  # noqa: E402
 
 # Extra tile configs for few rows per expert: the weights stream through small row tiles
 _WIDE = [(bm, bn, bk, w, s) for bm, bn, bk, w, s in [
@@ -52,6 +53,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-decode")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--mxfp8", action="store_true", help="also MXFP8 routed weights: the fp8 tensor-core K loop "
+                   "and the dequantizing one (floor: 1 + 1/32 bytes per weight element)")
     a = p.parse_args()
     T, H, I, E, K = SHAPES[a.shape]
     x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, "balanced")
@@ -66,27 +69,41 @@ def main():
     wide = lambda k: triton.autotune(  # noqa: E731
         configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
                  for bm, bn, bk, w, s in _WIDE] + list(k.configs), key=list(k.keys))(k.fn)
-    variants = {"package configs": base, "wider configs, both GEMMs": (wide(base[0]), wide(base[1]))}
-    for label, (gk, dk) in variants.items():
-        moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel = gk, dk
+    # label: (graph, gate/up kernel, down kernel, MX_FP8_DOT, weight bytes per element)
+    variants = {"package configs": (GraphedMok, *base, True, 2),
+                "wider configs, both GEMMs": (GraphedMok, wide(base[0]), wide(base[1]), True, 2)}
+    if a.mxfp8:
+        mx = (moe_fwd._gate_up_mx_dot_kernel, moe_fwd._grouped_rows_mx_dot_kernel)
+        variants["MXFP8, fp8 tensor cores (MX_FP8_DOT)"] = (GraphedMokMxfp8, *mx, True, 1 + 1 / 32)
+        variants["MXFP8, dequantizing K loop"] = (GraphedMokMxfp8, *base, False, 1 + 1 / 32)
+    for label, (graphed, gk, dk, fp8_dot, elem_bytes) in variants.items():
+        if elem_bytes == 2:
+            moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel = gk, dk
+        moe_fwd.MX_FP8_DOT = fp8_dot
+        gb, db = gu_bytes * elem_bytes / 2, d_bytes * elem_bytes / 2
+        v_floor = (gb + db) / bw * 1e3
         try:
-            g = GraphedMok()
+            g = graphed()
             g(x, rw, te, w_gu, w_d)
             ms, p20, p80 = bench(lambda: g(x, rw, te, w_gu, w_d))
             kern = kernel_profile(g.graph)
             busy = sum(kern.values())
-            v = dict(variant=label, graph_ms=ms, p20=p20, p80=p80, vs_floor=ms / floor_ms, kernels=kern,
-                     gaps_ms=ms - busy,
+            v = dict(variant=label, graph_ms=ms, p20=p20, p80=p80, floor_ms=v_floor, vs_floor=ms / v_floor,
+                     vs_bf16_floor=ms / floor_ms, kernels=kern, gaps_ms=ms - busy,
                      configs={n: str(getattr(k, "best_config", "")) for n, k in (("gate_up", gk), ("down", dk))})
             rows["variants"].append(v)
-            print(f"  {label}: graph {ms:.4f} ms = {ms / floor_ms:.3f}x the floor; kernels {busy:.4f} ms, "
-                  f"gaps {ms - busy:.4f} ms; configs {v['configs']}", flush=True)
+            print(f"  {label}: graph {ms:.4f} ms = {ms / v_floor:.3f}x its floor ({v_floor:.4f} ms); kernels "
+                  f"{busy:.4f} ms, gaps {ms - busy:.4f} ms; configs {v['configs']}", flush=True)
             for name, t in sorted(kern.items(), key=lambda kv: -kv[1]):
-                gb = gu_bytes if "gate_up" in name else d_bytes if "grouped_rows" in name else 0
-                extra = f"  {gb / (t * 1e-3) / 1e12:.2f} TB/s of weights" if gb else ""
+                nb = gb if "gate_up" in name else db if "grouped_rows" in name else 0
+                extra = f"  {nb / (t * 1e-3) / 1e12:.2f} TB/s of weights" if nb else ""
                 print(f"      {t:8.4f} ms  {name[:90]}{extra}", flush=True)
+        except Exception as exc:  # a variant that fails to compile or run is reported, the others still run
+            print(f"  {label}: FAILED {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
+            rows["variants"].append(dict(variant=label, error=f"{type(exc).__name__}: {exc}"[:4000]))
         finally:
             moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel = base
+            moe_fwd.MX_FP8_DOT = True
     with open(os.path.join(a.out, "decode_ab.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

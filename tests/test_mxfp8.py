@@ -4,6 +4,8 @@ Each check derives what is right from the format's definition (e4m3: 3 mantissa 
 +-448, subnormal spacing 2**-9; E8M0: a power-of-two scale 2**(byte - 127)), never from stored numbers.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -120,8 +122,12 @@ def test_one_layout_only_and_bad_arguments():
 # the column-wise down (<dy @ down, h>, as MoK, whose backward takes only the column-wise down). It is written here as a per-route loop, independent of
 # mok_inductor.reference. Tolerances: SPEC section 2 (bf16 1e-2, float32 1e-4, relative Frobenius).
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import mok_inductor  # noqa: E402
 from _helpers import DEVICES, TOLERANCE, rel_err  # noqa: E402
+from mok_inductor.kernels import _launch, moe_fwd as _moe_fwd  # noqa: E402
 
 T, H, I, IS, E, K = 6, 64, 32, 32, 3, 2
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -373,6 +379,144 @@ def test_triton_matches_reference_at_a_larger_shape_on_cuda():
                 os.environ["MOK_BACKEND"] = old
     for a, b in zip(out["triton"], out["reference"]):
         assert rel_err(a, b) <= TOLERANCE[torch.bfloat16]
+
+
+# ---------------------------------------------------------------------------------------------- fp8 tensor cores
+#
+# bf16/fp16 activations with MXFP8 weights read in the K loop go to the fp8 tensor cores (moe_fwd.mx_dot): the
+# activations split per 32-block into two e4m3 terms (moe_fwd.mx_act_split). The forward GEMMs and the
+# backward's dx GEMM take that path; float32 activations keep the dequantizing loop.
+
+
+@triton.jit
+def _split_kernel(a_ptr, hi_ptr, lo_ptr, s_ptr, DOT_PREC: tl.constexpr):
+    r = tl.arange(0, 16)
+    c = tl.arange(0, 32)
+    hi, lo, sc = _moe_fwd.mx_act_split(tl.load(a_ptr + r[:, None] * 32 + c[None, :]), DOT_PREC)
+    tl.store(hi_ptr + r[:, None] * 32 + c[None, :], hi.to(tl.float32))
+    tl.store(lo_ptr + r[:, None] * 32 + c[None, :], lo.to(tl.float32))
+    tl.store(s_ptr + r, sc)
+
+
+def _split_tile(a):
+    """moe_fwd.mx_act_split of a [16, 32] float32 tile, run as a kernel: (hi, lo, scale) as float64 tensors."""
+    a = a.to(_TRITON_DEV)
+    hi, lo = torch.full_like(a, float("nan")), torch.full_like(a, float("nan"))
+    sc = torch.full((16,), -1.0, device=a.device)
+    _split_kernel[(1,)](a, hi, lo, sc, DOT_PREC=_launch.dot_precision(torch.bfloat16))
+    return hi.cpu().double(), lo.cpu().double(), sc.cpu().double()
+
+
+def test_activation_split_is_two_e4m3_terms_within_bf16_precision():
+    g = torch.Generator().manual_seed(3)
+    # rows of very different magnitudes, each with an outlier and elements far below its largest
+    a = torch.randn(16, 32, generator=g) * torch.exp2(torch.randint(-20, 20, (16, 1), generator=g).float())
+    a[:, 5] *= 64
+    a[3] = 0.0  # an all-zero row
+    a[7, 2] = float("nan")
+    a[9, 30] = float("-inf")
+    hi, lo, sc = _split_tile(a)
+    finite = [r for r in range(16) if r not in (7, 9)]
+    assert torch.isnan(sc[7]) and torch.isnan(sc[9])  # a non-finite block poisons its row
+    a64 = a.double()
+    for r in finite:
+        s = sc[r].item()
+        assert s > 0 and math.frexp(s)[0] == 0.5  # a power of two
+        amax = a64[r].abs().max().item()
+        assert amax == 0 or 128 <= amax / s < 256
+        for t in (hi[r], lo[r]):  # each term is an e4m3 value
+            assert torch.equal(t, t.to(torch.float8_e4m3fn).double())
+        err = (a64[r] - (hi[r] + lo[r]) * s).abs()
+        # two terms: about 2**-8 relative to the element, with an absolute floor at e4m3's subnormal spacing
+        # (2**-9, times the scale) far below the block's largest element
+        bound = a64[r].abs() * 2.0 ** -7 + s * 2.0 ** -9
+        assert (err <= bound).all(), (r, (err / bound).max().item())
+    assert torch.equal(hi[3], torch.zeros(32, dtype=torch.float64)) and torch.equal(lo[3], hi[3])
+    # one term alone (hi) is e4m3's 3 bits: far outside bf16's precision on the same data
+    one = max(((a64[r] - hi[r] * sc[r]).norm() / a64[r].norm()).item() for r in finite if r != 3)
+    two = max(((a64[r] - (hi[r] + lo[r]) * sc[r]).norm() / a64[r].norm()).item() for r in finite if r != 3)
+    assert one > 1e-2 and two < 2e-3, (one, two)
+
+
+def _launch_spy(monkeypatch):
+    from mok_inductor.kernels import _launch
+
+    launched, real = [], _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: launched.append(k) or real(k, *a, **kw))
+    return launched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout,shared,limit", [("combined", True, 0.9), ("split", False, None)])
+def test_fp8_tensor_core_path_vs_oracle(monkeypatch, dtype, layout, shared, limit):
+    # the fp8 GEMMs run (forward gate/up and down, backward dx) and the layer is within bf16's tolerance of the
+    # float64 computation on the dequantized weights, gradients included
+    from mok_inductor.kernels import moe_fwd
+
+    _backend(monkeypatch, "triton")
+    launched = _launch_spy(monkeypatch)
+    p = _problem(dtype, _TRITON_DEV, shared=shared, limit=limit, seed=17 + len(layout))
+    _run_and_check(p, layout, dtype)
+    assert moe_fwd._gate_up_mx_dot_kernel in launched and moe_fwd._grouped_rows_mx_dot_kernel in launched
+    assert launched.count(moe_fwd._grouped_rows_mx_dot_kernel) == 2  # the forward's down, the backward's dx
+
+
+def test_fp8_tensor_core_path_against_the_dequantizing_loop(monkeypatch):
+    # the same layer through both K loops at a deeper reduction (H = 256: 8 scale blocks), activations with
+    # outliers: the fp8 path is as close to the exact dequantized-weight computation as bf16 rounding allows,
+    # and float32 activations never take it
+    from mok_inductor.kernels import moe_fwd
+
+    _backend(monkeypatch, "triton")
+    g = torch.Generator().manual_seed(21)
+    t, h, i, e, k = 12, 256, 64, 3, 2
+    x = torch.randn(t, h, generator=g) * torch.exp2(torch.randint(-6, 7, (t, 1), generator=g).float())
+    x[:, 7] *= 30
+    rw = torch.rand(t, k, generator=g) + 0.1
+    te = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    q1, q2 = mxfp8.quantize(_weight(e, 2 * i, h, seed=1)), mxfp8.quantize(_weight(e, h, i, seed=2))
+    dev = _TRITON_DEV
+    args = [v.to(dev) for v in (rw, te)]
+    q1, q2 = (q._replace(**{f: getattr(q, f).to(dev) for f in ("data", "scale", "data_t", "scale_t")}) for q in (q1, q2))
+    w1, w2 = (mxfp8.dequantize(q, dtype=torch.float64).cpu() for q in (q1, q2))
+    want = _oracle(x.bfloat16().double(), rw.double(), te, w1, w1, w2, w2)  # (forward only: no column-wise)
+    launched = _launch_spy(monkeypatch)
+    with torch.no_grad():
+        y_fp8 = mok_inductor.moe(x.bfloat16().to(dev), *args, q1, q2)
+        assert moe_fwd._gate_up_mx_dot_kernel in launched
+        monkeypatch.setattr(moe_fwd, "MX_FP8_DOT", False)
+        launched.clear()
+        y_deq = mok_inductor.moe(x.bfloat16().to(dev), *args, q1, q2)
+        assert moe_fwd._gate_up_kernel in launched and moe_fwd._gate_up_mx_dot_kernel not in launched
+        monkeypatch.setattr(moe_fwd, "MX_FP8_DOT", True)
+        launched.clear()
+        mok_inductor.moe(x.to(dev), *args, q1, q2)  # float32 activations
+        assert moe_fwd._gate_up_mx_dot_kernel not in launched and moe_fwd._grouped_rows_mx_dot_kernel not in launched
+    e_fp8, e_deq = rel_err(y_fp8, want), rel_err(y_deq, want)
+    # both well inside bf16's 1e-2; the two e4m3 terms add at most a few bf16 roundings' worth
+    assert e_deq < 4e-3 and e_fp8 < 6e-3, (e_fp8, e_deq)
+
+
+@pytest.mark.parametrize("where", ["x", pytest.param("weight", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: the interpreter decodes the e4m3 NaN (0x7F) as 480"))])
+def test_fp8_tensor_core_path_propagates_nan(monkeypatch, where):
+    # a NaN activation poisons its token's output rows only; a NaN weight element its expert's routes
+    _backend(monkeypatch, "triton")
+    p = _problem(torch.bfloat16, _TRITON_DEV, drop=False)
+    x = p["x"].clone()
+    q1, q2 = mxfp8.quantize(p["gu"]), mxfp8.quantize(p["d"])
+    if where == "x":
+        x[4, 10] = float("nan")
+        bad = torch.zeros(T, dtype=torch.bool)
+        bad[4] = True
+    else:
+        data = q1.data.clone()
+        data[1, 3, 40] = float("nan")  # expert 1's gate row 3
+        q1 = q1._replace(data=data)
+        bad = (p["te"].cpu() == 1).any(1)
+    with torch.no_grad():
+        y = mok_inductor.moe(x, p["rw"], p["te"], q1, q2).cpu()
+    assert torch.isnan(y[bad]).all(dim=1).all() and torch.isfinite(y[~bad]).all()
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -155,6 +155,72 @@ def e8m0_factor(sc):
     return (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
+# MXFP8 weights on the fp8 tensor cores (MX_DOT): each 32-block of k is one e4m3 x e4m3 tl.dot per activation
+# term, scaled in float32 by the weight block's and the activation block's powers of two. The activations
+# are split per 32-block into two e4m3 terms, hi + lo (about 2**-8 relative, bf16's precision: SPEC section 6
+# asks for the bf16 computation on the dequantized weights within bf16's tolerance; one e4m3 term alone,
+# 3 mantissa bits, is about 2.5% off). The weight tile goes to the tensor cores as loaded (no upcast, no
+# per-element scale load). Chosen for bf16/fp16 activations at the K-loop sizes (few rows per expert:
+# decode), where the weight bytes are the cost; float32 activations (SPEC's 1e-4) keep the dequantizing loop.
+
+
+@triton.jit
+def to_e4m3(v, DOT_PREC: tl.constexpr):
+    """float32 v (|v| < 448) as e4m3, rounded to nearest even. The interpreter's conversion drops the carry
+    when the mantissa rounds up into the next power of two (1.97 * 2**-6 -> 2**-6), so there the rounding is
+    done by hand first: to the e4m3 spacing of v's octave (2**-9 below 2**-6, subnormals), by the float32
+    add-and-subtract of 1.5 * 2**23 (exact, ties to even), leaving a value the conversion keeps as is."""
+    if DOT_PREC == "interp":
+        eb = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)  # v's octave, at least 2**-6's
+        step = ((eb - 3) << 23).to(tl.float32, bitcast=True)
+        q = v / step  # exact (a power of two), |q| < 16
+        v = ((q + 12582912.0) - 12582912.0) * step
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def mx_act_split(a, DOT_PREC: tl.constexpr):
+    """(hi, lo, scale) of an activation tile [BLOCK_M, 32] (one 32-block of k per row): hi + lo = a / scale
+    within about 2**-8 relative, both e4m3; scale [BLOCK_M] float32, a power of two per row putting the
+    block's largest magnitude in [128, 256) (within e4m3's 448); NaN for a row whose block holds a NaN or an
+    Inf (non-finite values propagate)."""
+    af = a.to(tl.float32)
+    mag = tl.abs(af)
+    finite = mag < float("inf")  # (false for NaN)
+    amax = tl.max(tl.where(finite, mag, 0.0), axis=1)
+    nonfinite = tl.sum(tl.where(finite, 0, 1), axis=1) > 0
+    b = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # amax's biased exponent
+    b = tl.minimum(tl.maximum(b, 8), 254)
+    scale = ((b - 7) << 23).to(tl.float32, bitcast=True)  # 2**(b - 134)
+    v = af * ((261 - b) << 23).to(tl.float32, bitcast=True)[:, None]  # a / scale (exact)
+    hi = to_e4m3(v, DOT_PREC)
+    lo = to_e4m3(v - hi.to(tl.float32), DOT_PREC)
+    return hi, lo, tl.where(nonfinite, float("nan"), scale)
+
+
+@triton.jit
+def w_tile_e4m3(w_ptr, s_ptr, kb, kk, cols, kmask, cmask, s_n, s_k, ss_n, ss_k):
+    """The e4m3 tile [32, BLOCK_N] W[e][cols, kk] of scale block kb (kk = 32 kb + [0, 32)) as stored, and its
+    [BLOCK_N] float32 scale factors."""
+    w = tl.load(w_ptr + kk[:, None] * s_k + cols[None, :] * s_n, mask=kmask[:, None] & cmask[None, :], other=0.0)
+    sc = tl.load(s_ptr + kb * ss_k + cols * ss_n, mask=cmask, other=0)
+    return w, e8m0_factor(sc)
+
+
+@triton.jit
+def mx_dot(hi, lo, sa, w, sw, acc, DOT_PREC: tl.constexpr):
+    """acc + (hi @ w + lo @ w) * sa[:, None] * sw[None, :]: one 32-block of k on the fp8 tensor cores (the
+    32-term sums of products are exact in their float32 accumulator; the scaling is per block)."""
+    if DOT_PREC == "interp":
+        wf = w.to(tl.float32)
+        p = tl.dot(hi.to(tl.float32), wf)
+        p = tl.dot(lo.to(tl.float32), wf, p)
+    else:
+        p = tl.dot(hi, w)
+        p = tl.dot(lo, w, p)
+    return acc + p * (sa[:, None] * sw[None, :])
+
+
 class ExpertTable:
     """E [n, k] matrices of one shape, strides and dtype as one kernel operand read as [E, n, k]: the
     kernels read expert e at the address in entry e of `table` (int64, on the device), with the common
@@ -329,10 +395,12 @@ def _gate_up_tile(
     H, I, E, TOPK, limit, above, below, group, row_start, row_end, pid_n,
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, PERSISTENT: tl.constexpr,
-    W_TABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_TABLE: tl.constexpr, MX_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """The K loop and epilogue of one tile of expert `group`'s rows [row_start, row_end). PERSISTENT: the
-    tile may be idle (no rows) or of the `-1` tail group: no K step runs, and the tail's g, u, h are zero."""
+    tile may be idle (no rows) or of the `-1` tail group: no K step runs, and the tail's g, u, h are zero.
+    MX_DOT: MXFP8 gate and up on the fp8 tensor cores (`mx_dot`), BLOCK_K // 32 scale blocks per K step."""
     rows = row_start + tl.arange(0, BLOCK_M)
     rmask = rows < row_end
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -356,14 +424,28 @@ def _gate_up_tile(
         k_end = tl.where((group < E) & (row_start < row_end), H, 0)
     else:
         k_end = H
-    for k0 in range(0, k_end, BLOCK_K):
-        kk = k0 + ks
-        kmask = kk < H
-        a = tl.load(a_row + kk[None, :] * stride_xh, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        bg = w_tile(wg, gs, kk, cols, kmask, cmask, g_n, g_k, gs_n, gs_k, x_ptr, MX_G, DOT_PREC)
-        bu = w_tile(wu, us, kk, cols, kmask, cmask, u_n, u_k, us_n, us_k, x_ptr, MX_U, DOT_PREC)
-        acc_g = mma(a, bg, acc_g, DOT_PREC)
-        acc_u = mma(a, bu, acc_u, DOT_PREC)
+    if MX_DOT:
+        k32 = tl.arange(0, 32)
+        for k0 in range(0, k_end, BLOCK_K):
+            for j in tl.static_range(BLOCK_K // 32):
+                kb = k0 // 32 + j
+                kk = kb * 32 + k32
+                kmask = kk < H
+                a = tl.load(a_row + kk[None, :] * stride_xh, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                hi, lo, sa = mx_act_split(a, DOT_PREC)
+                bg, sg = w_tile_e4m3(wg, gs, kb, kk, cols, kmask, cmask, g_n, g_k, gs_n, gs_k)
+                bu, su = w_tile_e4m3(wu, us, kb, kk, cols, kmask, cmask, u_n, u_k, us_n, us_k)
+                acc_g = mx_dot(hi, lo, sa, bg, sg, acc_g, DOT_PREC)
+                acc_u = mx_dot(hi, lo, sa, bu, su, acc_u, DOT_PREC)
+    else:
+        for k0 in range(0, k_end, BLOCK_K):
+            kk = k0 + ks
+            kmask = kk < H
+            a = tl.load(a_row + kk[None, :] * stride_xh, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            bg = w_tile(wg, gs, kk, cols, kmask, cmask, g_n, g_k, gs_n, gs_k, x_ptr, MX_G, DOT_PREC)
+            bu = w_tile(wu, us, kk, cols, kmask, cmask, u_n, u_k, us_n, us_k, x_ptr, MX_U, DOT_PREC)
+            acc_g = mma(a, bg, acc_g, DOT_PREC)
+            acc_u = mma(a, bu, acc_u, DOT_PREC)
     g = to_out(acc_g, gu_ptr, DOT_PREC).to(tl.float32)
     u = to_out(acc_u, gu_ptr, DOT_PREC).to(tl.float32)
     if KEEP_CLIP:  # never round across a clamp bound (reference.round_keep_clip). where(), not min/max:
@@ -381,7 +463,6 @@ def _gate_up_tile(
         tl.store(h_ptrs, to_out(h, h_ptr, DOT_PREC), mask=omask)
 
 
-@_launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY)
 @triton.jit
 def _gate_up_kernel(
     x_ptr, stride_xt, stride_xh,  # x [T, H]
@@ -394,8 +475,8 @@ def _gate_up_kernel(
     limit, above, below,  # swiglu clamp (HAS_LIMIT); the stored dtype's neighbours of it (KEEP_CLIP)
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr,
-    GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    MX_DOT: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 (the epilogue would compute in fp64): float32 scalars
     limit = tl.cast(limit, tl.float32)
@@ -421,8 +502,18 @@ def _gate_up_kernel(
     _gate_up_tile(x_ptr, stride_xt, stride_xh, routes_ptr, wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k,
                   wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k, gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm,
                   stride_hi, H, I, E, TOPK, limit, above, below, group, row_start, row_end, pid_n,
-                  SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, False, W_TABLE,
+                  SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, False, W_TABLE, MX_DOT,
                   BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+# one jitted body (its name is the one Inductor's code and profiles show), autotuned over two config lists
+_gate_up_body = _gate_up_kernel
+_gate_up_kernel = _launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY)(_gate_up_body)
+# MX_DOT (decode sizes): row tiles of 16 (the fp8 tensor cores' mma.sync shape, not wgmma's 64: few rows per
+# expert, and the per-block scaling is BLOCK_M x BLOCK_N float32 work per 32 k) and long K steps
+_MX_DOT_CONFIGS = [cfg(16, 64, 128, 4, 4), cfg(16, 128, 128, 4, 3), cfg(16, 64, 256, 4, 3), cfg(16, 32, 128, 2, 4),
+                   cfg(32, 64, 128, 4, 4), cfg(64, 64, 128, 4, 3), cfg(128, 128, 64, 8, 3)]
+_gate_up_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY)(_gate_up_body)
 
 
 @_launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY)
@@ -434,8 +525,8 @@ def _gate_up_persistent_kernel(
     M, H, I, E, TOPK, limit, above, below,
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr,
-    GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    MX_DOT: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """_gate_up_kernel's tiles (the same arguments) looped over by a grid of about one program per SM, the
     tile loop flattened into the K loop (the next tile's loads can overlap this tile's epilogue)."""
@@ -452,7 +543,7 @@ def _gate_up_persistent_kernel(
         _gate_up_tile(x_ptr, stride_xt, stride_xh, routes_ptr, wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k,
                       wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k, gu_ptr, stride_gm, stride_gn, h_ptr,
                       stride_hm, stride_hi, H, I, E, TOPK, limit, above, below, group, row_start, row_end, pid_n,
-                      SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, True, W_TABLE,
+                      SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, True, W_TABLE, MX_DOT,
                       BLOCK_M, BLOCK_N, BLOCK_K)
 
 
@@ -469,6 +560,18 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# MXFP8 operands read in a K loop go to the fp8 tensor cores (mx_dot) when the activations are bf16/fp16
+MX_FP8_DOT = True
+
+
+def use_mx_dot(act_dtype: torch.dtype, *ops) -> bool:
+    """Whether a GEMM of `act_dtype` activations with these weight operands runs on the fp8 tensor cores:
+    every operand MXFP8 (read in the K loop) and bf16/fp16 activations (float32's 1e-4 needs the exact
+    dequantized weights in a float32 dot)."""
+    return (MX_FP8_DOT and act_dtype in (torch.bfloat16, torch.float16)
+            and all(op is not None and op.quantized for op in ops))
+
+
 def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=None, single=False):
     """gu_out[M, 2I] = [x[rows] @ gate[e]^T | x[rows] @ up[e]^T] per sorted row (before the clamp), and
     h_out[M, I] = swiglu of those (rounded) values when given. gate, up: `mxfp8.Operand`s read as [E, I, H]
@@ -481,11 +584,13 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
     def tiles(meta):
         return row_tiles_worst(M, E, meta["BLOCK_M"], single) * triton.cdiv(I, meta["BLOCK_N"])
 
+    mx_dot = use_mx_dot(x_TH.dtype, gate, up)
     if PERSISTENT_GATE_UP:
         kernel, progs = _gate_up_persistent_kernel, _num_sms(x_TH.device) * PERSISTENT_PROGRAMS
         grid = (progs,)  # (programs past the last tile loop zero times; no size comparison, no guard)
     else:
-        kernel, grid = _gate_up_kernel, lambda meta: (tiles(meta),)  # noqa: E731
+        kernel = _gate_up_mx_dot_kernel if mx_dot else _gate_up_kernel
+        grid = lambda meta: (tiles(meta),)  # noqa: E731
     h = h_out if h_out is not None else gu_out
     keep_clip = limit is not None and gu_out.dtype in (torch.bfloat16, torch.float16)
     above, below = (float(v) for v in reference.clip_bounds(limit, gu_out.dtype)) if keep_clip else (0.0, 0.0)
@@ -497,7 +602,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         M, H, I, E, topk, 0.0 if limit is None else float(limit), above, below,
         SINGLE=single, MX_G=gate.quantized, MX_U=up.quantized, WRITE_H=h_out is not None,
         HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip, DOT_PREC=_launch.dot_precision(x_TH.dtype),
-        GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(gate, up),
+        MX_DOT=mx_dot, GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(gate, up),
     )
     return gu_out
 
@@ -510,7 +615,34 @@ _GROUPED_ROWS_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 256, 64, 8, 3), cfg(6
                          cfg(128, 128, 64, 4, 4), cfg(64, 64, 128, 4, 3)]
 
 
-@_launch.autotune(_GROUPED_ROWS_CONFIGS, cfg(16, 16, 32, 1, 1), key=["M", "NCOL", "KD", "E"])
+@triton.jit
+def _grouped_rows_k_loop(acc, a_row, stride_ak, a_k0, rmask, w_ptr, s_ptr, s_n, s_k, ss_n, ss_k, cols, cmask,
+                         KD, like_ptr, MX: tl.constexpr, MX_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """acc + A[rows, a_k0 + k] @ W[e][cols, k]^T over k in [0, KD) (w_ptr, s_ptr: expert e's starts)."""
+    if MX_DOT:
+        k32 = tl.arange(0, 32)
+        for k0 in range(0, KD, BLOCK_K):
+            for j in tl.static_range(BLOCK_K // 32):
+                kb = k0 // 32 + j
+                kk = kb * 32 + k32
+                kmask = kk < KD
+                a = tl.load(a_row + (a_k0 + kk[None, :]) * stride_ak, mask=rmask[:, None] & kmask[None, :],
+                            other=0.0)
+                hi, lo, sa = mx_act_split(a, DOT_PREC)
+                w, sw = w_tile_e4m3(w_ptr, s_ptr, kb, kk, cols, kmask, cmask, s_n, s_k, ss_n, ss_k)
+                acc = mx_dot(hi, lo, sa, w, sw, acc, DOT_PREC)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        for k0 in range(0, KD, BLOCK_K):
+            kk = k0 + ks
+            kmask = kk < KD
+            a = tl.load(a_row + (a_k0 + kk[None, :]) * stride_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = w_tile(w_ptr, s_ptr, kk, cols, kmask, cmask, s_n, s_k, ss_n, ss_k, like_ptr, MX, DOT_PREC)
+            acc = mma(a, w, acc, DOT_PREC)
+    return acc
+
+
 @triton.jit
 def _grouped_rows_kernel(
     a_ptr, stride_am, stride_ak,  # A [M, KD or 2*KD], sorted rows
@@ -520,7 +652,7 @@ def _grouped_rows_kernel(
     out_ptr, stride_om, stride_on,  # out [rows, NCOL]; row = route (SCATTER) or the sorted row
     M, NCOL, KD, E,
     SINGLE: tl.constexpr, SCATTER: tl.constexpr, TWO: tl.constexpr, MX1: tl.constexpr, MX2: tl.constexpr,
-    DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr,
+    DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr, MX_DOT: tl.constexpr,
     GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -532,31 +664,29 @@ def _grouped_rows_kernel(
     rmask = rows < row_end
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < NCOL
-    ks = tl.arange(0, BLOCK_K)
     e64 = group.to(tl.int64)
     w1, q1 = w_bases(w1_ptr, q1_ptr, e64, s1_e, q1_e, E, W_TABLE, MX1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a_row = a_ptr + rows[:, None].to(tl.int64) * stride_am
-    for k0 in range(0, KD, BLOCK_K):
-        kk = k0 + ks
-        kmask = kk < KD
-        a = tl.load(a_row + kk[None, :] * stride_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = w_tile(w1, q1, kk, cols, kmask, cmask, s1_n, s1_k, q1_n, q1_k, out_ptr, MX1, DOT_PREC)
-        acc = mma(a, w, acc, DOT_PREC)
+    acc = _grouped_rows_k_loop(acc, a_row, stride_ak, 0, rmask, w1, q1, s1_n, s1_k, q1_n, q1_k, cols, cmask, KD,
+                               out_ptr, MX1, MX_DOT, DOT_PREC, BLOCK_K)
     if TWO:
         w2, q2 = w_bases(w2_ptr, q2_ptr, e64, s2_e, q2_e, E, W_TABLE, MX2)
-        for k0 in range(0, KD, BLOCK_K):
-            kk = k0 + ks
-            kmask = kk < KD
-            a = tl.load(a_row + (KD + kk[None, :]) * stride_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            w = w_tile(w2, q2, kk, cols, kmask, cmask, s2_n, s2_k, q2_n, q2_k, out_ptr, MX2, DOT_PREC)
-            acc = mma(a, w, acc, DOT_PREC)
+        acc = _grouped_rows_k_loop(acc, a_row, stride_ak, KD, rmask, w2, q2, s2_n, s2_k, q2_n, q2_k, cols, cmask,
+                                   KD, out_ptr, MX2, MX_DOT, DOT_PREC, BLOCK_K)
     if SCATTER:
         dest = tl.load(routes_ptr + rows, mask=rmask, other=0)
     else:
         dest = rows
     o_ptrs = out_ptr + dest[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
     tl.store(o_ptrs, to_out(acc, out_ptr, DOT_PREC), mask=rmask[:, None] & cmask[None, :])
+
+
+_grouped_rows_body = _grouped_rows_kernel
+_grouped_rows_kernel = _launch.autotune(_GROUPED_ROWS_CONFIGS, cfg(16, 16, 32, 1, 1),
+                                        key=["M", "NCOL", "KD", "E"])(_grouped_rows_body)
+_grouped_rows_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1),
+                                               key=["M", "NCOL", "KD", "E"])(_grouped_rows_body)
 
 
 def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, single=False):
@@ -571,15 +701,16 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, 
     two = w2 is not None
     w2 = w2 if two else w1
     grid = lambda meta: (row_tiles_worst(M, E, meta["BLOCK_M"], single) * triton.cdiv(NCOL, meta["BLOCK_N"]),)
+    mx_dot = use_mx_dot(a_MK.dtype, w1, w2)
     _launch.launch(
-        _grouped_rows_kernel, grid,
+        _grouped_rows_mx_dot_kernel if mx_dot else _grouped_rows_kernel, grid,
         a_MK, a_MK.stride(0), a_MK.stride(1), routes_N, offsets_E1,
         *w_args(w1), *w_args(w2),
         out, out.stride(0), out.stride(1),
         M, NCOL, KD, E,
         SINGLE=single, SCATTER=scatter, TWO=two, MX1=w1.quantized, MX2=w2.quantized,
-        DOT_PREC=_launch.dot_precision(a_MK.dtype), GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M,
-        **w_meta(w1, w2),
+        DOT_PREC=_launch.dot_precision(a_MK.dtype), MX_DOT=mx_dot, GROUPS_POW2=_launch.next_pow2(E + 1),
+        GROUP_M=GROUP_M, **w_meta(w1, w2),
     )
     return out
 
