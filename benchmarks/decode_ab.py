@@ -70,12 +70,13 @@ def main():
         configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
                  for bm, bn, bk, w, s in _WIDE] + list(k.configs), key=list(k.keys))(k.fn)
     # label: (graph, gate/up kernel, down kernel, MX_FP8_DOT, weight bytes per element)
-    variants = {"package configs": (GraphedMok, *base, True, 2),
-                "wider configs, both GEMMs": (GraphedMok, wide(base[0]), wide(base[1]), True, 2)}
+    variants = {"package configs": (GraphedMok, *base, False, 2),
+                "wider configs, both GEMMs": (GraphedMok, wide(base[0]), wide(base[1]), False, 2)}
     if a.mxfp8:
         mx = (moe_fwd._gate_up_mx_dot_kernel, moe_fwd._grouped_rows_mx_dot_kernel)
         variants["MXFP8, fp8 tensor cores (MX_FP8_DOT)"] = (GraphedMokMxfp8, *mx, True, 1 + 1 / 32)
         variants["MXFP8, dequantizing K loop"] = (GraphedMokMxfp8, *base, False, 1 + 1 / 32)
+    default_dot = moe_fwd.MX_FP8_DOT
     for label, (graphed, gk, dk, fp8_dot, elem_bytes) in variants.items():
         if elem_bytes == 2:
             moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel = gk, dk
@@ -103,7 +104,7 @@ def main():
             rows["variants"].append(dict(variant=label, error=f"{type(exc).__name__}: {exc}"[:4000]))
         finally:
             moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel = base
-            moe_fwd.MX_FP8_DOT = True
+            moe_fwd.MX_FP8_DOT = default_dot
     with open(os.path.join(a.out, "decode_ab.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

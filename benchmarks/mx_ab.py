@@ -39,8 +39,8 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     results = []
-    # label: (quantized, MX_DEQUANTIZE_MIN_ROWS, MX_FP8_DOT)
-    variants = {"bf16 mok": (False, None, True), "MXFP8, dequantized once per call (default)": (True, None, True),
+    # label: (quantized, MX_DEQUANTIZE_MIN_ROWS (None: the package's), MX_FP8_DOT (None: the package's))
+    variants = {"bf16 mok": (False, None, None), "MXFP8, dequantized once per call (default)": (True, None, None),
                 "MXFP8, fp8 tensor cores in the K loop": (True, 1 << 62, True),
                 "MXFP8, dequantized in the K loop": (True, 1 << 62, False)}
     for shape in a.shapes.split(","):
@@ -49,7 +49,7 @@ def main():
         q_gu, q_d = mxfp8.quantize(w_gu, columnwise=False), mxfp8.quantize(w_d, columnwise=False)
         dq_gu, dq_d = mxfp8.dequantize(q_gu), mxfp8.dequantize(q_d)
         flops = 6 * T * K * H * I
-        default_rows = kernels.MX_DEQUANTIZE_MIN_ROWS
+        default_rows, default_dot = kernels.MX_DEQUANTIZE_MIN_ROWS, moe_fwd.MX_FP8_DOT
         times = {v: [] for v in variants}
         errs = {}
         with torch.no_grad():
@@ -57,7 +57,7 @@ def main():
             for r in range(a.rounds):
                 for label, (quant, rows, fp8_dot) in variants.items():
                     kernels.MX_DEQUANTIZE_MIN_ROWS = default_rows if rows is None else rows
-                    moe_fwd.MX_FP8_DOT = fp8_dot
+                    moe_fwd.MX_FP8_DOT = default_dot if fp8_dot is None else fp8_dot
                     try:
                         args = (x, rw, te, q_gu, q_d) if quant else (x, rw, te, w_gu, w_d)
                         if r == 0:
@@ -67,7 +67,7 @@ def main():
                         times[label].append(bench(lambda: mok_inductor.moe(*args))[0])
                     finally:
                         kernels.MX_DEQUANTIZE_MIN_ROWS = default_rows
-                        moe_fwd.MX_FP8_DOT = True
+                        moe_fwd.MX_FP8_DOT = default_dot
         bf16 = min(times["bf16 mok"])
         for label, ts in times.items():
             ms = min(ts)

@@ -439,8 +439,10 @@ def test_activation_split_is_two_e4m3_terms_within_bf16_precision():
 
 
 def _launch_spy(monkeypatch):
+    """The kernels launched (a list, filled as they run); MX_FP8_DOT on (off by default, an A/B candidate)."""
     from mok_inductor.kernels import _launch
 
+    monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", True)
     launched, real = [], _launch.launch
     monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: launched.append(k) or real(k, *a, **kw))
     return launched
@@ -497,11 +499,40 @@ def test_fp8_tensor_core_path_against_the_dequantizing_loop(monkeypatch):
     assert e_deq < 4e-3 and e_fp8 < 6e-3, (e_fp8, e_deq)
 
 
+def test_fp8_tensor_core_path_reads_no_scale_past_k(monkeypatch):
+    # a K step longer than k (BLOCK_K 128, k = 32): its sub-blocks past k's end load a zero weight tile and
+    # must not read a scale there (one byte 255 is 2**128 and 0 * Inf = NaN; seen on the H200). The scales are
+    # a view into a buffer holding 255 right after each row's blocks
+    from mok_inductor.kernels import moe_fwd
+    from mok_inductor.mxfp8 import Operand
+
+    launched = _launch_spy(monkeypatch)
+    wide = triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128}, num_warps=1)],
+                           key=["M", "NCOL", "KD", "E"])(moe_fwd._grouped_rows_body)
+    monkeypatch.setattr(moe_fwd, "_grouped_rows_mx_dot_kernel", wide)
+    e, n, kd, m = 2, 48, 32, 20
+    q = mxfp8.quantize(_weight(e, n, kd, seed=5), columnwise=False)
+    buf = torch.full((e, n, 4), 255, dtype=torch.uint8)
+    buf[..., :1] = q.scale
+    a = torch.randn(m, kd, generator=torch.Generator().manual_seed(2)).bfloat16()
+    offsets = torch.tensor([0, 12, m], dtype=torch.int32)
+    routes = torch.arange(m, dtype=torch.int32)
+    dev = _TRITON_DEV
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+    moe_fwd.grouped_rows(a.to(dev), Operand(q.data.to(dev), buf.to(dev)[..., :1]), out, routes.to(dev),
+                         offsets.to(dev), scatter=False)
+    assert wide in launched
+    w = mxfp8.dequantize(q, dtype=torch.float64)
+    want = torch.cat([a[:12].double() @ w[0].t(), a[12:].double() @ w[1].t()])
+    assert torch.isfinite(out).all() and rel_err(out, want) <= TOLERANCE[torch.bfloat16]
+
+
 @pytest.mark.parametrize("where", ["x", pytest.param("weight", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: the interpreter decodes the e4m3 NaN (0x7F) as 480"))])
 def test_fp8_tensor_core_path_propagates_nan(monkeypatch, where):
     # a NaN activation poisons its token's output rows only; a NaN weight element its expert's routes
     _backend(monkeypatch, "triton")
+    _launch_spy(monkeypatch)
     p = _problem(torch.bfloat16, _TRITON_DEV, drop=False)
     x = p["x"].clone()
     q1, q2 = mxfp8.quantize(p["gu"]), mxfp8.quantize(p["d"])

@@ -199,11 +199,12 @@ def mx_act_split(a, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def w_tile_e4m3(w_ptr, s_ptr, kb, kk, cols, kmask, cmask, s_n, s_k, ss_n, ss_k):
+def w_tile_e4m3(w_ptr, s_ptr, kb, kk, KD, cols, kmask, cmask, s_n, s_k, ss_n, ss_k):
     """The e4m3 tile [32, BLOCK_N] W[e][cols, kk] of scale block kb (kk = 32 kb + [0, 32)) as stored, and its
-    [BLOCK_N] float32 scale factors."""
+    [BLOCK_N] float32 scale factors, 0 for a block past k's end KD (its zero tile must not meet a stray scale
+    byte: 255 is 2**128 = Inf here, and 0 * Inf = NaN; found on the H200)."""
     w = tl.load(w_ptr + kk[:, None] * s_k + cols[None, :] * s_n, mask=kmask[:, None] & cmask[None, :], other=0.0)
-    sc = tl.load(s_ptr + kb * ss_k + cols * ss_n, mask=cmask, other=0)
+    sc = tl.load(s_ptr + kb * ss_k + cols * ss_n, mask=cmask & (kb * 32 < KD), other=0)
     return w, e8m0_factor(sc)
 
 
@@ -433,8 +434,8 @@ def _gate_up_tile(
                 kmask = kk < H
                 a = tl.load(a_row + kk[None, :] * stride_xh, mask=rmask[:, None] & kmask[None, :], other=0.0)
                 hi, lo, sa = mx_act_split(a, DOT_PREC)
-                bg, sg = w_tile_e4m3(wg, gs, kb, kk, cols, kmask, cmask, g_n, g_k, gs_n, gs_k)
-                bu, su = w_tile_e4m3(wu, us, kb, kk, cols, kmask, cmask, u_n, u_k, us_n, us_k)
+                bg, sg = w_tile_e4m3(wg, gs, kb, kk, H, cols, kmask, cmask, g_n, g_k, gs_n, gs_k)
+                bu, su = w_tile_e4m3(wu, us, kb, kk, H, cols, kmask, cmask, u_n, u_k, us_n, us_k)
                 acc_g = mx_dot(hi, lo, sa, bg, sg, acc_g, DOT_PREC)
                 acc_u = mx_dot(hi, lo, sa, bu, su, acc_u, DOT_PREC)
     else:
@@ -560,8 +561,13 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# MXFP8 operands read in a K loop go to the fp8 tensor cores (mx_dot) when the activations are bf16/fp16
-MX_FP8_DOT = True
+# MXFP8 operands read in a K loop go to the fp8 tensor cores (mx_dot) when the activations are bf16/fp16 and
+# this is on. Off: measured slower on the H200 (session 7, benchmarks/decode_ab.py --mxfp8): the qwen3 decode
+# graph 0.403 ms against 0.362 for the dequantizing loop (gate/up 1.55 against 1.85 TB/s of weights; every
+# program of a row tile splits the same activations again, I / BLOCK_N times over), and at prefill sizes
+# (benchmarks/mx_ab.py) 0.13-0.17x bf16 mok (the per-block float32 scaling of the accumulator runs on the
+# CUDA cores). The candidate next step: the activations split once (x per call, h in the gate/up epilogue).
+MX_FP8_DOT = False
 
 
 def use_mx_dot(act_dtype: torch.dtype, *ops) -> bool:
@@ -630,7 +636,7 @@ def _grouped_rows_k_loop(acc, a_row, stride_ak, a_k0, rmask, w_ptr, s_ptr, s_n, 
                 a = tl.load(a_row + (a_k0 + kk[None, :]) * stride_ak, mask=rmask[:, None] & kmask[None, :],
                             other=0.0)
                 hi, lo, sa = mx_act_split(a, DOT_PREC)
-                w, sw = w_tile_e4m3(w_ptr, s_ptr, kb, kk, cols, kmask, cmask, s_n, s_k, ss_n, ss_k)
+                w, sw = w_tile_e4m3(w_ptr, s_ptr, kb, kk, KD, cols, kmask, cmask, s_n, s_k, ss_n, ss_k)
                 acc = mx_dot(hi, lo, sa, w, sw, acc, DOT_PREC)
     else:
         ks = tl.arange(0, BLOCK_K)
