@@ -159,9 +159,10 @@ def e8m0_factor(sc):
 # term, scaled in float32 by the weight block's and the activation block's powers of two. The activations
 # are split per 32-block into two e4m3 terms, hi + lo (about 2**-8 relative, bf16's precision: SPEC section 6
 # asks for the bf16 computation on the dequantized weights within bf16's tolerance; one e4m3 term alone,
-# 3 mantissa bits, is about 2.5% off). The weight tile goes to the tensor cores as loaded (no upcast, no
-# per-element scale load). Chosen for bf16/fp16 activations at the K-loop sizes (few rows per expert:
-# decode), where the weight bytes are the cost; float32 activations (SPEC's 1e-4) keep the dequantizing loop.
+# 3 mantissa bits, is 3.6% off in tests/test_mxfp8.py). The weight tile goes to the tensor cores as loaded (no
+# upcast, no per-element scale load). For bf16/fp16 activations at the K-loop sizes (few rows per expert:
+# decode) when MX_FP8_DOT is on (off: measured slower, see there); float32 activations (SPEC's 1e-4) always
+# keep the dequantizing loop.
 
 
 @triton.jit
@@ -210,8 +211,9 @@ def w_tile_e4m3(w_ptr, s_ptr, kb, kk, KD, cols, kmask, cmask, s_n, s_k, ss_n, ss
 
 @triton.jit
 def mx_dot(hi, lo, sa, w, sw, acc, DOT_PREC: tl.constexpr):
-    """acc + (hi @ w + lo @ w) * sa[:, None] * sw[None, :]: one 32-block of k on the fp8 tensor cores (the
-    32-term sums of products are exact in their float32 accumulator; the scaling is per block)."""
+    """acc + (hi @ w + lo @ w) * sa[:, None] * sw[None, :]: one 32-block of k on the fp8 tensor cores, scaled
+    and added to the float32 accumulator every 32 of k (which also bounds the sums kept in the fp8 MMA's own
+    accumulator, narrower than float32 on Hopper)."""
     if DOT_PREC == "interp":
         wf = w.to(tl.float32)
         p = tl.dot(hi.to(tl.float32), wf)
