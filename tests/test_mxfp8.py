@@ -438,7 +438,7 @@ def test_activation_split_is_two_e4m3_terms_within_bf16_precision():
     assert one > 1e-2 and two < 2e-3, (one, two)
 
 
-def _launch_spy(monkeypatch):
+def _fp8_dot_on(monkeypatch):
     """The kernels launched (a list, filled as they run); MX_FP8_DOT on (off by default, an A/B candidate)."""
     from mok_inductor.kernels import _launch
 
@@ -456,7 +456,7 @@ def test_fp8_tensor_core_path_vs_oracle(monkeypatch, dtype, layout, shared, limi
     from mok_inductor.kernels import moe_fwd
 
     _backend(monkeypatch, "triton")
-    launched = _launch_spy(monkeypatch)
+    launched = _fp8_dot_on(monkeypatch)
     p = _problem(dtype, _TRITON_DEV, shared=shared, limit=limit, seed=17 + len(layout))
     _run_and_check(p, layout, dtype)
     assert moe_fwd._gate_up_mx_dot_kernel in launched and moe_fwd._grouped_rows_mx_dot_kernel in launched
@@ -482,7 +482,7 @@ def test_fp8_tensor_core_path_against_the_dequantizing_loop(monkeypatch):
     q1, q2 = (q._replace(**{f: getattr(q, f).to(dev) for f in ("data", "scale", "data_t", "scale_t")}) for q in (q1, q2))
     w1, w2 = (mxfp8.dequantize(q, dtype=torch.float64).cpu() for q in (q1, q2))
     want = _oracle(x.bfloat16().double(), rw.double(), te, w1, w1, w2, w2)  # (forward only: no column-wise)
-    launched = _launch_spy(monkeypatch)
+    launched = _fp8_dot_on(monkeypatch)
     with torch.no_grad():
         y_fp8 = mok_inductor.moe(x.bfloat16().to(dev), *args, q1, q2)
         assert moe_fwd._gate_up_mx_dot_kernel in launched
@@ -506,7 +506,7 @@ def test_fp8_tensor_core_path_reads_no_scale_past_k(monkeypatch):
     from mok_inductor.kernels import moe_fwd
     from mok_inductor.mxfp8 import Operand
 
-    launched = _launch_spy(monkeypatch)
+    launched = _fp8_dot_on(monkeypatch)
     wide = triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128}, num_warps=1)],
                            key=["M", "NCOL", "KD", "E"])(moe_fwd._grouped_rows_body)
     monkeypatch.setattr(moe_fwd, "_grouped_rows_mx_dot_kernel", wide)
@@ -532,7 +532,7 @@ def test_fp8_tensor_core_path_reads_no_scale_past_k(monkeypatch):
 def test_fp8_tensor_core_path_propagates_nan(monkeypatch, where):
     # a NaN activation poisons its token's output rows only; a NaN weight element its expert's routes
     _backend(monkeypatch, "triton")
-    _launch_spy(monkeypatch)
+    _fp8_dot_on(monkeypatch)
     p = _problem(torch.bfloat16, _TRITON_DEV, drop=False)
     x = p["x"].clone()
     q1, q2 = mxfp8.quantize(p["gu"]), mxfp8.quantize(p["d"])

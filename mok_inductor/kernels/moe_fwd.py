@@ -200,6 +200,17 @@ def mx_act_split(a, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def mx_act_block(a_row, stride_ak, a_k0, kb, KD, rmask, DOT_PREC: tl.constexpr):
+    """Scale block kb of the A rows (k = 32 kb + [0, 32), at column a_k0 + k of A), split for mx_dot:
+    (kk, kmask, hi, lo, scale)."""
+    kk = kb * 32 + tl.arange(0, 32)
+    kmask = kk < KD
+    a = tl.load(a_row + (a_k0 + kk[None, :]) * stride_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
+    hi, lo, sa = mx_act_split(a, DOT_PREC)
+    return kk, kmask, hi, lo, sa
+
+
+@triton.jit
 def w_tile_e4m3(w_ptr, s_ptr, kb, kk, KD, cols, kmask, cmask, s_n, s_k, ss_n, ss_k):
     """The e4m3 tile [32, BLOCK_N] W[e][cols, kk] of scale block kb (kk = 32 kb + [0, 32)) as stored, and its
     [BLOCK_N] float32 scale factors, 0 for a block past k's end KD (its zero tile must not meet a stray scale
@@ -428,14 +439,10 @@ def _gate_up_tile(
     else:
         k_end = H
     if MX_DOT:
-        k32 = tl.arange(0, 32)
         for k0 in range(0, k_end, BLOCK_K):
             for j in tl.static_range(BLOCK_K // 32):
                 kb = k0 // 32 + j
-                kk = kb * 32 + k32
-                kmask = kk < H
-                a = tl.load(a_row + kk[None, :] * stride_xh, mask=rmask[:, None] & kmask[None, :], other=0.0)
-                hi, lo, sa = mx_act_split(a, DOT_PREC)
+                kk, kmask, hi, lo, sa = mx_act_block(a_row, stride_xh, 0, kb, H, rmask, DOT_PREC)
                 bg, sg = w_tile_e4m3(wg, gs, kb, kk, H, cols, kmask, cmask, g_n, g_k, gs_n, gs_k)
                 bu, su = w_tile_e4m3(wu, us, kb, kk, H, cols, kmask, cmask, u_n, u_k, us_n, us_k)
                 acc_g = mx_dot(hi, lo, sa, bg, sg, acc_g, DOT_PREC)
@@ -629,15 +636,10 @@ def _grouped_rows_k_loop(acc, a_row, stride_ak, a_k0, rmask, w_ptr, s_ptr, s_n, 
                          BLOCK_K: tl.constexpr):
     """acc + A[rows, a_k0 + k] @ W[e][cols, k]^T over k in [0, KD) (w_ptr, s_ptr: expert e's starts)."""
     if MX_DOT:
-        k32 = tl.arange(0, 32)
         for k0 in range(0, KD, BLOCK_K):
             for j in tl.static_range(BLOCK_K // 32):
                 kb = k0 // 32 + j
-                kk = kb * 32 + k32
-                kmask = kk < KD
-                a = tl.load(a_row + (a_k0 + kk[None, :]) * stride_ak, mask=rmask[:, None] & kmask[None, :],
-                            other=0.0)
-                hi, lo, sa = mx_act_split(a, DOT_PREC)
+                kk, kmask, hi, lo, sa = mx_act_block(a_row, stride_ak, a_k0, kb, KD, rmask, DOT_PREC)
                 w, sw = w_tile_e4m3(w_ptr, s_ptr, kb, kk, KD, cols, kmask, cmask, s_n, s_k, ss_n, ss_k)
                 acc = mx_dot(hi, lo, sa, w, sw, acc, DOT_PREC)
     else:
