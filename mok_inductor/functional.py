@@ -23,9 +23,9 @@ Routed weight layouts (gate, up: [E, I, H]; down: [E, H, I]):
 - combined FC1: the SAME object passed as `routed_gate` and `routed_up`, covering [E, 2I, H] (or E
   tensors [2I, H]); the gate is rows [0, I) and up rows [I, 2I) of each expert, taken as zero-copy
   views. The shared expert accepts the same aliasing ([2Is, H] passed twice).
-- MXFP8 (issue 8): MoK's (data, scale) tuples for a combined FC1 and the down weight (see `_mxfp8_routed`);
-  forward reads the row-wise pairs, backward the column-wise ones for dgrad. Split per-expert MXFP8
-  (SplitRoutedWeight) and swizzled scale layouts are not supported yet.
+- MXFP8 (issue 8): MoK's (data, scale) tuples for a combined FC1 and the down weight (see `_mxfp8_routed`),
+  or split per expert as `SplitRoutedWeight`s with scales (and column-wise pairs for backward); forward reads
+  the row-wise pairs, backward the column-wise ones for dgrad. Swizzled scale layouts are not supported yet.
 
 Gradient destinations (`backward`): `main_grads` = six buffers in MoK's order (shared_gate, routed_gate,
 shared_up, routed_up, shared_down, routed_down), float32 or bfloat16; weight gradients are ADDED
@@ -333,9 +333,31 @@ def _require_schedule(schedule, ws: MoKWorkspace) -> MoKSchedule:
 
 class SplitRoutedWeight(NamedTuple):
     """A descriptor of split per-expert allocations: `data` holds E 2-D tensors (e.g. Megatron's
-    `weight0 ... weight{E-1}`), used in place without stacking. Owns nothing."""
+    `weight0 ... weight{E-1}`), used in place without stacking. Owns nothing.
+
+    MXFP8 (issue 8; MoK's field names): `data` E float8_e4m3fn [M, K] and `scale` E uint8 E8M0 [M, K/32]
+    (the row-wise pairs, what forward reads); for backward also the column-wise pairs, `transposed_data`
+    E [K, M] and `transposed_scale` E [K, M/32], or, with `native_columnwise=True`, Transformer Engine's
+    column-wise storage E [M, K] and E [M/32, K]. `of_mxfp8` builds one from E `mxfp8.quantize` results."""
 
     data: Tuple[torch.Tensor, ...]
+    scale: Optional[Tuple[torch.Tensor, ...]] = None
+    transposed_data: Optional[Tuple[torch.Tensor, ...]] = None
+    transposed_scale: Optional[Tuple[torch.Tensor, ...]] = None
+    native_columnwise: bool = False
+
+    @classmethod
+    def of_mxfp8(cls, weights) -> "SplitRoutedWeight":
+        """The descriptor of E per-expert `mxfp8.MXFP8Weight`s (2-D each; column-wise pairs when present)."""
+        from . import mxfp8
+
+        weights = tuple(weights)
+        if not weights or not all(isinstance(q, mxfp8.MXFP8Weight) for q in weights):
+            raise TypeError("weights: expected a non-empty sequence of mok_inductor.mxfp8.MXFP8Weight")
+        cols = all(q.data_t is not None for q in weights)
+        return cls(tuple(q.data for q in weights), tuple(q.scale for q in weights),
+                   tuple(q.data_t for q in weights) if cols else None,
+                   tuple(q.scale_t for q in weights) if cols else None)
 
 
 def _is_mxfp8_piece(v) -> bool:
@@ -370,10 +392,34 @@ def _mx_native_col(data, scale):
     return data.transpose(-2, -1), scale.transpose(-2, -1)
 
 
+def _is_split_mxfp8(v) -> bool:
+    return isinstance(v, SplitRoutedWeight) and (
+        v.scale is not None or (isinstance(v.data, (tuple, list)) and any(_is_mxfp8_piece(t) for t in v.data)))
+
+
+def _transposed_views(seq):
+    return tuple(t.transpose(-2, -1) for t in seq)
+
+
+def _split_columnwise(name: str, w: SplitRoutedWeight):
+    """(data_t, scale_t) sequences of a split MXFP8 weight for the backward's dgrad ([K, M], [K, M/32] each)."""
+    if w.transposed_data is None or w.transposed_scale is None:
+        raise ValueError(f"{name}: the backward needs the column-wise MXFP8 data of the split weight "
+                         "(SplitRoutedWeight.transposed_data and transposed_scale)")
+    for field in ("transposed_data", "transposed_scale"):
+        seq = getattr(w, field)
+        if not isinstance(seq, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in seq):
+            raise TypeError(f"{name}: SplitRoutedWeight.{field} must be a sequence of E tensors")
+    if w.native_columnwise:  # Transformer Engine's [M, K] data and [M/32, K] scales, as transposed views
+        return _transposed_views(w.transposed_data), _transposed_views(w.transposed_scale)
+    return tuple(w.transposed_data), tuple(w.transposed_scale)
+
+
 def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
-    """(RoutedOperands, stand-ins for the three routed arguments) when they are MXFP8 tuples, else
-    (None, the arguments). The stand-ins are x-dtype zero-stride tensors of the logical weight shapes
-    (aliasing kept for a combined FC1), so the common checks and buffer logic apply unchanged."""
+    """(RoutedOperands, stand-ins for the three routed arguments) when they are MXFP8 (tuples or split
+    `SplitRoutedWeight`s), else (None, the arguments). The stand-ins are x-dtype zero-stride tensors of the
+    logical weight shapes (E of them for a split weight; aliasing kept for a combined FC1), so the common
+    checks and buffer logic apply unchanged."""
     from . import mxfp8
 
     args = (routed_gate, routed_up, routed_down)
@@ -382,22 +428,29 @@ def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
         if routed_gate is routed_up:
             args = (args[0], args[0], args[2])
     gate, up, down = args
-    kinds = [_is_mxfp8_tuple(a) for a in args]
+    kinds = [_is_mxfp8_tuple(a) or _is_split_mxfp8(a) for a in args]
     if not any(kinds):
-        for n, a in zip(("routed_gate", "routed_up", "routed_down"), args):
-            if isinstance(a, SplitRoutedWeight) and any(_is_mxfp8_piece(v) for v in a.data):
-                raise TypeError(f"{n}: split per-expert MXFP8 weights (SplitRoutedWeight) are not supported yet; "
-                                "pass stacked (data, scale) tuples or bf16 weights")
         return None, args
     if not all(kinds):
         bad = ("routed_gate", "routed_up", "routed_down")[kinds.index(False)]
-        raise TypeError(f"{bad}: expected MXFP8 (data, scale) tuples for all routed weights, as the others")
+        raise TypeError(f"{bad}: expected an MXFP8 weight (a (data, scale) tuple or a SplitRoutedWeight with "
+                        "scales), as the other routed weights")
     if gate is not up:
         raise TypeError("routed_gate: MXFP8 routed weights are supported as a combined FC1 (the same (data, scale) "
-                        "tuple passed as routed_gate and routed_up)")
-    names = ("routed_gate", "routed_down")
+                        "tuple or SplitRoutedWeight passed as routed_gate and routed_up)")
+
+    def split_parts(name, w, *, rows: bool, split_rows: bool):
+        if not isinstance(w.data, (tuple, list)) or not w.data:
+            raise TypeError(f"{name}: SplitRoutedWeight.data must be a non-empty sequence of 2-D tensors")
+        dt = st = None
+        if backward:
+            dt, st = _split_columnwise(name, w)
+        mxfp8.check_split_weight(name, w.data, w.scale, dt, st, x.dtype, x.device, split_rows=split_rows)
+        return (tuple(w.data) if rows else None), (tuple(w.scale) if rows else None), dt, st
 
     def gate_up_parts(t):
+        if isinstance(t, SplitRoutedWeight):
+            return split_parts("routed_gate", t, rows=True, split_rows=True)
         if not backward:
             return t[0], t[1], None, None
         if len(t) == 5 and t[4] is True:
@@ -407,11 +460,9 @@ def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
         raise ValueError("routed_gate: the backward needs the MXFP8 gate/up as (data, scale, data_t, scale_t) or "
                          "(data, scale, col_data, col_scale, True)")
 
-    gu = gate_up_parts(gate)
-    mxfp8.check_weight("routed_gate", *gu, None, x.dtype, x.device, split_rows=True)
-    E, two_i, H = gu[0].shape
-    if backward:
-        t = down
+    def down_columnwise(t):
+        if isinstance(t, SplitRoutedWeight):
+            return split_parts("routed_down", t, rows=False, split_rows=False)[2:]
         if len(t) == 3 and t[2] is True:
             dt, st = _mx_native_col(t[0], t[1])
         elif len(t) == 4:
@@ -422,15 +473,33 @@ def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
             raise ValueError("routed_down: the backward needs the MXFP8 down as its column-wise (data_t, scale_t), "
                              "(col_data, col_scale, True) or a 4-tuple")
         mxfp8.check_weight("routed_down (column-wise)", dt, st, None, None, None, x.dtype, x.device)
-        standin_down = x.new_empty(()).expand(dt.shape[0], dt.shape[2], dt.shape[1])
+        return dt, st
+
+    def standin(like, shape):
+        """x-dtype zero-stride stand-ins: [E, *shape] for a 3-D payload, E x shape for a split one."""
+        if isinstance(like, torch.Tensor):
+            return x.new_empty(()).expand(like.shape[0], *shape)
+        return tuple(x.new_empty(()).expand(*shape) for _ in like)
+
+    gu = gate_up_parts(gate)
+    if not isinstance(gate, SplitRoutedWeight):
+        mxfp8.check_weight("routed_gate", *gu, None, x.dtype, x.device, split_rows=True)
+    two_i, H = (gu[0] if isinstance(gu[0], torch.Tensor) else gu[0][0]).shape[-2:]
+    if backward:
+        dt, st = down_columnwise(down)
+        K_, M_ = (dt if isinstance(dt, torch.Tensor) else dt[0]).shape[-2:]  # down_t is [I, H] per expert
+        standin_down = standin(dt, (M_, K_))
         dn = (standin_down, None, None, None)
         ops_ = mxfp8.routed_operands(gu, dn)._replace(down_t=mxfp8.Operand(dt, st))
     else:
-        dn = (down[0], down[1], None, None)
-        mxfp8.check_weight(names[1], *dn, None, x.dtype, x.device)
+        if isinstance(down, SplitRoutedWeight):
+            dn = split_parts("routed_down", down, rows=True, split_rows=False)
+        else:
+            dn = (down[0], down[1], None, None)
+            mxfp8.check_weight("routed_down", *dn, None, x.dtype, x.device)
         ops_ = mxfp8.routed_operands(gu, dn)
-        standin_down = x.new_empty(()).expand(dn[0].shape)
-    standin_fc1 = x.new_empty(()).expand(E, two_i, H)
+        standin_down = standin(dn[0], (dn[0] if isinstance(dn[0], torch.Tensor) else dn[0][0]).shape[-2:])
+    standin_fc1 = standin(gu[0] if gu[0] is not None else gu[2], (two_i, H))
     return ops_, (standin_fc1, standin_fc1, standin_down)
 
 

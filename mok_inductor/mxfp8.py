@@ -238,11 +238,12 @@ def _dt(t) -> str:
 
 
 def check_weight(name: str, data, scale, data_t, scale_t, master, dtype: torch.dtype, device: torch.device,
-                 *, split_rows: bool = False) -> None:
+                 *, split_rows: bool = False, dims: int = 3) -> None:
     """Errors (TypeError / ValueError naming `name`) for a routed weight [E, M, K] given as MXFP8 data
     (float8_e4m3fn [E, M, K], scales uint8 [E, M, K/32], optional column-wise data [E, K, M] and scales
     [E, K, M/32]) or, with scale None, as a plain `dtype` weight. `split_rows`: the weight is a combined
-    gate/up FC1 whose column-wise scale blocks must not straddle the gate/up boundary (I % 32 == 0)."""
+    gate/up FC1 whose column-wise scale blocks must not straddle the gate/up boundary (I % 32 == 0).
+    `dims=2`: one expert's weight [M, K] (a piece of a split weight)."""
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor or an MXFP8Weight, got {type(data).__name__}")
     if scale is None:
@@ -251,14 +252,15 @@ def check_weight(name: str, data, scale, data_t, scale_t, master, dtype: torch.d
         return
     if data.dtype != torch.float8_e4m3fn:
         raise TypeError(f"{name}: MXFP8 data must be float8_e4m3fn, got {_dt(data)}")
-    if data.dim() != 3:
-        raise ValueError(f"{name}: expected 3-D MXFP8 data [E, M, K], got shape {list(data.shape)}")
+    if data.dim() != dims:
+        what = "[E, M, K]" if dims == 3 else "[M, K]"
+        raise ValueError(f"{name}: expected {dims}-D MXFP8 data {what}, got shape {list(data.shape)}")
     if data.device != device:
         raise ValueError(f"{name}: expected MXFP8 data on {device} (the device of x), got one on {data.device}")
-    E, M, K = data.shape
+    *lead, M, K = data.shape
     if K % BLOCK:
         raise ValueError(f"{name}: MXFP8 needs the reduction dim (the last, {K}) divisible by {BLOCK}")
-    for label, s, shape in (("scale", scale, (E, M, K // BLOCK)), ("scale_t", scale_t, (E, K, M // BLOCK))):
+    for label, s, shape in (("scale", scale, (*lead, M, K // BLOCK)), ("scale_t", scale_t, (*lead, K, M // BLOCK))):
         if s is None:
             continue
         if not isinstance(s, torch.Tensor):
@@ -277,8 +279,9 @@ def check_weight(name: str, data, scale, data_t, scale_t, master, dtype: torch.d
         if not isinstance(data_t, torch.Tensor) or data_t.dtype != torch.float8_e4m3fn:
             got = _dt(data_t) if isinstance(data_t, torch.Tensor) else type(data_t).__name__
             raise TypeError(f"{name}: column-wise MXFP8 data must be float8_e4m3fn, got {got}")
-        if tuple(data_t.shape) != (E, K, M):
-            raise ValueError(f"{name}: expected column-wise MXFP8 data of shape {[E, K, M]}, got {list(data_t.shape)}")
+        if tuple(data_t.shape) != (*lead, K, M):
+            raise ValueError(f"{name}: expected column-wise MXFP8 data of shape {[*lead, K, M]}, got "
+                             f"{list(data_t.shape)}")
         if data_t.device != device:
             raise ValueError(f"{name}: expected MXFP8 data on {device} (the device of x), got one on {data_t.device}")
         if split_rows and (M // 2) % BLOCK:
@@ -291,10 +294,34 @@ def check_weight(name: str, data, scale, data_t, scale_t, master, dtype: torch.d
             raise TypeError(f"{name}: the master weight must be a torch.Tensor, got {type(master).__name__}")
         if master.dtype != dtype:
             raise TypeError(f"{name}: the master weight must have the dtype of x ({_dt_name(dtype)}), got {_dt(master)}")
-        if tuple(master.shape) != (E, M, K):
-            raise ValueError(f"{name}: expected the master weight of shape {[E, M, K]}, got {list(master.shape)}")
+        if tuple(master.shape) != (*lead, M, K):
+            raise ValueError(f"{name}: expected the master weight of shape {[*lead, M, K]}, got {list(master.shape)}")
         if master.device != device:
             raise ValueError(f"{name}: expected the master weight on {device} (the device of x), got {master.device}")
+
+
+def check_split_weight(name: str, data, scale, data_t, scale_t, dtype: torch.dtype, device: torch.device, *,
+                       split_rows: bool = False) -> None:
+    """`check_weight` for a routed weight split per expert: sequences of E 2-D data [M, K], scales
+    [M, K/32] and, optionally, column-wise data [K, M] and scales [K, M/32], every expert of one shape."""
+    E = len(data)
+    for label, seq in (("scale", scale), ("transposed_data", data_t), ("transposed_scale", scale_t)):
+        if seq is None:
+            if label == "scale":
+                raise ValueError(f"{name}: split MXFP8 data needs its scales (SplitRoutedWeight.scale)")
+            continue
+        if not isinstance(seq, (tuple, list)):
+            raise TypeError(f"{name}: SplitRoutedWeight.{label} must be a sequence of {E} tensors, got "
+                            f"{type(seq).__name__}")
+        if len(seq) != E:
+            raise ValueError(f"{name}: SplitRoutedWeight.{label} holds {len(seq)} tensors, its data {E}")
+    for e in range(E):
+        d = data[e]
+        if e and isinstance(d, torch.Tensor) and d.shape != data[0].shape:
+            raise ValueError(f"{name}[{e}]: expected the shape of {name}[0] {list(data[0].shape)}, got "
+                             f"{list(d.shape)}")
+        check_weight(f"{name}[{e}]", d, scale[e], None if data_t is None else data_t[e],
+                     None if scale_t is None else scale_t[e], None, dtype, device, split_rows=split_rows, dims=2)
 
 
 def _dt_name(dtype: torch.dtype) -> str:

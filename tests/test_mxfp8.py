@@ -335,6 +335,31 @@ def test_kernel_dequantize_is_exact_on_strided_views():
         assert torch.equal(kernels.dequantized(op, torch.bfloat16).data, col_t[..., lo:lo + 32])
 
 
+def test_kernel_dequantize_reads_split_weights_in_place(monkeypatch):
+    # split per-expert MXFP8 (separate allocations; the up rows of a combined FC1 as row views) is read
+    # through address tables, not stacked; experts of different strides are stacked once: bitwise the same
+    from mok_inductor import kernels
+    from mok_inductor.kernels import moe_fwd
+    from mok_inductor.mxfp8 import Operand
+
+    q = mxfp8.quantize(_weight(3, 64, 96, seed=6).to(_TRITON_DEV))
+    full = mxfp8.dequantize(q, dtype=torch.bfloat16)
+    data, scale = [t.clone() for t in q.data], [t.clone() for t in q.scale]
+    stacked, real_stack = [], torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacked.append(len(ts)) or real_stack(ts, *a, **k))
+    tables, real_table = [], moe_fwd.address_table
+    monkeypatch.setattr(moe_fwd, "address_table", lambda ptrs, dev: tables.append(ptrs) or real_table(ptrs, dev))
+    for lo in (0, 32):
+        op = Operand([t[lo:lo + 32] for t in data], [t[lo:lo + 32] for t in scale])
+        got = kernels.dequantized(op, torch.bfloat16).data
+        assert torch.equal(got, full[:, lo:lo + 32]), lo
+        assert tuple(t.data_ptr() for t in op.data) in tables
+    assert stacked == []
+    mixed = Operand([data[0], data[1].t().contiguous().t(), data[2]], scale)  # expert 1 column-major: no common table
+    assert torch.equal(kernels.dequantized(mixed, torch.bfloat16).data, full)
+    assert stacked == [3, 3]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_no_master_no_weight_gradient_and_no_grad_needs_no_columnwise(device):
     p = _problem(torch.bfloat16, device)
@@ -615,12 +640,29 @@ def test_split_list_errors():
 # ---------------------------------------------------------------------------------------------- functional ABI
 
 
-@pytest.mark.parametrize("path,device", BACKENDS)
-@pytest.mark.parametrize("layout", ["legacy", "native"])
-def test_functional_abi_with_mxfp8_tuples_and_main_grads(monkeypatch, device, path, layout):
+def _split_abi(q, native: bool):
+    """A quantized [E, M, K] weight as a split SplitRoutedWeight of per-expert copies (fresh allocations, as
+    Megatron's weight0 ... weight{E-1}): column-wise pairs as [K, M] / [K, M/32], or TE's native [M, K] /
+    [M/32, K] storage."""
     from mok_inductor import functional as mf
 
+    def copies(t):
+        return tuple(t[e].clone() for e in range(t.shape[0]))
+
+    if native:
+        return mf.SplitRoutedWeight(copies(q.data), copies(q.scale), copies(q.data_t.transpose(1, 2).contiguous()),
+                                    copies(q.scale_t.transpose(1, 2).contiguous()), native_columnwise=True)
+    return mf.SplitRoutedWeight(copies(q.data), copies(q.scale), copies(q.data_t), copies(q.scale_t))
+
+
+@pytest.mark.parametrize("path,device", BACKENDS)
+@pytest.mark.parametrize("layout", ["legacy", "native", "split", "split-native", "split-dequantized-first"])
+def test_functional_abi_with_mxfp8_tuples_and_main_grads(monkeypatch, device, path, layout):
+    from mok_inductor import functional as mf, kernels
+
     _backend(monkeypatch, path)
+    if layout == "split-dequantized-first":  # the large-shape path (operands dequantized once per call), forced
+        monkeypatch.setattr(kernels, "MX_DEQUANTIZE_MIN_ROWS", 0)
     p = _problem(torch.bfloat16, device, shared=True, seed=21)
     q1 = mxfp8.quantize(p["gu"])
     o1 = mxfp8.quantize(torch.randn(p["gu"].shape, generator=torch.Generator().manual_seed(3)).to(p["gu"]) * p["gu"].std())
@@ -631,10 +673,21 @@ def test_functional_abi_with_mxfp8_tuples_and_main_grads(monkeypatch, device, pa
     sch = mf.build_schedule(ws, cfg, p["te"], num_local_experts=E)
     sgu, sd, sg = p["sgu"], p["sd"], p["sg"]
     shared = (sgu[:IS], sgu[IS:], sd)
-    fc1_fwd = (q1.data, q1.scale)
-    y, fctx = mf.forward(cfg, ws, sch, p["x"], p["rw"], *shared, fc1_fwd, fc1_fwd, (q2.data, q2.scale),
+    split = layout.startswith("split")
+    if split:  # one descriptor per weight for forward and backward (MoK's split layout)
+        fc1_fwd = fc1_bwd = _split_abi(q1, layout == "split-native")
+        fc2_fwd = fc2_bwd = _split_abi(q2, layout == "split-native")
+    else:
+        fc1_fwd, fc2_fwd = (q1.data, q1.scale), (q2.data, q2.scale)
+    stacked_mx, real_stack = [], torch.stack
+    if split:  # the kernels read split MXFP8 in place (address tables): no stacked copy of e4m3 data or scales
+        monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacked_mx.extend(
+            t.dtype for t in ts if t.dtype in (torch.float8_e4m3fn, torch.uint8)) or real_stack(ts, *a, **k))
+    y, fctx = mf.forward(cfg, ws, sch, p["x"], p["rw"], *shared, fc1_fwd, fc1_fwd, fc2_fwd,
                          shared_output_gate_weight=sg)
-    if layout == "legacy":
+    if split:
+        pass
+    elif layout == "legacy":
         fc1_bwd = (q1.data, q1.scale, q1.data_t, q1.scale_t)
         fc2_bwd = (q2.data_t, q2.scale_t)
     else:  # TE's native column-wise storage: [E, M, K] data, [E, M/32, K] scales, flagged True
@@ -647,9 +700,22 @@ def test_functional_abi_with_mxfp8_tuples_and_main_grads(monkeypatch, device, pa
             ((IS, H), (E, 2 * I, H), (IS, H), (E, 2 * I, H), (H, IS), (E, H, I))]
     main[3] = main[1]  # one combined routed FC1 buffer, passed twice
     start = [m.clone() for m in main]
+    tables = None
+    if split:  # per-expert main-grad buffers (Megatron's layout): tables of views; the entries representatives
+        main[1], main[5] = [m.clone() for m in main[1]], [m.clone() for m in main[5]]
+        tables = (main[1], main[1], main[5])
+        main[3] = main[1]
+        main_args = [main[0], main[1][0], main[2], main[1][0], main[4], main[5][0]]
+    else:
+        main_args = main
     out = mf.backward(cfg, ws, sch, fctx, dy, p["x"], p["rw"], *shared, fc1_bwd, fc1_bwd, fc2_bwd,
-                      main_grads=main, shared_output_gate_weight=sg)
-    assert out[2] is main[1] and out[4] is main[5]
+                      main_grads=main_args, main_grad_storage_tables=tables, shared_output_gate_weight=sg)
+    assert out[2] is main_args[1] and out[4] is main_args[5]
+    if path == "triton":
+        assert stacked_mx == []
+    monkeypatch.setattr(torch, "stack", real_stack)
+    if split:
+        main[1], main[5] = torch.stack(main[1]), torch.stack(main[5])
 
     leaves = {n: p[n].detach().cpu().double().requires_grad_(True) for n in ("x", "rw", "sgu", "sd", "sg")}
     (gr, gc), (dr, dc) = _dual(p["gu"], q1), _dual(p["d"], q2)
@@ -678,13 +744,30 @@ def test_functional_abi_mxfp8_errors():
     fwd = lambda gate, up, down: mf.forward(cfg, ws, sch, p["x"], p["rw"], None, None, None, gate, up, down)  # noqa
     fc1 = (q1.data, q1.scale)
     cases = [
-        (TypeError, (fc1, fc1, p["d"]), "routed_down: expected MXFP8 (data, scale) tuples for all routed weights, as "
-                                        "the others"),
+        (TypeError, (fc1, fc1, p["d"]), "routed_down: expected an MXFP8 weight (a (data, scale) tuple or a "
+                                        "SplitRoutedWeight with scales), as the other routed weights"),
         (TypeError, (fc1, (q1.data, q1.scale), (q2.data, q2.scale)),
-         "routed_gate: MXFP8 routed weights are supported as a combined FC1 (the same (data, scale) tuple passed as "
-         "routed_gate and routed_up)"),
+         "routed_gate: MXFP8 routed weights are supported as a combined FC1 (the same (data, scale) tuple or "
+         "SplitRoutedWeight passed as routed_gate and routed_up)"),
         (TypeError, ((q1.data, q1.scale.float()),) * 2 + ((q2.data, q2.scale),),  # one tuple, passed twice
          "routed_gate: MXFP8 scale must be uint8 (biased E8M0 exponents), got float32"),
+    ]
+    # split per-expert MXFP8 (SplitRoutedWeight): each piece is checked, named by its expert
+    sp1, sp2 = _split_abi(q1, False), _split_abi(q2, False)
+    short = sp1._replace(data=(sp1.data[0], sp1.data[1][:32], sp1.data[2]))
+    cases += [
+        (ValueError, (sp1._replace(scale=None),) * 2 + (sp2,),
+         "routed_gate: split MXFP8 data needs its scales (SplitRoutedWeight.scale)"),
+        (ValueError, (sp1._replace(scale=sp1.scale[:2]),) * 2 + (sp2,),
+         f"routed_gate: SplitRoutedWeight.scale holds 2 tensors, its data {E}"),
+        (ValueError, (short,) * 2 + (sp2,), f"routed_gate[1]: expected the shape of routed_gate[0] [{2 * I}, {H}], "
+                                            f"got [32, {H}]"),
+        (TypeError, (sp1,) * 2 + (sp2._replace(scale=tuple(t.float() for t in sp2.scale)),),
+         "routed_down[0]: MXFP8 scale must be uint8 (biased E8M0 exponents), got float32"),
+        (ValueError, (sp1._replace(data=tuple(t[None] for t in sp1.data)),) * 2 + (sp2,),
+         f"routed_gate[0]: expected 2-D MXFP8 data [M, K], got shape [1, {2 * I}, {H}]"),
+        (TypeError, (sp1,) * 2 + (p["d"],), "routed_down: expected an MXFP8 weight (a (data, scale) tuple or a "
+                                             "SplitRoutedWeight with scales), as the other routed weights"),
     ]
     for exc, args, message in cases:
         with pytest.raises(exc) as info:
@@ -696,3 +779,22 @@ def test_functional_abi_mxfp8_errors():
                     (q2.data_t, q2.scale_t))
     assert str(info.value).startswith("routed_gate: the backward needs the MXFP8 gate/up as (data, scale, data_t, "
                                       "scale_t)")
+    # a split weight without column-wise pairs serves forward only
+    fwd_only = sp1._replace(transposed_data=None, transposed_scale=None)
+    y, fctx = fwd(fwd_only, fwd_only, sp2)
+    with pytest.raises(ValueError) as info:
+        mf.backward(cfg, ws, sch, fctx, torch.ones_like(y), p["x"], p["rw"], None, None, None, fwd_only, fwd_only,
+                    sp2)
+    assert str(info.value) == ("routed_gate: the backward needs the column-wise MXFP8 data of the split weight "
+                               "(SplitRoutedWeight.transposed_data and transposed_scale)")
+    # of_mxfp8: the descriptor of per-expert quantize results (views of the stacked ones here)
+    parts = _split(q1)
+    of = mf.SplitRoutedWeight.of_mxfp8(parts)
+    for field, attr in (("data", "data"), ("scale", "scale"), ("transposed_data", "data_t"),
+                        ("transposed_scale", "scale_t")):
+        assert all(a is getattr(q, attr) for a, q in zip(getattr(of, field), parts)), field
+    assert not of.native_columnwise
+    rows_only = mf.SplitRoutedWeight.of_mxfp8([q._replace(data_t=None, scale_t=None) for q in parts])
+    assert rows_only.transposed_data is None and rows_only.transposed_scale is None
+    with pytest.raises(TypeError, match="^weights: expected a non-empty sequence of mok_inductor.mxfp8.MXFP8Weight"):
+        mf.SplitRoutedWeight.of_mxfp8([q1.data])

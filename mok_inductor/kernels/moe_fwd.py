@@ -140,7 +140,9 @@ def w_tile(w_ptr, s_ptr, kk, cols, kmask, cmask, s_n, s_k, ss_n, ss_k, like_ptr,
     w = tl.load(w_ptr + kk[:, None] * s_k + cols[None, :] * s_n, mask=m, other=0.0)
     if MX:
         # one scale load per element (L1 hits: 32 neighbours share one). Measured on the H200 (session 4): a
-        # [BLOCK_N] row of scales per 32-block of k, spread with where(), was slower (decode 0.52 vs 0.37 ms)
+        # [BLOCK_N] row of scales per 32-block of k, spread with where(), was slower (decode 0.52 vs 0.37 ms);
+        # so was (session 8) a [BLOCK_K/32, 32, BLOCK_N] tile times one [BLOCK_K/32, BLOCK_N] scale tile
+        # broadcast in registers: fewer instructions in the sm_90 PTX, but decode 0.411 vs 0.359 ms
         sc = tl.load(s_ptr + (kk // 32)[:, None] * ss_k + cols[None, :] * ss_n, mask=m, other=0)
         w = w.to(tl.float32) * e8m0_factor(sc)
         if DOT_PREC != "interp":
@@ -334,19 +336,22 @@ def w_meta(*ops) -> dict:
 def _dequant_kernel(
     w_ptr, s_e, s_n, s_k, q_ptr, q_e, q_n, q_k,  # e4m3 data [E, n, k] and E8M0 scales [E, n, k/32] (strided)
     out_ptr,  # [E, n, k] out, contiguous (the activation dtype)
-    NR, KD,  # n, k (k a multiple of 32)
-    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+    NR, KD, E,  # n, k (k a multiple of 32), experts
+    TABLE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """[BLOCK_R, BLOCK_B, 32] tiles: BLOCK_B scale blocks of 32 along k per row, one scale load per block."""
+    """[BLOCK_R, BLOCK_B, 32] tiles: BLOCK_B scale blocks of 32 along k per row, one scale load per block.
+    TABLE: split per-expert data and scales read through address tables (as in expert_ptr)."""
     e64 = tl.program_id(2).to(tl.int64)
+    w_ptr = expert_ptr(w_ptr, e64, s_e, E, TABLE, tl.float8e4nv)
+    q_ptr = expert_ptr(q_ptr, e64, q_e, E, TABLE != 0, tl.uint8)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     kb = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     j = tl.arange(0, 32)
     m2 = (rows < NR)[:, None] & (kb < KD // 32)[None, :]
-    sc = tl.load(q_ptr + e64 * q_e + rows[:, None] * q_n + kb[None, :] * q_k, mask=m2, other=0)
+    sc = tl.load(q_ptr + rows[:, None] * q_n + kb[None, :] * q_k, mask=m2, other=0)
     kk = kb[None, :, None] * 32 + j[None, None, :]
     m3 = m2[:, :, None]
-    w = tl.load(w_ptr + e64 * s_e + rows[:, None, None] * s_n + kk * s_k, mask=m3, other=0.0)
+    w = tl.load(w_ptr + rows[:, None, None] * s_n + kk * s_k, mask=m3, other=0.0)
     tl.store(out_ptr + e64 * NR * KD + rows[:, None, None] * KD + kk,
              (w.to(tl.float32) * e8m0_factor(sc)[:, :, None]).to(out_ptr.dtype.element_ty), mask=m3)
 
@@ -357,16 +362,25 @@ def dequantized(op: Operand, dtype: torch.dtype) -> Operand:
     tile often enough that dequantizing it in every K loop costs more (kernels.MX_DEQUANTIZE_MIN_ROWS)."""
     if not op.quantized:
         return op
-    op = op.stacked()  # (split per-expert data and scales: one copy of the quantized bytes)
     d, q = op.data, op.scale
+    table = 0
+    if not isinstance(d, torch.Tensor):  # split per expert: read in place through address tables
+        pieces = [*d, *q]
+        td, tq = (None, None) if _launch.without_pointers(pieces) else (ExpertTable.of(d), ExpertTable.of(q))
+        if td is None or tq is None:  # traced, or experts of different shapes/strides: one copy
+            op = op.stacked()
+            d, q = op.data, op.scale
+        else:
+            d, q, table = td, tq, 2 if td.aligned else 1
     E, n, k = d.shape
     out = torch.empty(E, n, k, dtype=dtype, device=d.device)
     if out.numel() == 0:
         return plain(out)
+    dp, qp = (d.table, q.table) if table else (d, q)
     br, bb = (8, 2) if _launch.INTERPRET else (32, 8)
-    _launch.launch(_dequant_kernel, (triton.cdiv(n, br), triton.cdiv(k // 32, bb), E), d, d.stride(0), d.stride(1),
-                   d.stride(2), q, q.stride(0), q.stride(1), q.stride(2), out, n, k, BLOCK_R=br, BLOCK_B=bb,
-                   num_warps=4)
+    _launch.launch(_dequant_kernel, (triton.cdiv(n, br), triton.cdiv(k // 32, bb), E), dp, d.stride(0),
+                   d.stride(1), d.stride(2), qp, q.stride(0), q.stride(1), q.stride(2), out, n, k, E, TABLE=table,
+                   BLOCK_R=br, BLOCK_B=bb, num_warps=4)
     return plain(out)
 
 
