@@ -142,7 +142,10 @@ def w_tile(w_ptr, s_ptr, kk, cols, kmask, cmask, s_n, s_k, ss_n, ss_k, like_ptr,
         # one scale load per element (L1 hits: 32 neighbours share one). Measured on the H200 (session 4): a
         # [BLOCK_N] row of scales per 32-block of k, spread with where(), was slower (decode 0.52 vs 0.37 ms);
         # so was (session 8) a [BLOCK_K/32, 32, BLOCK_N] tile times one [BLOCK_K/32, BLOCK_N] scale tile
-        # broadcast in registers: fewer instructions in the sm_90 PTX, but decode 0.411 vs 0.359 ms
+        # broadcast in registers: fewer instructions in the sm_90 PTX, but decode 0.411 vs 0.359 ms. The
+        # conversions (e4m3 -> f16 -> f32 -> bf16: F2F, a quarter of the float32 rate on Hopper) bound this
+        # loop; an inline-PTX route with one F2F per two elements measured slower still (0.589 ms: Triton
+        # packs the elements for the asm one by one), and Inductor cannot embed its multi-line asm string
         sc = tl.load(s_ptr + (kk // 32)[:, None] * ss_k + cols[None, :] * ss_n, mask=m, other=0)
         w = w.to(tl.float32) * e8m0_factor(sc)
         if DOT_PREC != "interp":
