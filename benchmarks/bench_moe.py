@@ -123,7 +123,11 @@ _compiled = {}
 
 def moe_grouped_mm_compiled(x, rw, te, w_gu, w_d):
     if "f" not in _compiled:
-        _compiled["f"] = torch.compile(moe_grouped_mm, fullgraph=True)
+        # dynamic=False: every shape gets its own static compile. With the default (automatic dynamic shapes) the
+        # second shape of a run recompiled with symbolic sizes, which measured slower on the H200 (session 8,
+        # benchmarks/ratio_ab.py: qwen3 fwd+bwd 13.94 ms as the run's third shape vs 10.41 as its first, mixtral
+        # 29.8 as the first vs 32.25 as the third): the baseline of every shape after the first was weakened
+        _compiled["f"] = torch.compile(moe_grouped_mm, fullgraph=True, dynamic=False)
     return _compiled["f"](x, rw, te, w_gu, w_d)
 
 

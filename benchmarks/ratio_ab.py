@@ -1,0 +1,101 @@
+"""Issue 3's fwd+bwd ratios (mok against compiled torch._grouped_mm), measured in interleaved rounds.
+
+benchmarks/bench_moe.py times each contender once, one after the other, with a fixed 100 ms of
+repetitions: at the mixtral shape (about 32 ms per fwd+bwd) that is three samples, and mok's figure moved
+by 4-7% between runs (docs/benchmarks.md, run 9). Here, per shape, after both contenders are compiled and
+warmed up, R rounds alternate them (mok, compiled, mok, compiled, ...), each timing at least --iters
+iterations (triton's do_bench, median); the report gives every round's ratio and their median, min and max,
+so a ratio near a target can be told from the noise.
+
+    python benchmarks/ratio_ab.py [--shapes mixtral-8x7b,gpt-oss-20b,qwen3-30b-a3b] [--rounds 5] [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_moe import CONTENDERS, SHAPES, make_inputs  # noqa: E402
+
+TARGETS = {"qwen3-30b-a3b": 1.4, "mixtral-8x7b": 1.03, "gpt-oss-20b": 1.15, "deepseek-v3-slice": 1.05}
+
+
+def timed(fn, iters):
+    """Median ms of `fn` over do_bench's repetitions, sized for at least `iters` calls."""
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est = (time.perf_counter() - t0) * 1e3
+    q = triton.testing.do_bench(fn, warmup=max(25, 2 * est), rep=max(100, iters * est), return_mode="all")
+    return statistics.median(q), len(q)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="mixtral-8x7b,gpt-oss-20b,qwen3-30b-a3b")
+    p.add_argument("--contenders", default="mok,grouped_mm_compiled")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = p.parse_args()
+    mine, base = a.contenders.split(",")
+    out = []
+    for shape in a.shapes.split(","):
+        T, H, I, E, K = SHAPES[shape]
+        x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, "balanced")
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, rw, w_gu, w_d)]
+        dy = torch.randn_like(x)
+
+        def step(c):
+            f = CONTENDERS[c]
+            return lambda: torch.autograd.grad(f(leaves[0], leaves[1], te, leaves[2], leaves[3]), leaves, dy)
+
+        steps = {c: step(c) for c in (mine, base)}
+        for c, s in steps.items():  # compile, autotune, warm up
+            t0 = time.time()
+            s()
+            torch.cuda.synchronize()
+            print(f"{shape} {c}: first call {time.time() - t0:.0f} s", flush=True)
+        rounds = []
+        for r in range(a.rounds):
+            row = {}
+            for c, s in steps.items():
+                row[c], row[c + "_n"] = timed(s, a.iters)
+            row["ratio"] = row[base] / row[mine]
+            rounds.append(row)
+            print(f"  round {r + 1}: {mine} {row[mine]:.3f} ms ({row[mine + '_n']} its), {base} {row[base]:.3f} ms "
+                  f"({row[base + '_n']} its): {row['ratio']:.3f}x", flush=True)
+        ratios = [r["ratio"] for r in rounds]
+        res = dict(shape=shape, target=TARGETS.get(shape), median_ratio=statistics.median(ratios), min_ratio=min(ratios),
+                   max_ratio=max(ratios), median_ms={c: statistics.median(r[c] for r in rounds) for c in steps},
+                   rounds=rounds)
+        out.append(res)
+        print(f"{shape}: fwd+bwd {base} / {mine} median {res['median_ratio']:.3f}x (min {min(ratios):.3f}, max "
+              f"{max(ratios):.3f}; target {res['target']}x); {mine} {res['median_ms'][mine]:.3f} ms, {base} "
+              f"{res['median_ms'][base]:.3f} ms", flush=True)
+        del steps, leaves
+        torch.cuda.empty_cache()
+    import triton
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds=a.rounds, iters=a.iters)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "ratio_ab.json"), "w") as f:
+        json.dump(dict(meta=meta, results=out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
