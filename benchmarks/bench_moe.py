@@ -131,6 +131,14 @@ def moe_grouped_mm_compiled(x, rw, te, w_gu, w_d):
     return _compiled["f"](x, rw, te, w_gu, w_d)
 
 
+def moe_mok_compiled(x, rw, te, w_gu, w_d):
+    """mok under torch.compile(fullgraph=True, dynamic=False): what a compiled model gets (the Inductor
+    lowering launches the same kernels, with the first tile config of each list, see kernels/_launch.py)."""
+    if "mok" not in _compiled:
+        _compiled["mok"] = torch.compile(moe_mok, fullgraph=True, dynamic=False)
+    return _compiled["mok"](x, rw, te, w_gu, w_d)
+
+
 def moe_liger(x, rw, te, w_gu, w_d):
     """Liger-Kernel's Triton fused MoE (liger-kernel 0.8.5): the closest peer written in Triton."""
     from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
@@ -198,7 +206,7 @@ class GraphedMokMxfp8(GraphedMok):
 
 
 CONTENDERS = {"mok": moe_mok, "mok_mxfp8": MokMxfp8(), "mok_mxfp8_graph": GraphedMokMxfp8(), "mok_graph": GraphedMok(), "grouped_mm": moe_grouped_mm, "grouped_mm_compiled": moe_grouped_mm_compiled,
-              "eager": moe_eager, "liger": moe_liger}
+              "mok_compiled": moe_mok_compiled, "eager": moe_eager, "liger": moe_liger}
 
 
 # ---------------------------------------------------------------------------------------------
