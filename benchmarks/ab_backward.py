@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_moe import SHAPES, bench, make_inputs  # noqa: E402
+from bench_moe import SHAPES, bench, fwd_bwd_step, grad_leaves, make_inputs  # noqa: E402
 
 # name: (moe_bwd.TWO_PASS_MIN_ROWS, moe_bwd.PAIR_WGRAD, moe_bwd.SUBTILE_EPILOGUE, moe_fwd.PERSISTENT_GATE_UP)
 VARIANTS = {
@@ -46,13 +46,9 @@ def main():
     for name in a.shapes.split(","):
         T, H, I, E, K = SHAPES[name]
         x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, "balanced")
-        leaves = [t.detach().clone().requires_grad_(True) for t in (x, rw, w_gu, w_d)]
-        dy = torch.randn_like(x)
+        leaves, dy = grad_leaves(x, rw, w_gu, w_d)
         flops = 18 * T * K * H * I
-
-        def step():
-            y = mok_inductor.moe(leaves[0], leaves[1], te, leaves[2], leaves[3])
-            return torch.autograd.grad(y, leaves, dy)
+        step = fwd_bwd_step(mok_inductor.moe, leaves, te, dy)
 
         times = {v: [] for v in VARIANTS}
         for _ in range(a.rounds):

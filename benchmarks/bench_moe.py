@@ -213,6 +213,16 @@ CONTENDERS = {"mok": moe_mok, "mok_mxfp8": MokMxfp8(), "mok_mxfp8_graph": Graphe
 # Timing
 
 
+def grad_leaves(x, rw, w_gu, w_d):
+    """Leaf copies of the four differentiable inputs and an output gradient, for fwd+bwd timings."""
+    return [t.detach().clone().requires_grad_(True) for t in (x, rw, w_gu, w_d)], torch.randn_like(x)
+
+
+def fwd_bwd_step(f, leaves, te, dy):
+    """One fwd+bwd of contender `f` on `leaves` (x, rw, w_gu, w_d): a callable returning their gradients."""
+    return lambda: torch.autograd.grad(f(leaves[0], leaves[1], te, leaves[2], leaves[3]), leaves, dy)
+
+
 def bench(fn, warmup=25, rep=100):
     import triton
 
@@ -248,8 +258,7 @@ def run_shape(name, kind, contenders, results, log):
     hot_share = (te < max(1, E // 10)).float().mean().item()
     log(f"== {name} T={T} H={H} I={I} E={E} K={K} routing={kind} (share of routes to the top 10% experts "
         f"{hot_share:.2f})")
-    leaves = [t.detach().clone().requires_grad_(True) for t in (x, rw, w_gu, w_d)]
-    dy = torch.randn_like(x)
+    leaves, dy = grad_leaves(x, rw, w_gu, w_d)
     with torch.no_grad():
         y_mok = moe_mok(x, rw, te, w_gu, w_d).float()
 
@@ -292,10 +301,7 @@ def run_shape(name, kind, contenders, results, log):
             if decode or c.endswith("_graph"):
                 continue
 
-            def step():
-                yy = f(leaves[0], leaves[1], te, leaves[2], leaves[3])
-                return torch.autograd.grad(yy, leaves, dy)
-
+            step = fwd_bwd_step(f, leaves, te, dy)
             step()
             ms = bench(step, wu, rp)
             add(c, "fwd+bwd", *ms, all_flops, peak, err)

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_moe import CONTENDERS, SHAPES, make_inputs  # noqa: E402
+from bench_moe import CONTENDERS, SHAPES, fwd_bwd_step, grad_leaves, make_inputs  # noqa: E402
 
 TARGETS = {"qwen3-30b-a3b": 1.4, "mixtral-8x7b": 1.03, "gpt-oss-20b": 1.15, "deepseek-v3-slice": 1.05}
 
@@ -56,14 +56,8 @@ def main():
     for shape in a.shapes.split(","):
         T, H, I, E, K = SHAPES[shape]
         x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, "balanced")
-        leaves = [t.detach().clone().requires_grad_(True) for t in (x, rw, w_gu, w_d)]
-        dy = torch.randn_like(x)
-
-        def step(c):
-            f = CONTENDERS[c]
-            return lambda: torch.autograd.grad(f(leaves[0], leaves[1], te, leaves[2], leaves[3]), leaves, dy)
-
-        steps = {c: step(c) for c in (mine, base)}
+        leaves, dy = grad_leaves(x, rw, w_gu, w_d)
+        steps = {c: fwd_bwd_step(CONTENDERS[c], leaves, te, dy) for c in (mine, base)}
         for c, s in steps.items():  # compile, autotune, warm up
             t0 = time.time()
             s()
