@@ -294,6 +294,7 @@ def _moe_bwd_impl(
         d_gate, d_up, d_down, d_s_gate, d_s_up,
         d_sd if shared_gate_up_proj is not None else None,
         d_sg if shared_output_gate is not None else None,
+        d_gate_up=d_gate_up, d_s_gate_up=d_sgu if shared_gate_up_proj is not None else None,
     )
     out = impl.moe_backward(
         dy, x, router_weights, top_experts, reference.Schedule(sorted_routes, expert_offsets, route_slots),
@@ -579,6 +580,8 @@ def _mx_bwd_impl(use_tri, dy, x, router_weights, top_experts, sorted_routes, exp
     grads = reference.GradBuffers(
         d_gate, d_up, d_down if down_grad else None, d_s_gate, d_s_up,
         d_sd if shared_gate_up_proj is not None else None, d_sg if shared_output_gate is not None else None,
+        d_gate_up=d_gate_up if gate_up_grad else None,
+        d_s_gate_up=d_sgu if shared_gate_up_proj is not None else None,
     )
     out = mxfp8_backward(dy, x, router_weights, top_experts, reference.Schedule(sorted_routes, expert_offsets,
                          route_slots), operands, gu_N2I, s_gate, s_up, shared_down_proj, shared_output_gate,

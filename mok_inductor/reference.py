@@ -243,6 +243,12 @@ class GradBuffers(NamedTuple):
     d_s_up: Optional[torch.Tensor] = None  # [Is, H]
     d_s_down: Optional[torch.Tensor] = None  # [H, Is]
     d_s_out_gate: Optional[torch.Tensor] = None  # [1, H]
+    # The one buffer [E, 2I, H] (shared: [2Is, H]) whose row halves d_gate and d_up are, when they are: the
+    # Triton kernels then write it as one destination. (Under torch.compile a kernel writing two views of
+    # one buffer is not reinplaced: Inductor clones both views and scatters them back, three extra copies
+    # of the gradient; found by tracing the backward's graph through Inductor's reinplacing pass.)
+    d_gate_up: Optional[torch.Tensor] = None
+    d_s_gate_up: Optional[torch.Tensor] = None
 
     @staticmethod
     def allocate(grads, w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate) -> "GradBuffers":
@@ -258,7 +264,7 @@ class GradBuffers(NamedTuple):
             return [torch.empty_like(p, memory_format=torch.contiguous_format) for p in w]
 
         weights = (w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate)
-        return GradBuffers(*(b if b is not None else fresh(w) for b, w in zip(given, weights)))
+        return given._replace(**{f: fresh(w) for f, b, w in zip(GradBuffers._fields, given, weights) if b is None})
 
 
 def _store(dst: torch.Tensor, value_fp32: torch.Tensor, accumulate: bool) -> None:

@@ -192,7 +192,7 @@ def backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, ops: Rout
     dx_NH = torch.empty(T * K, H, dtype=dtype, device=dev)  # route order
     drw_N = expert_backward(x_TH, dy_TH, ops.gate_t, ops.up_t, ops.down_t, gu_N2I, flat(router_weights_TK.float()),
                             sorted_N, offsets_E1, K, swiglu_limit, (grads.d_gate, grads.d_up, grads.d_down), dx_NH,
-                            accumulate, scatter=True)
+                            accumulate, scatter=True, d_gate_up=grads.d_gate_up)
     dx_s, bias, d_logit = shared_backward(x_TH, dy_TH, s_gate, s_up, s_down, s_out_gate_1H, gu_shared_T2Is,
                                           swiglu_limit, sorted_N, offsets_E1, grads, accumulate)
 

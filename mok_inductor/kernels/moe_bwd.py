@@ -422,10 +422,12 @@ def wgrad_into(dsts, a, b, routes_N, offsets_E1, topk, *, a_gather, b_gather, ac
 
 
 def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit,
-                    d_weights, dx_out, accumulate, *, scatter, single=False):
+                    d_weights, dx_out, accumulate, *, scatter, single=False, d_gate_up=None):
     """Weight gradients (d_gate, d_up, d_down) = `d_weights` (written or ADDED; None entries skipped) and
     dx_out[dest(r)] = dg @ gate[e] + du @ up[e] of the expert MLPs whose forward saved `gu_M2I`. gate_t, up_t
-    read as [E, H, I], down_t as [E, I, H] (the transposed weights). Returns d scale [routes] float32."""
+    read as [E, H, I], down_t as [E, I, H] (the transposed weights). `d_gate_up`: the [E, 2I, H] buffer whose
+    row halves d_gate and d_up are, written as one destination (GradBuffers.d_gate_up). Returns d scale
+    [routes] float32."""
     n_rows = x_TH.shape[0] if single else None
     dgu, dscale, hs = bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, single=single,
                               subtile=SUBTILE_EPILOGUE)
@@ -433,8 +435,10 @@ def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, 
     tokens_N = None if single else routes_N // topk  # the wgrads' gather index, once for both
     kw = dict(accumulate=accumulate, single=single, n_rows=n_rows, tokens_N=tokens_N)
     wgrad_into((d_down,), dy_TH, hs, routes_N, offsets_E1, topk, a_gather=True, b_gather=False, **kw)
-    # d_gate and d_up as one GEMM over dgu = [dg | du] (PAIR_WGRAD): both read the gathered x tile
-    wgrad_into((d_gate, d_up), dgu, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
+    # d_gate and d_up as one GEMM over dgu = [dg | du] (PAIR_WGRAD): both read the gathered x tile; into their
+    # common buffer when there is one (dgu^T @ x is its [2I, H] rows in order)
+    pair = (d_gate_up,) if d_gate_up is not None and PAIR_WGRAD else (d_gate, d_up)
+    wgrad_into(pair, dgu, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
     grouped_rows(dgu, gate_t, dx_out, routes_N, offsets_E1, w2=up_t, scatter=scatter, single=single)
     return dscale
 
@@ -451,7 +455,8 @@ def shared_backward(x_TH, dy_TH, s_gate, s_up, s_down, s_out_gate_1H, gu_shared_
     d_weights = (grads.d_s_gate[None], grads.d_s_up[None], grads.d_s_down[None])
     dgate_T = expert_backward(x_TH, dy_TH, plain_t(s_gate[None]), plain_t(s_up[None]), plain_t(s_down[None]),
                               gu_shared_T2Is, gate_T, sorted_N, offsets_E1, 1, swiglu_limit, d_weights, dx_s,
-                              accumulate, scatter=False, single=True)
+                              accumulate, scatter=False, single=True,
+                              d_gate_up=None if grads.d_s_gate_up is None else grads.d_s_gate_up[None])
     if s_out_gate_1H is None:
         return dx_s, None, None
     d_logit = dgate_T * gate_T * (1.0 - gate_T)

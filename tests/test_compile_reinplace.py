@@ -1,0 +1,119 @@
+"""Under torch.compile our kernels become `triton_kernel_wrapper_functional` nodes, and Inductor's reinplacing
+pass turns each back into an in-place launch unless the tensors it writes cannot be reused; the rest it
+clones (and scatters back into their base when they are views). A kernel that writes two views of one
+gradient buffer was such a case: the paired gate/up weight gradient cost three extra copies of the
+[E, 2I, H] gradient per compiled backward (found with this probe; mok under torch.compile measured 18-22%
+slower than eager on the H200, docs/benchmarks.md run 10).
+
+The probe traces the schedule, forward and backward ops the way AOTAutograd does (fake tensors, functional
+mode) into the kernels' graph, runs Inductor's reinplacing pass on it and reports what is still copied. It
+needs no GPU: without CUDA it stands fake CPU tensors in for CUDA ones and tells Triton an sm_90 target, so
+the same kernels are traced (not the interpreter). It runs in a subprocess, outside the interpreter mode
+that tests/conftest.py sets."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+T, H, I, E, K, IS = 48, 64, 96, 4, 2, 32
+# torch's mutation analysis of _schedule_scatter_kernel marks the routing ids as written (a store address is
+# computed from them), so they are copied once: T*K int32
+ALLOWED = {("_schedule_scatter_kernel", "te_ptr")}
+
+
+def _probe(shared: bool) -> dict:
+    import copy
+
+    import triton
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        from triton.backends.compiler import GPUTarget
+
+        class _Sm90:
+            def get_current_target(self):
+                return GPUTarget("cuda", 90, 32)
+
+            def get_active_torch_device(self):
+                return torch.device("cuda")
+
+        triton.runtime.driver.set_active(_Sm90())
+        real = torch.cuda.is_available
+        torch.cuda.is_available = lambda: True  # (so mok_inductor.kernels imports as available)
+        import mok_inductor.kernels  # noqa: F401
+
+        torch.cuda.is_available = real
+        os.environ["MOK_BACKEND"] = "triton"
+    from torch._functorch.aot_autograd import aot_export_module
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
+    from torch._inductor.fx_utils import FakeTensorUpdater
+    from torch._inductor.virtualized import V
+    from torch._library.simple_registry import singleton
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    from mok_inductor import ops
+
+    if not cuda:  # the ops decompose into their launches for CUDA tensors only: for these CPU stand-ins too
+        for name, fn in (("mok::schedule", lambda te, e: ops._schedule_impl(te, e, ops._triton_backend())),
+                         ("mok::moe_fwd", ops._moe_fwd_triton), ("mok::moe_bwd", ops._moe_bwd_triton)):
+            def rule(mode, func, types, args, kwargs, fn=fn):
+                with mode:
+                    return fn(*args, **kwargs)
+
+            singleton.find(name).torch_dispatch_rules._data[FunctionalTensorMode] = rule
+    hop = torch.ops.higher_order.triton_kernel_wrapper_functional
+    dev = "cuda" if cuda else "cpu"
+
+    class Layer(torch.nn.Module):
+        def forward(self, x, rw, te, gu, d, dy, sgu, sd, sg):
+            if not shared:
+                sgu = sd = sg = None
+            s, o, slots = torch.ops.mok.schedule(te, E)
+            y, g, gs = torch.ops.mok.moe_fwd(x, rw, te, s, o, slots, gu, d, sgu, sd, sg, 0.75)
+            return (y, *torch.ops.mok.moe_bwd(dy, x, rw, te, s, o, slots, gu, d, sgu, sd, sg, g, gs, 0.75))
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        bf = dict(device=dev, dtype=torch.bfloat16)
+        args = (torch.randn(T, H, **bf), torch.rand(T, K, device=dev), torch.randint(0, E, (T, K), device=dev,
+                dtype=torch.int32), torch.randn(E, 2 * I, H, **bf), torch.randn(E, H, I, **bf), torch.randn(T, H, **bf),
+                torch.randn(2 * IS, H, **bf), torch.randn(H, IS, **bf), torch.randn(1, H, **bf))
+        gm, _ = aot_export_module(Layer(), args, trace_joint=False)
+    kernels = sum(1 for n in gm.graph.nodes if n.target is hop)
+    gm = copy.deepcopy(gm)
+    with mode, V.set_fake_mode(mode):
+        reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)
+
+    def name(n):
+        k = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+        while not hasattr(k, "__name__") and hasattr(k, "fn"):
+            k = k.fn
+        return getattr(k, "__name__", str(k))
+
+    clones = [[name(n), a] for n in gm.graph.nodes if n.target is hop for a in n.kwargs.get("tensors_to_clone", [])]
+    scatters = [str(n.target) for n in gm.graph.nodes if "scatter" in str(n.target) or "copy_" in str(n.target)]
+    return dict(kernels=kernels, clones=clones, scatters=scatters)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared-gate-limit"])
+def test_compiled_backward_writes_its_gradients_in_place(shared):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, __file__, "--probe", str(int(shared))], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["kernels"] >= 8, got  # the schedule, forward and backward launches were traced
+    left = [tuple(c) for c in got["clones"] if tuple(c) not in ALLOWED]
+    assert left == [], f"outputs Inductor would copy after reinplacing: {left}"
+    assert got["scatters"] == [], f"copies back into a base tensor: {got['scatters']}"
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--probe"]:
+    sys.path.insert(0, os.getcwd())
+    print(json.dumps(_probe(bool(int(sys.argv[2])))))
