@@ -25,7 +25,8 @@ T, H, I, E, K, IS = 48, 64, 96, 4, 2, 32
 ALLOWED = {("_schedule_scatter_kernel", "te_ptr")}
 
 
-def _probe(shared: bool) -> dict:
+def _probe(variant: str) -> dict:
+    shared, mx = variant in ("shared", "mxfp8"), variant == "mxfp8"
     import copy
 
     import triton
@@ -61,7 +62,9 @@ def _probe(shared: bool) -> dict:
 
     if not cuda:  # the ops decompose into their launches for CUDA tensors only: for these CPU stand-ins too
         for name, fn in (("mok::schedule", lambda te, e: ops._schedule_impl(te, e, ops._triton_backend())),
-                         ("mok::moe_fwd", ops._moe_fwd_triton), ("mok::moe_bwd", ops._moe_bwd_triton)):
+                         ("mok::moe_fwd", ops._moe_fwd_triton), ("mok::moe_bwd", ops._moe_bwd_triton),
+                         ("mok::moe_fwd_mxfp8", lambda *a: ops._mx_fwd_impl(True, *a)),
+                         ("mok::moe_bwd_mxfp8", lambda *a: ops._mx_bwd_impl(True, *a))):
             def rule(mode, func, types, args, kwargs, fn=fn):
                 with mode:
                     return fn(*args, **kwargs)
@@ -71,10 +74,16 @@ def _probe(shared: bool) -> dict:
     dev = "cuda" if cuda else "cpu"
 
     class Layer(torch.nn.Module):
-        def forward(self, x, rw, te, gu, d, dy, sgu, sd, sg):
+        def forward(self, x, rw, te, gu, d, dy, sgu, sd, sg, *q):
             if not shared:
                 sgu = sd = sg = None
             s, o, slots = torch.ops.mok.schedule(te, E)
+            if mx:  # MXFP8 routed weights (row-wise and column-wise data + scales), bf16 masters
+                gq, gqs, gqt, gqst, dq, dqs, dqt, dqst = q
+                y, g, gs = torch.ops.mok.moe_fwd_mxfp8(x, rw, te, s, o, slots, gq, gqs, gqt, gqst, gu, dq, dqs, dqt,
+                                                       dqst, d, sgu, sd, sg, 0.75)
+                return (y, *torch.ops.mok.moe_bwd_mxfp8(dy, x, rw, te, s, o, slots, gq, gqs, gqt, gqst, dq, dqs, dqt,
+                                                        dqst, sgu, sd, sg, g, gs, 0.75, True, True))
             y, g, gs = torch.ops.mok.moe_fwd(x, rw, te, s, o, slots, gu, d, sgu, sd, sg, 0.75)
             return (y, *torch.ops.mok.moe_bwd(dy, x, rw, te, s, o, slots, gu, d, sgu, sd, sg, g, gs, 0.75))
 
@@ -84,6 +93,11 @@ def _probe(shared: bool) -> dict:
         args = (torch.randn(T, H, **bf), torch.rand(T, K, device=dev), torch.randint(0, E, (T, K), device=dev,
                 dtype=torch.int32), torch.randn(E, 2 * I, H, **bf), torch.randn(E, H, I, **bf), torch.randn(T, H, **bf),
                 torch.randn(2 * IS, H, **bf), torch.randn(H, IS, **bf), torch.randn(1, H, **bf))
+        if mx:
+            f8, u8 = dict(device=dev, dtype=torch.float8_e4m3fn), dict(device=dev, dtype=torch.uint8)
+            args += tuple(torch.empty(*shape, **(u8 if scale else f8)) for shape, scale in (
+                ((E, 2 * I, H), 0), ((E, 2 * I, H // 32), 1), ((E, H, 2 * I), 0), ((E, H, 2 * I // 32), 1),
+                ((E, H, I), 0), ((E, H, I // 32), 1), ((E, I, H), 0), ((E, I, H // 32), 1)))
         gm, _ = aot_export_module(Layer(), args, trace_joint=False)
     kernels = sum(1 for n in gm.graph.nodes if n.target is hop)
     gm = copy.deepcopy(gm)
@@ -101,10 +115,11 @@ def _probe(shared: bool) -> dict:
     return dict(kernels=kernels, clones=clones, scatters=scatters)
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared-gate-limit"])
-def test_compiled_backward_writes_its_gradients_in_place(shared):
+@pytest.mark.parametrize("variant", ["routed", "shared", "mxfp8"])
+def test_compiled_backward_writes_its_gradients_in_place(variant):
+    # routed experts alone; with the shared expert, its output gate and the clamp; MXFP8 routed weights
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, __file__, "--probe", str(int(shared))], env=env, capture_output=True,
+    run = subprocess.run([sys.executable, __file__, "--probe", variant], env=env, capture_output=True,
                          text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
@@ -116,4 +131,4 @@ def test_compiled_backward_writes_its_gradients_in_place(shared):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--probe"]:
     sys.path.insert(0, os.getcwd())
-    print(json.dumps(_probe(bool(int(sys.argv[2])))))
+    print(json.dumps(_probe(sys.argv[2])))
