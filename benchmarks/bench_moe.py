@@ -121,22 +121,24 @@ def moe_grouped_mm(x, rw, te, w_gu, w_d):
 _compiled = {}
 
 
+def _compiled_fn(fn):
+    # dynamic=False: every shape gets its own static compile. With the default (automatic dynamic shapes) the
+    # second shape of a run recompiled with symbolic sizes, which measured slower on the H200 (session 8,
+    # benchmarks/ratio_ab.py: qwen3 fwd+bwd 13.94 ms as the run's third shape vs 10.41 as its first, mixtral
+    # 29.8 as the first vs 32.25 as the third): the baseline of every shape after the first was weakened
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
+    return _compiled[fn]
+
+
 def moe_grouped_mm_compiled(x, rw, te, w_gu, w_d):
-    if "f" not in _compiled:
-        # dynamic=False: every shape gets its own static compile. With the default (automatic dynamic shapes) the
-        # second shape of a run recompiled with symbolic sizes, which measured slower on the H200 (session 8,
-        # benchmarks/ratio_ab.py: qwen3 fwd+bwd 13.94 ms as the run's third shape vs 10.41 as its first, mixtral
-        # 29.8 as the first vs 32.25 as the third): the baseline of every shape after the first was weakened
-        _compiled["f"] = torch.compile(moe_grouped_mm, fullgraph=True, dynamic=False)
-    return _compiled["f"](x, rw, te, w_gu, w_d)
+    return _compiled_fn(moe_grouped_mm)(x, rw, te, w_gu, w_d)
 
 
 def moe_mok_compiled(x, rw, te, w_gu, w_d):
     """mok under torch.compile(fullgraph=True, dynamic=False): what a compiled model gets (the Inductor
     lowering launches the same kernels, with the first tile config of each list, see kernels/_launch.py)."""
-    if "mok" not in _compiled:
-        _compiled["mok"] = torch.compile(moe_mok, fullgraph=True, dynamic=False)
-    return _compiled["mok"](x, rw, te, w_gu, w_d)
+    return _compiled_fn(moe_mok)(x, rw, te, w_gu, w_d)
 
 
 def moe_liger(x, rw, te, w_gu, w_d):

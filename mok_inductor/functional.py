@@ -388,17 +388,16 @@ def _is_mxfp8_tuple(v) -> bool:
 
 
 def _mx_native_col(data, scale):
-    """TE's native column-wise pair ([E, M, K] data, [E, M/32, K] scales) as (data_t, scale_t) views."""
-    return data.transpose(-2, -1), scale.transpose(-2, -1)
+    """TE's native column-wise pair ([E, M, K] data, [E, M/32, K] scales, or E such 2-D pieces each) as
+    (data_t, scale_t) views."""
+    from .mxfp8 import _transposed
+
+    return _transposed(data), _transposed(scale)
 
 
 def _is_split_mxfp8(v) -> bool:
     return isinstance(v, SplitRoutedWeight) and (
         v.scale is not None or (isinstance(v.data, (tuple, list)) and any(_is_mxfp8_piece(t) for t in v.data)))
-
-
-def _transposed_views(seq):
-    return tuple(t.transpose(-2, -1) for t in seq)
 
 
 def _split_columnwise(name: str, w: SplitRoutedWeight):
@@ -411,7 +410,7 @@ def _split_columnwise(name: str, w: SplitRoutedWeight):
         if not isinstance(seq, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in seq):
             raise TypeError(f"{name}: SplitRoutedWeight.{field} must be a sequence of E tensors")
     if w.native_columnwise:  # Transformer Engine's [M, K] data and [M/32, K] scales, as transposed views
-        return _transposed_views(w.transposed_data), _transposed_views(w.transposed_scale)
+        return _mx_native_col(tuple(w.transposed_data), tuple(w.transposed_scale))
     return tuple(w.transposed_data), tuple(w.transposed_scale)
 
 
@@ -439,18 +438,22 @@ def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
         raise TypeError("routed_gate: MXFP8 routed weights are supported as a combined FC1 (the same (data, scale) "
                         "tuple or SplitRoutedWeight passed as routed_gate and routed_up)")
 
-    def split_parts(name, w, *, rows: bool, split_rows: bool):
+    def split_parts(name, w):
+        """(data, scale, data_t, scale_t) sequences of a split weight, validated (column-wise: backward only)."""
         if not isinstance(w.data, (tuple, list)) or not w.data:
             raise TypeError(f"{name}: SplitRoutedWeight.data must be a non-empty sequence of 2-D tensors")
         dt = st = None
         if backward:
             dt, st = _split_columnwise(name, w)
-        mxfp8.check_split_weight(name, w.data, w.scale, dt, st, x.dtype, x.device, split_rows=split_rows)
-        return (tuple(w.data) if rows else None), (tuple(w.scale) if rows else None), dt, st
+        mxfp8.check_split_weight(name, w.data, w.scale, dt, st, x.dtype, x.device, split_rows=name == "routed_gate")
+        return tuple(w.data), tuple(w.scale), dt, st
+
+    def piece(p):  # a payload's first expert matrix (3-D: its [M, K] shape is the trailing dims anyway)
+        return p if isinstance(p, torch.Tensor) else p[0]
 
     def gate_up_parts(t):
         if isinstance(t, SplitRoutedWeight):
-            return split_parts("routed_gate", t, rows=True, split_rows=True)
+            return split_parts("routed_gate", t)
         if not backward:
             return t[0], t[1], None, None
         if len(t) == 5 and t[4] is True:
@@ -462,7 +465,7 @@ def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
 
     def down_columnwise(t):
         if isinstance(t, SplitRoutedWeight):
-            return split_parts("routed_down", t, rows=False, split_rows=False)[2:]
+            return split_parts("routed_down", t)[2:]
         if len(t) == 3 and t[2] is True:
             dt, st = _mx_native_col(t[0], t[1])
         elif len(t) == 4:
@@ -484,22 +487,22 @@ def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
     gu = gate_up_parts(gate)
     if not isinstance(gate, SplitRoutedWeight):
         mxfp8.check_weight("routed_gate", *gu, None, x.dtype, x.device, split_rows=True)
-    two_i, H = (gu[0] if isinstance(gu[0], torch.Tensor) else gu[0][0]).shape[-2:]
+    two_i, H = piece(gu[0]).shape[-2:]
     if backward:
         dt, st = down_columnwise(down)
-        K_, M_ = (dt if isinstance(dt, torch.Tensor) else dt[0]).shape[-2:]  # down_t is [I, H] per expert
-        standin_down = standin(dt, (M_, K_))
+        i, h = piece(dt).shape[-2:]  # the column-wise down is [I, H] per expert
+        standin_down = standin(dt, (h, i))
         dn = (standin_down, None, None, None)
         ops_ = mxfp8.routed_operands(gu, dn)._replace(down_t=mxfp8.Operand(dt, st))
     else:
         if isinstance(down, SplitRoutedWeight):
-            dn = split_parts("routed_down", down, rows=True, split_rows=False)
+            dn = split_parts("routed_down", down)
         else:
             dn = (down[0], down[1], None, None)
             mxfp8.check_weight("routed_down", *dn, None, x.dtype, x.device)
         ops_ = mxfp8.routed_operands(gu, dn)
-        standin_down = standin(dn[0], (dn[0] if isinstance(dn[0], torch.Tensor) else dn[0][0]).shape[-2:])
-    standin_fc1 = standin(gu[0] if gu[0] is not None else gu[2], (two_i, H))
+        standin_down = standin(dn[0], piece(dn[0]).shape[-2:])
+    standin_fc1 = standin(gu[0], (two_i, H))
     return ops_, (standin_fc1, standin_fc1, standin_down)
 
 

@@ -685,12 +685,10 @@ def test_functional_abi_with_mxfp8_tuples_and_main_grads(monkeypatch, device, pa
             t.dtype for t in ts if t.dtype in (torch.float8_e4m3fn, torch.uint8)) or real_stack(ts, *a, **k))
     y, fctx = mf.forward(cfg, ws, sch, p["x"], p["rw"], *shared, fc1_fwd, fc1_fwd, fc2_fwd,
                          shared_output_gate_weight=sg)
-    if split:
-        pass
-    elif layout == "legacy":
+    if layout == "legacy":
         fc1_bwd = (q1.data, q1.scale, q1.data_t, q1.scale_t)
         fc2_bwd = (q2.data_t, q2.scale_t)
-    else:  # TE's native column-wise storage: [E, M, K] data, [E, M/32, K] scales, flagged True
+    elif layout == "native":  # TE's native column-wise storage: [E, M, K] data, [E, M/32, K] scales, flagged True
         fc1_bwd = (q1.data, q1.scale, q1.data_t.transpose(1, 2).contiguous(), q1.scale_t.transpose(1, 2).contiguous(),
                    True)
         fc2_bwd = (q2.data_t.transpose(1, 2).contiguous(), q2.scale_t.transpose(1, 2).contiguous(), True)
@@ -704,7 +702,6 @@ def test_functional_abi_with_mxfp8_tuples_and_main_grads(monkeypatch, device, pa
     if split:  # per-expert main-grad buffers (Megatron's layout): tables of views; the entries representatives
         main[1], main[5] = [m.clone() for m in main[1]], [m.clone() for m in main[5]]
         tables = (main[1], main[1], main[5])
-        main[3] = main[1]
         main_args = [main[0], main[1][0], main[2], main[1][0], main[4], main[5][0]]
     else:
         main_args = main

@@ -368,13 +368,11 @@ def dequantized(op: Operand, dtype: torch.dtype) -> Operand:
     d, q = op.data, op.scale
     table = 0
     if not isinstance(d, torch.Tensor):  # split per expert: read in place through address tables
-        pieces = [*d, *q]
-        td, tq = (None, None) if _launch.without_pointers(pieces) else (ExpertTable.of(d), ExpertTable.of(q))
-        if td is None or tq is None:  # traced, or experts of different shapes/strides: one copy
-            op = op.stacked()
-            d, q = op.data, op.scale
-        else:
-            d, q, table = td, tq, 2 if td.aligned else 1
+        d, q = _split_payload(d, False), _split_payload(q, False)
+        if isinstance(d, ExpertTable) and isinstance(q, ExpertTable):
+            table = 2 if d.aligned else 1
+        else:  # traced, or experts of different shapes/strides: one copy
+            d, q = op.stacked()
     E, n, k = d.shape
     out = torch.empty(E, n, k, dtype=dtype, device=d.device)
     if out.numel() == 0:
