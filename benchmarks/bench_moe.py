@@ -18,6 +18,7 @@ Shape legend: T tokens, H hidden, I intermediate, E experts, K routes per token.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -207,7 +208,26 @@ class GraphedMokMxfp8(GraphedMok):
             moe_mok = inner
 
 
-CONTENDERS = {"mok": moe_mok, "mok_mxfp8": MokMxfp8(), "mok_mxfp8_graph": GraphedMokMxfp8(), "mok_graph": GraphedMok(), "grouped_mm": moe_grouped_mm, "grouped_mm_compiled": moe_grouped_mm_compiled,
+class MokPointerLoads:
+    """mok with every tile loaded by pointers (kernels.moe_fwd.TMA_KERNELS off), forward and backward: the
+    A/B of the TMA loads, and how a compiled graph's kernels load (see moe_fwd.tma_eligible)."""
+
+    @contextlib.contextmanager
+    def context(self):
+        from mok_inductor.kernels import moe_fwd
+
+        moe_fwd.TMA_KERNELS = False
+        try:
+            yield
+        finally:
+            moe_fwd.TMA_KERNELS = True
+
+    def __call__(self, x, rw, te, w_gu, w_d):
+        with self.context():
+            return moe_mok(x, rw, te, w_gu, w_d)
+
+
+CONTENDERS = {"mok": moe_mok, "mok_pointer_loads": MokPointerLoads(), "mok_mxfp8": MokMxfp8(), "mok_mxfp8_graph": GraphedMokMxfp8(), "mok_graph": GraphedMok(), "grouped_mm": moe_grouped_mm, "grouped_mm_compiled": moe_grouped_mm_compiled,
               "mok_compiled": moe_mok_compiled, "eager": moe_eager, "liger": moe_liger}
 
 
@@ -222,7 +242,13 @@ def grad_leaves(x, rw, w_gu, w_d):
 
 def fwd_bwd_step(f, leaves, te, dy):
     """One fwd+bwd of contender `f` on `leaves` (x, rw, w_gu, w_d): a callable returning their gradients."""
-    return lambda: torch.autograd.grad(f(leaves[0], leaves[1], te, leaves[2], leaves[3]), leaves, dy)
+    context = getattr(f, "context", contextlib.nullcontext)  # (a switch held for the backward too)
+
+    def step():
+        with context():
+            return torch.autograd.grad(f(leaves[0], leaves[1], te, leaves[2], leaves[3]), leaves, dy)
+
+    return step
 
 
 def bench(fn, warmup=25, rep=100):

@@ -1,7 +1,7 @@
 """Per-kernel times of the mok forward and backward at one shape (kernel launchers called directly,
 autotuned first), with the TFLOP/s each kernel reaches: where the time goes.
 
-    python benchmarks/breakdown.py --shapes qwen3-30b-a3b,mixtral-8x7b [--out DIR]
+    python benchmarks/breakdown.py --shapes qwen3-30b-a3b,mixtral-8x7b [--out DIR] [--tma-ab]
 """
 
 from __future__ import annotations
@@ -30,7 +30,21 @@ def persistent(fn, *args, **kw):
         moe_fwd.PERSISTENT_GATE_UP = False
 
 
-def breakdown(name, kind="balanced"):
+def pointer_loads(fn):
+    """fn with every tile loaded by pointers (kernels.moe_fwd.TMA_KERNELS off: the A/B of the TMA loads)."""
+    from mok_inductor.kernels import moe_fwd
+
+    def run():
+        moe_fwd.TMA_KERNELS = False
+        try:
+            return fn()
+        finally:
+            moe_fwd.TMA_KERNELS = True
+
+    return run
+
+
+def breakdown(name, kind="balanced", tma_ab=False):
     from mok_inductor import kernels as K_
     from mok_inductor.kernels import bwd_act, combine, gate_up, grouped_rows, plain, plain_t, wgrad
     from mok_inductor.ops import split_gate_up
@@ -76,12 +90,15 @@ def breakdown(name, kind="balanced"):
         ("bwd dx (gate+up dgrad)", lambda: grouped_rows(dgu, plain_t(wg), dx_N, so, off, w2=plain_t(wu)), 2 * f),
         ("bwd combine dx", lambda: combine(dx_N, te_N, y), 0),
     ]
+    if tma_ab:  # each GEMM also with pointer loads only
+        steps = [v for st in steps for v in ([st] if not st[2] else [st, (st[0] + " [pointer loads]",
+                                                                          pointer_loads(st[1]), st[2])])]
     rows = []
     for label, fn, flops in steps:
         fn()
         ms, p20, p80 = bench(fn)
         rows.append(dict(shape=name, kernel=label, ms=ms, tflops=flops / (ms * 1e-3) / 1e12 if flops else 0.0))
-        print(f"  {name:>18} {label:>46}: {ms:7.3f} ms {rows[-1]['tflops']:6.0f} TFLOP/s", flush=True)
+        print(f"  {name:>18} {label:>62}: {ms:7.3f} ms {rows[-1]['tflops']:6.0f} TFLOP/s", flush=True)
     return rows
 
 
@@ -89,10 +106,11 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--tma-ab", action="store_true", help="each GEMM also with pointer loads (TMA_KERNELS off)")
     a = p.parse_args()
     rows = []
     for s in a.shapes.split(","):
-        rows += breakdown(s)
+        rows += breakdown(s, tma_ab=a.tma_ab)
     with open(os.path.join(a.out, "breakdown.json"), "w") as f:
         json.dump(rows, f, indent=1)
     from kernel_report import report

@@ -5,9 +5,11 @@ repetitions: at the mixtral shape (about 32 ms per fwd+bwd) that is three sample
 by 4-7% between runs (docs/benchmarks.md, run 9). Here, per shape, after both contenders are compiled and
 warmed up, R rounds alternate them (mok, compiled, mok, compiled, ...), each timing at least --iters
 iterations (triton's do_bench, median); the report gives every round's ratio and their median, min and max,
-so a ratio near a target can be told from the noise.
+so a ratio near a target can be told from the noise. --contenders takes two or more names; the last is the
+baseline every other one is divided into (e.g. mok,mok_compiled,grouped_mm_compiled).
 
     python benchmarks/ratio_ab.py [--shapes mixtral-8x7b,gpt-oss-20b,qwen3-30b-a3b] [--rounds 5] [--iters 20]
+                                  [--contenders mok,grouped_mm_compiled]
 """
 
 from __future__ import annotations
@@ -51,13 +53,14 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
-    mine, base = a.contenders.split(",")
+    names = a.contenders.split(",")
+    base = names[-1]  # every other contender's ratio is base / it
     out = []
     for shape in a.shapes.split(","):
         T, H, I, E, K = SHAPES[shape]
         x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, "balanced")
         leaves, dy = grad_leaves(x, rw, w_gu, w_d)
-        steps = {c: fwd_bwd_step(CONTENDERS[c], leaves, te, dy) for c in (mine, base)}
+        steps = {c: fwd_bwd_step(CONTENDERS[c], leaves, te, dy) for c in names}
         for c, s in steps.items():  # compile, autotune, warm up
             t0 = time.time()
             s()
@@ -68,18 +71,20 @@ def main():
             row = {}
             for c, s in steps.items():
                 row[c], row[c + "_n"] = timed(s, a.iters)
-            row["ratio"] = row[base] / row[mine]
+            for c in names[:-1]:
+                row[c + "_ratio"] = row[base] / row[c]
             rounds.append(row)
-            print(f"  round {r + 1}: {mine} {row[mine]:.3f} ms ({row[mine + '_n']} its), {base} {row[base]:.3f} ms "
-                  f"({row[base + '_n']} its): {row['ratio']:.3f}x", flush=True)
-        ratios = [r["ratio"] for r in rounds]
-        res = dict(shape=shape, target=TARGETS.get(shape), median_ratio=statistics.median(ratios), min_ratio=min(ratios),
-                   max_ratio=max(ratios), median_ms={c: statistics.median(r[c] for r in rounds) for c in steps},
-                   rounds=rounds)
+            print(f"  round {r + 1}: " + ", ".join(f"{c} {row[c]:.3f} ms ({row[c + '_n']} its)" for c in names)
+                  + "; " + ", ".join(f"{c} {row[c + '_ratio']:.3f}x" for c in names[:-1]), flush=True)
+        res = dict(shape=shape, target=TARGETS.get(shape), base=base,
+                   median_ms={c: statistics.median(r[c] for r in rounds) for c in steps}, rounds=rounds)
+        for c in names[:-1]:
+            ratios = [r[c + "_ratio"] for r in rounds]
+            res[c] = dict(median_ratio=statistics.median(ratios), min_ratio=min(ratios), max_ratio=max(ratios))
+            print(f"{shape}: fwd+bwd {base} / {c} median {res[c]['median_ratio']:.3f}x (min {min(ratios):.3f}, max "
+                  f"{max(ratios):.3f}; target {res['target']}x); {c} {res['median_ms'][c]:.3f} ms, {base} "
+                  f"{res['median_ms'][base]:.3f} ms", flush=True)
         out.append(res)
-        print(f"{shape}: fwd+bwd {base} / {mine} median {res['median_ratio']:.3f}x (min {min(ratios):.3f}, max "
-              f"{max(ratios):.3f}; target {res['target']}x); {mine} {res['median_ms'][mine]:.3f} ms, {base} "
-              f"{res['median_ms'][base]:.3f} ms", flush=True)
         del steps, leaves
         torch.cuda.empty_cache()
     import triton

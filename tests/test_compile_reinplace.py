@@ -28,6 +28,7 @@ ALLOWED = {("_schedule_scatter_kernel", "te_ptr")}
 def _probe(variant: str) -> dict:
     shared, mx = variant in ("shared", "mxfp8"), variant == "mxfp8"
     import copy
+    import inspect
 
     import triton
 
@@ -102,7 +103,9 @@ def _probe(variant: str) -> dict:
     kernels = sum(1 for n in gm.graph.nodes if n.target is hop)
     gm = copy.deepcopy(gm)
     with mode, V.set_fake_mode(mode):
-        reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)
+        # (torch 2.13's FakeTensorUpdater takes the GraphModule, 2.11's the Graph)
+        first = list(inspect.signature(FakeTensorUpdater.__init__).parameters)[1]
+        reinplace_inplaceable_ops(FakeTensorUpdater(gm.graph if first == "graph" else gm), gm.graph)
 
     def name(n):
         k = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])

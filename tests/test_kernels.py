@@ -233,6 +233,66 @@ def test_persistent_gate_up_equals_default(name, monkeypatch):
     _check_all(case)
 
 
+@pytest.mark.parametrize("two_pass", [False, True])
+@pytest.mark.parametrize("H,I,aligned", [(80, 80, True), (36, 44, False)])
+def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
+    # the TMA descriptor loads (moe_fwd.TMA_KERNELS: weights of gate/up, bwd_act, down and dx; the sorted A
+    # rows of down and dx) against pointer loads only: bitwise the same forward and backward, the shared
+    # expert (one [1, n, k] group) and `-1` routes included; H = 80, I = 80 give whole K steps and a tail
+    # both under the interpreter (BLOCK_K 32) and on CUDA (64); H = 36, I = 44 (72- and 88-byte bf16 rows,
+    # not 16-byte aligned) must fall back to pointer loads in every launch, equally right
+    from mok_inductor.kernels import _launch, moe_bwd, moe_fwd
+
+    monkeypatch.setattr(moe_bwd, "TWO_PASS_MIN_ROWS", 0 if two_pass else 1 << 30)
+    monkeypatch.setattr(moe_fwd, "TMA_MIN_ROWS", 0)  # (tiny shapes; the size rule has its own test)
+    case = make_case(T=19, H=H, I=I, E=4, K=2, dtype=torch.bfloat16, shared=True, gate=True, limit=0.6, drop=0.2,
+                     Is=I + 4 if aligned else I, device=DEV, requires_grad=False, seed=H + two_pass)
+    sched = kernels.build_schedule(case.top_experts, case.gate_up_proj.shape[0])
+    dy = random_like(case.x, seed=3)
+    tma_flags, real_launch = [], _launch.launch
+
+    def spy(k, *a, **kw):
+        if "TMA" in kw:
+            tma_flags.append((k, kw["TMA"]))
+        return real_launch(k, *a, **kw)
+
+    monkeypatch.setattr(_launch, "launch", spy)
+    runs = {}
+    for tma in (True, False):
+        monkeypatch.setattr(moe_fwd, "TMA_KERNELS", tma)
+        tma_flags.clear()
+        fwd = _forward(kernels, case, sched)
+        bwd = _backward(kernels, case, sched, fwd, dy)
+        runs[tma] = (fwd.y_TH, *_grads_by_name(case, bwd).values())
+        used = {k for k, on in tma_flags if on}
+        if tma and aligned:  # every GEMM but the weight gradients (gathered rows along k)
+            assert {moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel} <= used
+            assert used & {moe_bwd._bwd_act_kernel, moe_bwd._bwd_gemm_kernel}
+        else:
+            assert not used
+    for a, b in zip(runs[True], runs[False]):
+        assert torch.equal(a, b)
+    _check_all(case)
+
+
+def test_tma_only_with_many_rows_per_expert(monkeypatch):
+    # descriptors at training sizes only (moe_fwd.TMA_MIN_ROWS rows per expert on average): at decode their
+    # per-launch host cost and the TMA loads of a few rows measured slower; here 2 rows per expert get
+    # pointer loads, and with the bound lowered to 2 the same launches get descriptors
+    from mok_inductor.kernels import _launch, moe_fwd
+
+    case = make_case(T=8, H=64, I=64, E=8, K=2, dtype=torch.bfloat16, device=DEV, requires_grad=False, seed=5)
+    sched = kernels.build_schedule(case.top_experts, 8)
+    flags, real_launch = [], _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: flags.append(kw.get("TMA")) or real_launch(k, *a, **kw))
+    y = _forward(kernels, case, sched).y_TH
+    assert flags.count(True) == 0 and flags.count(False) == 2  # gate/up, down
+    flags.clear()
+    monkeypatch.setattr(moe_fwd, "TMA_MIN_ROWS", 2)
+    assert torch.equal(_forward(kernels, case, sched).y_TH, y)
+    assert flags.count(True) == 2
+
+
 @pytest.mark.parametrize("limit", [None, 0.5])
 @pytest.mark.parametrize("variant", ["two_pass", "subtile"])
 def test_two_pass_bwd_act_equals_fused(limit, variant, monkeypatch):

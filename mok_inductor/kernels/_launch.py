@@ -35,16 +35,26 @@ def cfg(bm, bn, bk, warps, stages) -> triton.Config:
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
 
 
-def autotune(configs: list, interpret_config, key: list, restore_value=None):
+def with_pre_hook(configs: list, pre_hook) -> list:
+    return [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=pre_hook)
+            for c in configs]
+
+
+def autotune(configs: list, interpret_config, key: list, restore_value=None, eager_pre_hook=None):
     """`@triton.autotune` over `pick_configs(configs, interpret_config)` for eager launches, with two
     variants kept for launches traced by torch.compile (see `traced_variant`): the first config alone
     (Inductor's default mode, which re-benchmarks every config it is given: one config keeps the compile
     cheap) and all `configs` (mode="max-autotune"). The first config of each list is the one measured
-    best at the large shapes of shared/BENCH.md."""
+    best at the large shapes of shared/BENCH.md (benchmarks/tuned_configs.py lists the eager picks).
+    `eager_pre_hook(nargs)` runs before each eager launch with the config's meta-parameters (host TMA
+    descriptors take their block shapes from it); Inductor accepts no pre-hooks, so traced launches have none."""
     extra = {"restore_value": restore_value} if restore_value else {}
 
     def deco(fn):
-        eager = triton.autotune(configs=pick_configs(configs, interpret_config), key=key, **extra)(fn)
+        picked = pick_configs(configs, interpret_config)
+        if eager_pre_hook is not None:
+            picked = with_pre_hook(picked, eager_pre_hook)
+        eager = triton.autotune(configs=picked, key=key, **extra)(fn)
         eager.mok_traced_variants = (triton.autotune(configs=configs[:1], key=key, **extra)(fn),
                                      triton.autotune(configs=configs, key=key, **extra)(fn))
         return eager

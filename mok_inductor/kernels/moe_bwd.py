@@ -30,7 +30,7 @@ import triton.language as tl
 from . import _launch
 from ._launch import cfg, mma, to_out
 from .moe_fwd import (GROUP_M, _tile_ids, _tile_rows, clamp_gu, grouped_rows, plain_t, row_tiles_worst, rowdot,
-                      swizzle, w_args, w_bases, w_meta, w_tile)
+                      swizzle, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile, w_tma_tile)
 
 # (Register pressure: the epilogue holds acc, g, u, h and the gradients, so tiles of 128 x 128 spilled
 # 370-390 bytes on the H200; these are the configs that did not, or nearly not)
@@ -55,8 +55,9 @@ _BWD_ACT_SUB_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4), cfg(64
                         cfg(128, 64, 64, 8, 3)]
 _BWD_ACT_SUB_MIN_BLOCK_N = _min_block_n(_BWD_ACT_SUB_CONFIGS)
 
-# The two-pass variant's GEMM holds only its accumulator: the large tiles of a plain GEMM
-_BWD_GEMM_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 8, 4), cfg(64, 128, 64, 4, 4),
+# The two-pass variant's GEMM holds only its accumulator: the large tiles of a plain GEMM; 128 x 256 first,
+# the eager autotuner's pick at every shape of shared/BENCH.md (benchmarks/tuned_configs.py, session 9)
+_BWD_GEMM_CONFIGS = [cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4), cfg(64, 128, 64, 4, 4),
                      cfg(128, 64, 64, 4, 4)]
 _SWIGLU_BWD_BLOCK = (16, 32) if _launch.INTERPRET else (32, 256)  # (rows, columns per step) of the second pass
 
@@ -72,10 +73,12 @@ def _bwd_act_body(
     dscale_ptr, stride_sp,  # float32 [P, T*K] out: partial <dy @ down, h> of I-tile p at the route
     hs_ptr,  # [M, I] out (the activation dtype): (scale *) h, rounded: the down weight-gradient's operand
     dh_ptr,  # float32 [M, I] out (STORE_ACC: the accumulator only, no epilogue)
+    wd_desc, w_rows,  # TMA: the host descriptor of down^T's 2-D view and its R (moe_fwd.tma_weights)
     M, H, I, E, TOPK, limit,
     SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, MX_D: tl.constexpr, STORE_ACC: tl.constexpr,
-    SUBTILE: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr, GROUPS_POW2: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUBTILE: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
+    GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     limit = tl.cast(limit, tl.float32)  # Inductor passes a Python float as fp64: keep the epilogue in fp32
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, E, I, SINGLE, BLOCK_M, BLOCK_N, GROUP_M)
@@ -97,7 +100,14 @@ def _bwd_act_body(
     wd, ds = w_bases(wd_ptr, ds_ptr, e64, d_e, ds_e, E, W_TABLE, MX_D)
     dy_row = dy_ptr + tok[:, None].to(tl.int64) * stride_dt
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    k_start = 0
+    if TMA:  # the weight tiles of the whole K steps through the descriptor, the tail step by pointers
+        k_start = H - H % BLOCK_K
+        for k0 in range(0, k_start, BLOCK_K):
+            dya = tl.load(dy_row + (k0 + ks)[None, :] * stride_dh, mask=rmask[:, None], other=0.0)
+            acc = mma(dya.to(hs_ptr.dtype.element_ty), w_tma_tile(wd_desc, group * w_rows, pid_n * BLOCK_N, k0, W_KMAJOR),
+                      acc, DOT_PREC)
+    for k0 in range(k_start, H, BLOCK_K):
         kk = k0 + ks
         kmask = kk < H
         dya = tl.load(dy_row + kk[None, :] * stride_dh, mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -124,10 +134,14 @@ def _bwd_act_body(
     tl.store(dscale_ptr + pid_n * stride_sp + route, part, mask=rmask)
 
 
-_BWD_ACT_KEY = ["M", "H", "I", "E", "TOPK"]
-_bwd_act_kernel = _launch.autotune(_BWD_ACT_CONFIGS, _BWD_ACT_INTERPRET, key=_BWD_ACT_KEY)(_bwd_act_body)
-_bwd_gemm_kernel = _launch.autotune(_BWD_GEMM_CONFIGS, _BWD_ACT_INTERPRET, key=_BWD_ACT_KEY)(_bwd_act_body)
-_bwd_act_sub_kernel = _launch.autotune(_BWD_ACT_SUB_CONFIGS, _BWD_ACT_INTERPRET, key=_BWD_ACT_KEY)(_bwd_act_body)
+_BWD_ACT_KEY = ["M", "H", "I", "E", "TOPK", "TMA"]
+_tma_hook = tma_pre_hook((), ("wd_desc",))
+_bwd_act_kernel = _launch.autotune(_BWD_ACT_CONFIGS, _BWD_ACT_INTERPRET, key=_BWD_ACT_KEY,
+                                   eager_pre_hook=_tma_hook)(_bwd_act_body)
+_bwd_gemm_kernel = _launch.autotune(_BWD_GEMM_CONFIGS, _BWD_ACT_INTERPRET, key=_BWD_ACT_KEY,
+                                    eager_pre_hook=_tma_hook)(_bwd_act_body)
+_bwd_act_sub_kernel = _launch.autotune(_BWD_ACT_SUB_CONFIGS, _BWD_ACT_INTERPRET, key=_BWD_ACT_KEY,
+                                       eager_pre_hook=_tma_hook)(_bwd_act_body)
 
 
 @triton.jit
@@ -230,12 +244,15 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
     flags = dict(SINGLE=single, HAS_SCALE=scale is not None, HAS_LIMIT=limit is not None,
                  DOT_PREC=_launch.dot_precision(dtype))
     lim = 0.0 if limit is None else float(limit)
+    tma = tma_weights((down_t,)) if tma_eligible(dy_TH, M, E) else None
     _launch.launch(
         _bwd_gemm_kernel if two_pass else _bwd_act_sub_kernel if subtile else _bwd_act_kernel, grid,
         dy_TH, dy_TH.stride(0), dy_TH.stride(1), routes_N, offsets_E1, *w_args(down_t),
         gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1), scale_arg,
         dgu, dgu.stride(0), dgu.stride(1), dscale_P, dscale_P.stride(0), hs, dh,
+        *((None, 1) if tma is None else (tma[0][0], tma[1])),
         M, H, I, E, topk, lim, MX_D=down_t.quantized, STORE_ACC=two_pass, SUBTILE=subtile,
+        TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
         GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(down_t), **flags,
     )
     if two_pass:

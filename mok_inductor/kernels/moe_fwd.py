@@ -21,6 +21,7 @@ N = T*K routes (M rows in a grouped kernel), G groups (E, or E + 1 with the `-1`
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -150,6 +151,19 @@ def w_tile(w_ptr, s_ptr, kk, cols, kmask, cmask, s_n, s_k, ss_n, ss_k, like_ptr,
         w = w.to(tl.float32) * e8m0_factor(sc)
         if DOT_PREC != "interp":
             w = w.to(like_ptr.dtype.element_ty)
+    return w
+
+
+@triton.jit
+def w_tma_tile(w_desc, w_row0, n0, k0, W_KMAJOR: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile W[e][n0 + j, k0 + i] through the TMA descriptor of the weight's 2-D view
+    (`tma_weights`), expert e's first row w_row0: rows e*R + n, cols k (W_KMAJOR) or rows e*R + k, cols n.
+    Columns past the matrix's n (the rows of another expert or matrix) give garbage the caller's store masks;
+    a K step must not run past k (callers run whole steps only, the tail through `w_tile`)."""
+    if W_KMAJOR:
+        w = tl.trans(w_desc.load([w_row0 + n0, k0]))
+    else:
+        w = w_desc.load([w_row0 + k0, n0])
     return w
 
 
@@ -285,6 +299,47 @@ class ExpertTable:
         return self._strides if dim is None else self._strides[dim]
 
 
+# Eager launches load the non-gathered operand tiles (weights; the grouped row GEMM's sorted A rows too)
+# through host-built TMA tensor descriptors where the layouts allow it (`tma_eligible`, `tma_weights`): the
+# down GEMM measured 3-8% faster than with pointer loads on the H200 (benchmarks/tma_ab.py, run 9).
+# MOK_TMA=0 in the environment turns them off (every tile by pointers).
+TMA_KERNELS = os.environ.get("MOK_TMA", "1") != "0"
+# ... at training and prefill sizes only: at decode (qwen3, 4 rows per expert) the CUDA graph measured 0.346 ms
+# with descriptors against 0.334 without, and the eager call 0.99 against 0.62 ms (H200, session 9)
+TMA_MIN_ROWS = 128
+
+
+def _tma_view(d: torch.Tensor, kmajor: bool):
+    """(the 2-D view [rows, cols] a TMA descriptor reads W[e] (n, k) through, R) or None: rows e*R + n, cols k
+    (kmajor, k contiguous) or rows e*R + k, cols n. R is the expert stride in rows; the view ends at the last
+    expert's last row, so it never reaches past the tensor (e.g. the gate half of a [E, 2I, H] buffer)."""
+    E, n, k = d.shape
+    s_e, s_n, s_k = d.stride()
+    rows_per, cols, row_stride = (n, k, s_n) if kmajor else (k, n, s_k)
+    if (s_k if kmajor else s_n) != 1 or row_stride < cols or (E > 1 and s_e % row_stride) or s_e < 0:
+        return None
+    R = s_e // row_stride if E > 1 else rows_per
+    total = (E - 1) * R + rows_per
+    if total >= 2 ** 31 or (row_stride * d.element_size()) % 16 or d.data_ptr() % 16:
+        return None
+    return torch.as_strided(d, (total, cols), (row_stride, 1)), R
+
+
+def tma_pre_hook(a_names: tuple, w_names: tuple):
+    """An eager pre-hook (`_launch.autotune`) giving the host descriptors in the named kernel arguments the
+    block shapes of the config being launched: A operands [BLOCK_M, BLOCK_K], weights [BLOCK_N, BLOCK_K]
+    (W_KMAJOR) or [BLOCK_K, BLOCK_N]."""
+    def hook(nargs):
+        if nargs["TMA"]:
+            bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+            for a in a_names:
+                nargs[a].block_shape = [bm, bk]
+            for w in w_names:
+                nargs[w].block_shape = [bn, bk] if nargs["W_KMAJOR"] else [bk, bn]
+
+    return hook
+
+
 # The device address tables of split weights, per (device, addresses), least recently used evicted past
 # the bound (a CUDA graph that captured a kernel reading an evicted table would read freed memory at its
 # replays: the bound is far above one entry per routed weight of each layer).
@@ -413,23 +468,25 @@ _GATE_UP_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 64, 64, 4, 4), cfg(64, 128
                     cfg(64, 64, 128, 4, 3), cfg(64, 64, 64, 4, 6)]
 
 
-_GATE_UP_KEY = ["M", "H", "I", "E", "TOPK"]
+_GATE_UP_KEY = ["M", "H", "I", "E", "TOPK", "TMA"]
 
 
 @triton.jit
 def _gate_up_tile(
     x_ptr, stride_xt, stride_xh, routes_ptr,
     wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k, wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k,
-    gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm, stride_hi,
+    gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm, stride_hi, g_desc, u_desc, w_rows,
     H, I, E, TOPK, limit, above, below, group, row_start, row_end, pid_n,
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, PERSISTENT: tl.constexpr,
-    W_TABLE: tl.constexpr, MX_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    W_TABLE: tl.constexpr, MX_DOT: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The K loop and epilogue of one tile of expert `group`'s rows [row_start, row_end). PERSISTENT: the
     tile may be idle (no rows) or of the `-1` tail group: no K step runs, and the tail's g, u, h are zero.
-    MX_DOT: MXFP8 gate and up on the fp8 tensor cores (`mx_dot`), BLOCK_K // 32 scale blocks per K step."""
+    MX_DOT: MXFP8 gate and up on the fp8 tensor cores (`mx_dot`), BLOCK_K // 32 scale blocks per K step.
+    TMA: the weight tiles of the whole K steps through descriptors (`w_tma_tile`; not PERSISTENT), the tail
+    step and the gathered x rows by pointers."""
     rows = row_start + tl.arange(0, BLOCK_M)
     rmask = rows < row_end
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -463,7 +520,14 @@ def _gate_up_tile(
                 acc_g = mx_dot(hi, lo, sa, bg, sg, acc_g, DOT_PREC)
                 acc_u = mx_dot(hi, lo, sa, bu, su, acc_u, DOT_PREC)
     else:
-        for k0 in range(0, k_end, BLOCK_K):
+        k_start = 0
+        if TMA:
+            k_start = H - H % BLOCK_K
+            for k0 in range(0, k_start, BLOCK_K):
+                a = tl.load(a_row + (k0 + ks)[None, :] * stride_xh, mask=rmask[:, None], other=0.0)
+                acc_g = mma(a, w_tma_tile(g_desc, group * w_rows, pid_n * BLOCK_N, k0, W_KMAJOR), acc_g, DOT_PREC)
+                acc_u = mma(a, w_tma_tile(u_desc, group * w_rows, pid_n * BLOCK_N, k0, W_KMAJOR), acc_u, DOT_PREC)
+        for k0 in range(k_start, k_end, BLOCK_K):
             kk = k0 + ks
             kmask = kk < H
             a = tl.load(a_row + kk[None, :] * stride_xh, mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -496,12 +560,13 @@ def _gate_up_kernel(
     wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k,  # up read as [E, I, H]
     gu_ptr, stride_gm, stride_gn,  # gu [M, 2I] out: g in [0, I), u in [I, 2I) (tail rows zeroed)
     h_ptr, stride_hm, stride_hi,  # h [M, I] out (WRITE_H)
+    g_desc, u_desc, w_rows,  # TMA: host descriptors of gate's and up's 2-D views, their R (`tma_weights`)
     M, H, I, E, TOPK,  # rows (routes), hidden, intermediate, experts, routes per token
     limit, above, below,  # swiglu clamp (HAS_LIMIT); the stored dtype's neighbours of it (KEEP_CLIP)
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr,
-    MX_DOT: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MX_DOT: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, GROUPS_POW2: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 (the epilogue would compute in fp64): float32 scalars
     limit = tl.cast(limit, tl.float32)
@@ -526,14 +591,15 @@ def _gate_up_kernel(
         return
     _gate_up_tile(x_ptr, stride_xt, stride_xh, routes_ptr, wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k,
                   wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k, gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm,
-                  stride_hi, H, I, E, TOPK, limit, above, below, group, row_start, row_end, pid_n,
-                  SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, False, W_TABLE, MX_DOT,
-                  BLOCK_M, BLOCK_N, BLOCK_K)
+                  stride_hi, g_desc, u_desc, w_rows, H, I, E, TOPK, limit, above, below, group, row_start, row_end,
+                  pid_n, SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, False, W_TABLE, MX_DOT, TMA,
+                  W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # one jitted body (its name is the one Inductor's code and profiles show), autotuned over two config lists
 _gate_up_body = _gate_up_kernel
-_gate_up_kernel = _launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY)(_gate_up_body)
+_gate_up_kernel = _launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY,
+                                   eager_pre_hook=tma_pre_hook((), ("g_desc", "u_desc")))(_gate_up_body)
 # MX_DOT (decode sizes): row tiles of 16 (the fp8 tensor cores' mma.sync shape, not wgmma's 64: few rows per
 # expert, and the per-block scaling is BLOCK_M x BLOCK_N float32 work per 32 k) and long K steps
 _MX_DOT_CONFIGS = [cfg(16, 64, 128, 4, 4), cfg(16, 128, 128, 4, 3), cfg(16, 64, 256, 4, 3), cfg(16, 32, 128, 2, 4),
@@ -546,14 +612,14 @@ _gate_up_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1)
 def _gate_up_persistent_kernel(
     x_ptr, stride_xt, stride_xh, routes_ptr, offsets_ptr,
     wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k, wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k,
-    gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm, stride_hi,
+    gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm, stride_hi, g_desc, u_desc, w_rows,
     M, H, I, E, TOPK, limit, above, below,
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr,
-    MX_DOT: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MX_DOT: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, GROUPS_POW2: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """_gate_up_kernel's tiles (the same arguments) looped over by a grid of about one program per SM, the
+    """_gate_up_kernel's tiles (the same arguments; never TMA) looped over by a grid of about one program per SM, the
     tile loop flattened into the K loop (the next tile's loads can overlap this tile's epilogue)."""
     limit = tl.cast(limit, tl.float32)
     above = tl.cast(above, tl.float32)
@@ -567,9 +633,9 @@ def _gate_up_persistent_kernel(
         group, row_start, row_end = _tile_rows(pid_m, offsets_ptr, M, E, SINGLE, True, BLOCK_M, GROUPS_POW2)
         _gate_up_tile(x_ptr, stride_xt, stride_xh, routes_ptr, wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k,
                       wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k, gu_ptr, stride_gm, stride_gn, h_ptr,
-                      stride_hm, stride_hi, H, I, E, TOPK, limit, above, below, group, row_start, row_end, pid_n,
-                      SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, True, W_TABLE, MX_DOT,
-                      BLOCK_M, BLOCK_N, BLOCK_K)
+                      stride_hm, stride_hi, None, None, 1, H, I, E, TOPK, limit, above, below, group, row_start,
+                      row_end, pid_n, SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, True, W_TABLE,
+                      MX_DOT, False, False, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # The gate/up GEMM as a persistent kernel (_gate_up_persistent_kernel): an A/B candidate, off until measured
@@ -621,6 +687,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
     else:
         kernel = _gate_up_mx_dot_kernel if mx_dot else _gate_up_kernel
         grid = lambda meta: (tiles(meta),)  # noqa: E731
+    tma = None if PERSISTENT_GATE_UP or mx_dot or not tma_eligible(x_TH, M, E) else tma_weights((gate, up))
     h = h_out if h_out is not None else gu_out
     keep_clip = limit is not None and gu_out.dtype in (torch.bfloat16, torch.float16)
     above, below = (float(v) for v in reference.clip_bounds(limit, gu_out.dtype)) if keep_clip else (0.0, 0.0)
@@ -629,10 +696,12 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         x_TH, x_TH.stride(0), x_TH.stride(1), routes_N, offsets_E1,
         *w_args(gate), *w_args(up),
         gu_out, gu_out.stride(0), gu_out.stride(1), h, h.stride(0), h.stride(1),
+        *((None, None, 1) if tma is None else (*tma[0], tma[1])),
         M, H, I, E, topk, 0.0 if limit is None else float(limit), above, below,
         SINGLE=single, MX_G=gate.quantized, MX_U=up.quantized, WRITE_H=h_out is not None,
         HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip, DOT_PREC=_launch.dot_precision(x_TH.dtype),
-        MX_DOT=mx_dot, GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(gate, up),
+        MX_DOT=mx_dot, TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
+        GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(gate, up),
     )
     return gu_out
 
@@ -641,15 +710,18 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
 # Grouped row GEMM: out[dest(r), n] = sum_k A[r, k] W1[e][n, k] (+ sum_k A[r, KD + k] W2[e][n, k])
 
 
-_GROUPED_ROWS_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 256, 64, 8, 3), cfg(64, 128, 64, 4, 4),
+# 128 x 256 first: the eager autotuner's pick for both launches (the forward down GEMM and the dx GEMM) at
+# every shape of shared/BENCH.md on the H200 (benchmarks/tuned_configs.py, session 9); compiled graphs run it
+_GROUPED_ROWS_CONFIGS = [cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 8, 3), cfg(64, 128, 64, 4, 4),
                          cfg(128, 128, 64, 4, 4), cfg(64, 64, 128, 4, 3)]
 
 
+
 @triton.jit
-def _grouped_rows_k_loop(acc, a_row, stride_ak, a_k0, rmask, w_ptr, s_ptr, s_n, s_k, ss_n, ss_k, cols, cmask,
-                         KD, like_ptr, MX: tl.constexpr, MX_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+def _grouped_rows_k_loop(acc, a_row, stride_ak, a_k0, k_start, rmask, w_ptr, s_ptr, s_n, s_k, ss_n, ss_k, cols,
+                         cmask, KD, like_ptr, MX: tl.constexpr, MX_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
                          BLOCK_K: tl.constexpr):
-    """acc + A[rows, a_k0 + k] @ W[e][cols, k]^T over k in [0, KD) (w_ptr, s_ptr: expert e's starts)."""
+    """acc + A[rows, a_k0 + k] @ W[e][cols, k]^T over k in [k_start, KD) (w_ptr, s_ptr: expert e's starts)."""
     if MX_DOT:
         for k0 in range(0, KD, BLOCK_K):
             for j in tl.static_range(BLOCK_K // 32):
@@ -659,12 +731,25 @@ def _grouped_rows_k_loop(acc, a_row, stride_ak, a_k0, rmask, w_ptr, s_ptr, s_n, 
                 acc = mx_dot(hi, lo, sa, w, sw, acc, DOT_PREC)
     else:
         ks = tl.arange(0, BLOCK_K)
-        for k0 in range(0, KD, BLOCK_K):
+        for k0 in range(k_start, KD, BLOCK_K):
             kk = k0 + ks
             kmask = kk < KD
             a = tl.load(a_row + (a_k0 + kk[None, :]) * stride_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
             w = w_tile(w_ptr, s_ptr, kk, cols, kmask, cmask, s_n, s_k, ss_n, ss_k, like_ptr, MX, DOT_PREC)
             acc = mma(a, w, acc, DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _tma_k_loop(acc, a_desc, a_k0, row_start, w_desc, w_row0, n0, kd_full, W_KMAJOR: tl.constexpr,
+                DOT_PREC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + A[row_start:, a_k0 + k] @ W[e][n0:, k]^T over the whole K steps k < kd_full, both tiles loaded by
+    TMA (A from its [M, KA] descriptor). Rows of A past the expert's (the next expert's) give garbage the
+    store masks; past a descriptor's shape TMA loads zeros. No step runs past KD, so no other expert's or
+    half's k enters the sum."""
+    for k0 in range(0, kd_full, BLOCK_K):
+        a = a_desc.load([row_start, a_k0 + k0])
+        acc = mma(a, w_tma_tile(w_desc, w_row0, n0, k0, W_KMAJOR), acc, DOT_PREC)
     return acc
 
 
@@ -675,11 +760,12 @@ def _grouped_rows_kernel(
     w1_ptr, s1_e, s1_n, s1_k, q1_ptr, q1_e, q1_n, q1_k,  # W1[e] (n, k) data and scales (MX1), [E, NCOL, KD]
     w2_ptr, s2_e, s2_n, s2_k, q2_ptr, q2_e, q2_n, q2_k,  # W2[e], multiplies A's columns [KD, 2 KD) (TWO)
     out_ptr, stride_om, stride_on,  # out [rows, NCOL]; row = route (SCATTER) or the sorted row
+    a_desc, w1_desc, w2_desc, w_rows,  # TMA: host descriptors of A and of W1's, W2's 2-D views, R (`_tma_args`)
     M, NCOL, KD, E,
     SINGLE: tl.constexpr, SCATTER: tl.constexpr, TWO: tl.constexpr, MX1: tl.constexpr, MX2: tl.constexpr,
-    DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr, MX_DOT: tl.constexpr,
-    GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr, MX_DOT: tl.constexpr, TMA: tl.constexpr,
+    W_KMAJOR: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, E, NCOL, SINGLE, BLOCK_M, BLOCK_N, GROUP_M)
     group, row_start, row_end = _tile_rows(pid_m, offsets_ptr, M, E, SINGLE, False, BLOCK_M, GROUPS_POW2)
@@ -693,12 +779,20 @@ def _grouped_rows_kernel(
     w1, q1 = w_bases(w1_ptr, q1_ptr, e64, s1_e, q1_e, E, W_TABLE, MX1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a_row = a_ptr + rows[:, None].to(tl.int64) * stride_am
-    acc = _grouped_rows_k_loop(acc, a_row, stride_ak, 0, rmask, w1, q1, s1_n, s1_k, q1_n, q1_k, cols, cmask, KD,
-                               out_ptr, MX1, MX_DOT, DOT_PREC, BLOCK_K)
+    k_start = 0
+    if TMA:
+        k_start = KD - KD % BLOCK_K
+        acc = _tma_k_loop(acc, a_desc, 0, row_start, w1_desc, group * w_rows, pid_n * BLOCK_N, k_start, W_KMAJOR,
+                          DOT_PREC, BLOCK_K)
+    acc = _grouped_rows_k_loop(acc, a_row, stride_ak, 0, k_start, rmask, w1, q1, s1_n, s1_k, q1_n, q1_k, cols,
+                               cmask, KD, out_ptr, MX1, MX_DOT, DOT_PREC, BLOCK_K)
     if TWO:
         w2, q2 = w_bases(w2_ptr, q2_ptr, e64, s2_e, q2_e, E, W_TABLE, MX2)
-        acc = _grouped_rows_k_loop(acc, a_row, stride_ak, KD, rmask, w2, q2, s2_n, s2_k, q2_n, q2_k, cols, cmask,
-                                   KD, out_ptr, MX2, MX_DOT, DOT_PREC, BLOCK_K)
+        if TMA:
+            acc = _tma_k_loop(acc, a_desc, KD, row_start, w2_desc, group * w_rows, pid_n * BLOCK_N, k_start,
+                              W_KMAJOR, DOT_PREC, BLOCK_K)
+        acc = _grouped_rows_k_loop(acc, a_row, stride_ak, KD, k_start, rmask, w2, q2, s2_n, s2_k, q2_n, q2_k, cols,
+                                   cmask, KD, out_ptr, MX2, MX_DOT, DOT_PREC, BLOCK_K)
     if SCATTER:
         dest = tl.load(routes_ptr + rows, mask=rmask, other=0)
     else:
@@ -707,11 +801,60 @@ def _grouped_rows_kernel(
     tl.store(o_ptrs, to_out(acc, out_ptr, DOT_PREC), mask=rmask[:, None] & cmask[None, :])
 
 
+# TWO and SCATTER in the key: the down GEMM and the dx GEMM have the same sizes at some shapes
+_GROUPED_ROWS_KEY = ["M", "NCOL", "KD", "E", "TWO", "SCATTER", "TMA"]
 _grouped_rows_body = _grouped_rows_kernel
-_grouped_rows_kernel = _launch.autotune(_GROUPED_ROWS_CONFIGS, cfg(16, 16, 32, 1, 1),
-                                        key=["M", "NCOL", "KD", "E"])(_grouped_rows_body)
+_grouped_rows_kernel = _launch.autotune(_GROUPED_ROWS_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GROUPED_ROWS_KEY,
+                                        eager_pre_hook=tma_pre_hook(("a_desc",), ("w1_desc", "w2_desc")))(_grouped_rows_body)
 _grouped_rows_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1),
-                                               key=["M", "NCOL", "KD", "E"])(_grouped_rows_body)
+                                               key=_GROUPED_ROWS_KEY)(_grouped_rows_body)
+
+
+def _host_desc(t: torch.Tensor):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])  # (block shape: tma_pre_hook)
+
+
+def tma_eligible(act: torch.Tensor, rows: int, groups: int) -> bool:
+    """Whether a launch with activations `act` and `rows` rows over `groups` experts may use host TMA
+    descriptors: TMA_KERNELS on, an eager launch (also under the interpreter) of 16-bit activations, at least
+    TMA_MIN_ROWS rows per expert on average. AOTAutograd's tracing of `wrap_triton` does not carry descriptor
+    arguments (torch 2.11-2.13), and Inductor takes no pre-hook to set their block shapes per config: traced
+    launches load every tile by pointers."""
+    if not TMA_KERNELS or act.element_size() != 2 or _launch.without_pointers((act,)):
+        return False
+    return rows >= TMA_MIN_ROWS * groups
+
+
+def tma_weights(ops) -> Optional[tuple]:
+    """(descriptors, R, W_KMAJOR) for the weight operands `ops` (all plain 3-D tensors of one layout and one
+    expert stride in rows R, 16-byte aligned), or None (pointer loads)."""
+    if any(op.quantized or not isinstance(op.data, torch.Tensor) for op in ops):
+        return None
+    kmajor = ops[0].data.stride(2) == 1
+    views = [_tma_view(op.data, kmajor) for op in ops]
+    if any(v is None for v in views) or len({v[1] for v in views}) != 1:
+        return None
+    return tuple(_host_desc(v[0]) for v in views), views[0][1], kmajor
+
+
+def _tma_args(a_MK, w1, w2, two: bool, mx_dot: bool):
+    """Kernel arguments (a_desc, w1_desc, w2_desc, R) and meta (TMA, W_KMAJOR) of a launch of the grouped row
+    GEMM: host TMA descriptors for A and the weights where `tma_eligible`, A has contiguous rows with
+    16-byte aligned strides, and `tma_weights` takes the weights; otherwise none (TMA=0: pointer loads)."""
+    off = (None, None, None, 1), dict(TMA=False, W_KMAJOR=False)
+    if mx_dot or not tma_eligible(a_MK, a_MK.shape[0], w1.data.shape[0]):
+        return off
+    if a_MK.stride(1) != 1 or (a_MK.stride(0) * a_MK.element_size()) % 16 or a_MK.data_ptr() % 16:
+        return off
+    if two and (a_MK.shape[1] // 2 * a_MK.element_size()) % 16:  # (W2's A columns start at KD: TMA offsets
+        return off  # along the contiguous dim are 16-byte aligned)
+    w = tma_weights((w1, w2) if two else (w1,))
+    if w is None:
+        return off
+    descs, R, kmajor = w
+    return (_host_desc(a_MK), descs[0], descs[-1], R), dict(TMA=True, W_KMAJOR=kmajor)
 
 
 def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, single=False):
@@ -727,15 +870,16 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, 
     w2 = w2 if two else w1
     grid = lambda meta: (row_tiles_worst(M, E, meta["BLOCK_M"], single) * triton.cdiv(NCOL, meta["BLOCK_N"]),)
     mx_dot = use_mx_dot(a_MK.dtype, w1, w2)
+    tma, tma_meta = _tma_args(a_MK, w1, w2, two, mx_dot)
     _launch.launch(
         _grouped_rows_mx_dot_kernel if mx_dot else _grouped_rows_kernel, grid,
         a_MK, a_MK.stride(0), a_MK.stride(1), routes_N, offsets_E1,
         *w_args(w1), *w_args(w2),
-        out, out.stride(0), out.stride(1),
+        out, out.stride(0), out.stride(1), *tma,
         M, NCOL, KD, E,
         SINGLE=single, SCATTER=scatter, TWO=two, MX1=w1.quantized, MX2=w2.quantized,
         DOT_PREC=_launch.dot_precision(a_MK.dtype), MX_DOT=mx_dot, GROUPS_POW2=_launch.next_pow2(E + 1),
-        GROUP_M=GROUP_M, **w_meta(w1, w2),
+        GROUP_M=GROUP_M, **tma_meta, **w_meta(w1, w2),
     )
     return out
 
