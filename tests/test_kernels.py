@@ -234,12 +234,12 @@ def test_persistent_gate_up_equals_default(name, monkeypatch):
 
 
 @pytest.mark.parametrize("two_pass", [False, True])
-@pytest.mark.parametrize("H,I,aligned", [(80, 80, True), (36, 44, False)])
+@pytest.mark.parametrize("H,I,aligned", [(80, 80, True), (36, 42, False)])
 def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
     # the TMA descriptor loads (moe_fwd.TMA_KERNELS: weights of gate/up, bwd_act, down and dx; the sorted A
-    # rows of down and dx) against pointer loads only: bitwise the same forward and backward, the shared
+    # rows of down and dx; the operand of the weight gradients that is not gathered) against pointer loads only: bitwise the same forward and backward, the shared
     # expert (one [1, n, k] group) and `-1` routes included; H = 80, I = 80 give whole K steps and a tail
-    # both under the interpreter (BLOCK_K 32) and on CUDA (64); H = 36, I = 44 (72- and 88-byte bf16 rows,
+    # both under the interpreter (BLOCK_K 32) and on CUDA (64); H = 36, I = 42 (72-, 84-, 168-byte bf16 rows,
     # not 16-byte aligned) must fall back to pointer loads in every launch, equally right
     from mok_inductor.kernels import _launch, moe_bwd, moe_fwd
 
@@ -252,8 +252,8 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
     tma_flags, real_launch = [], _launch.launch
 
     def spy(k, *a, **kw):
-        if "TMA" in kw:
-            tma_flags.append((k, kw["TMA"]))
+        if "TMA" in kw or "A_TMA" in kw:
+            tma_flags.append((k, kw.get("TMA") or kw.get("A_TMA") or kw.get("B_TMA")))
         return real_launch(k, *a, **kw)
 
     monkeypatch.setattr(_launch, "launch", spy)
@@ -265,8 +265,8 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
         bwd = _backward(kernels, case, sched, fwd, dy)
         runs[tma] = (fwd.y_TH, *_grads_by_name(case, bwd).values())
         used = {k for k, on in tma_flags if on}
-        if tma and aligned:  # every GEMM but the weight gradients (gathered rows along k)
-            assert {moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel} <= used
+        if tma and aligned:  # every GEMM (the weight gradients: the operand not gathered)
+            assert {moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel, moe_bwd._wgrad_kernel} <= used
             assert used & {moe_bwd._bwd_act_kernel, moe_bwd._bwd_gemm_kernel}
         else:
             assert not used

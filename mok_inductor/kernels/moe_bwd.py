@@ -30,7 +30,7 @@ import triton.language as tl
 from . import _launch
 from ._launch import cfg, mma, to_out
 from .moe_fwd import (GROUP_M, _tile_ids, _tile_rows, clamp_gu, grouped_rows, plain_t, row_tiles_worst, rowdot,
-                      swizzle, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile, w_tma_tile)
+                      host_desc, swizzle, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile, w_tma_tile)
 
 # (Register pressure: the epilogue holds acc, g, u, h and the gradients, so tiles of 128 x 128 spilled
 # 370-390 bytes on the H200; these are the configs that did not, or nearly not)
@@ -282,16 +282,20 @@ def _wgrad_body(
     tokens_ptr, offsets_ptr,  # int32 token of each sorted row [M] (the gather index), expert_offsets [E+1]
     dst_ptr, stride_de, stride_dm, stride_dn,  # dst [E, MD, ND] (any float dtype, strided)
     dst2_ptr, stride2_de, stride2_dm, stride2_dn,  # dst2 [E, MD, ND] (SPLIT): A[:, MD:]^T @ B, dst's dtype
+    a_desc, b_desc,  # TMA: host descriptors of A, B as [rows, cols] (the operand not gathered; A_TMA, B_TMA)
     MD, ND, M, E,
     SINGLE: tl.constexpr, A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
-    GATHER: tl.constexpr, SPLIT: tl.constexpr, OFF32: tl.constexpr, DOT_PREC: tl.constexpr, GROUP_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATHER: tl.constexpr, SPLIT: tl.constexpr, OFF32: tl.constexpr, DOT_PREC: tl.constexpr, A_TMA: tl.constexpr,
+    B_TMA: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of expert e's A^T @ B, reducing over its rows in order. SPLIT: A has two
     halves of MD columns (d_gate's and d_up's operands) reduced as one GEMM of 2 MD rows, each half's rows
     stored to its own destination. (Measured on the H200, benchmarks/wgrad_ab.py: the gather index loaded
     one step ahead, int32 offsets (OFF32, when every offset fits) and one GEMM of 2 MD rows instead of two
-    accumulators took the gate/up weight gradient from about 360 to 520-580 TFLOP/s.)"""
+    accumulators took the gate/up weight gradient from about 360 to 520-580 TFLOP/s.) A_TMA / B_TMA: that
+    operand's tiles of the whole row steps through its descriptor (rows past hi would be another expert's:
+    the last, partial step loads by pointers with the row mask)."""
     pid = tl.program_id(0)
     e = tl.program_id(1)
     if SPLIT:
@@ -319,7 +323,32 @@ def _wgrad_body(
         b_cols = ns[None, :].to(tl.int64) * stride_bn
     if GATHER:  # the gather index of the next step is loaded one step ahead, off the loads' critical path
         nxt = tl.load(tokens_ptr + lo + ks, mask=lo + ks < hi, other=0)
-    for r0 in range(lo, hi, BLOCK_K):
+    r_tail = lo
+    if A_TMA or B_TMA:
+        r_tail = lo + (hi - lo) // BLOCK_K * BLOCK_K
+        for r0 in range(lo, r_tail, BLOCK_K):
+            rows = r0 + ks
+            if GATHER:
+                tok = nxt
+                nxt = tl.load(tokens_ptr + rows + BLOCK_K, mask=rows + BLOCK_K < hi, other=0)
+            else:
+                tok = rows
+            if B_TMA:
+                b = b_desc.load([r0, pid_n * BLOCK_N])
+            else:
+                br = tok if B_GATHER else rows
+                if not OFF32:
+                    br = br.to(tl.int64)
+                b = tl.load(b_ptr + br[:, None] * stride_br + b_cols, mask=nmask[None, :], other=0.0)
+            if A_TMA:
+                a = tl.trans(a_desc.load([r0, pid_m * BLOCK_M]))
+            else:
+                ar = tok if A_GATHER else rows
+                if not OFF32:
+                    ar = ar.to(tl.int64)
+                a = tl.load(a_ptr + ar[None, :] * stride_ar + a_cols, mask=mmask[:, None], other=0.0)
+            acc = mma(a.to(b.dtype), b, acc, DOT_PREC)
+    for r0 in range(r_tail, hi, BLOCK_K):
         rows = r0 + ks
         rmask = rows < hi
         if GATHER:
@@ -355,9 +384,27 @@ def _wgrad_body(
 
 
 # (SPLIT and A_GATHER in the key: at H == I the down and the gate/up weight gradients share MD, ND, M, E)
-_WGRAD_KEY = ["MD", "ND", "M", "E", "SPLIT", "A_GATHER"]
+def _wgrad_tma_blocks(nargs):
+    """Eager pre-hook: the row-step tiles of the descriptors, [BLOCK_K, BLOCK_M] of A and [BLOCK_K, BLOCK_N] of B."""
+    if nargs["A_TMA"]:
+        nargs["a_desc"].block_shape = [nargs["BLOCK_K"], nargs["BLOCK_M"]]
+    if nargs["B_TMA"]:
+        nargs["b_desc"].block_shape = [nargs["BLOCK_K"], nargs["BLOCK_N"]]
+
+
+_WGRAD_KEY = ["MD", "ND", "M", "E", "SPLIT", "A_GATHER", "A_TMA", "B_TMA"]
 _wgrad_kernel = _launch.autotune(_WGRAD_CONFIGS, cfg(16, 16, 16, 1, 1), key=_WGRAD_KEY,
-                                 restore_value=["dst_ptr", "dst2_ptr"])(_wgrad_body)
+                                 restore_value=["dst_ptr", "dst2_ptr"], eager_pre_hook=_wgrad_tma_blocks)(_wgrad_body)
+
+
+def _row_desc(t: torch.Tensor, rows: int, groups: int):
+    """A host descriptor of the 2-D operand t read by rows (block shape: _wgrad_tma_blocks), or None where
+    TMA does not apply (moe_fwd.tma_eligible; contiguous rows, 16-byte aligned start and row stride)."""
+    if not tma_eligible(t, rows, groups) or t.stride(1) != 1 or t.stride(0) < t.shape[1] or t.shape[0] == 0:
+        return None
+    if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+        return None
+    return host_desc(t)
 
 
 def _span(t) -> int:
@@ -392,13 +439,16 @@ def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, accu
     off32 = offsets_fit_int32(a, b)
     rows_out = 2 * MD if split else MD
     grid = lambda meta: (triton.cdiv(rows_out, meta["BLOCK_M"]) * triton.cdiv(ND, meta["BLOCK_N"]), E)
+    same = a.dtype == b.dtype
+    a_desc = _row_desc(a, M, E) if same and not (a_gather and not single) else None
+    b_desc = _row_desc(b, M, E) if same and not (b_gather and not single) else None
     _launch.launch(
         _wgrad_kernel, grid,
         a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), idx, offsets_E1,
         dst_EMN, dst_EMN.stride(0), dst_EMN.stride(1), dst_EMN.stride(2), d2, d2.stride(0), d2.stride(1), d2.stride(2),
-        MD, ND, M, E,
+        a_desc, b_desc, MD, ND, M, E,
         SINGLE=single, A_GATHER=a_gather, B_GATHER=b_gather, GATHER=gather, ACCUMULATE=accumulate, SPLIT=split,
-        OFF32=off32,
+        OFF32=off32, A_TMA=a_desc is not None, B_TMA=b_desc is not None,
         DOT_PREC=_launch.dot_precision(b.dtype), GROUP_M=GROUP_M,
     )
     return dst_EMN

@@ -810,7 +810,7 @@ _grouped_rows_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 
                                                key=_GROUPED_ROWS_KEY)(_grouped_rows_body)
 
 
-def _host_desc(t: torch.Tensor):
+def host_desc(t: torch.Tensor):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])  # (block shape: tma_pre_hook)
@@ -836,7 +836,7 @@ def tma_weights(ops) -> Optional[tuple]:
     views = [_tma_view(op.data, kmajor) for op in ops]
     if any(v is None for v in views) or len({v[1] for v in views}) != 1:
         return None
-    return tuple(_host_desc(v[0]) for v in views), views[0][1], kmajor
+    return tuple(host_desc(v[0]) for v in views), views[0][1], kmajor
 
 
 def _tma_args(a_MK, w1, w2, two: bool, mx_dot: bool):
@@ -854,7 +854,7 @@ def _tma_args(a_MK, w1, w2, two: bool, mx_dot: bool):
     if w is None:
         return off
     descs, R, kmajor = w
-    return (_host_desc(a_MK), descs[0], descs[-1], R), dict(TMA=True, W_KMAJOR=kmajor)
+    return (host_desc(a_MK), descs[0], descs[-1], R), dict(TMA=True, W_KMAJOR=kmajor)
 
 
 def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, single=False):
