@@ -245,6 +245,7 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
 
     monkeypatch.setattr(moe_bwd, "TWO_PASS_MIN_ROWS", 0 if two_pass else 1 << 30)
     monkeypatch.setattr(moe_fwd, "TMA_MIN_ROWS", 0)  # (tiny shapes; the size rule has its own test)
+    monkeypatch.setattr(moe_bwd, "WGRAD_TMA", True)  # (off by default until measured on the H200)
     case = make_case(T=19, H=H, I=I, E=4, K=2, dtype=torch.bfloat16, shared=True, gate=True, limit=0.6, drop=0.2,
                      Is=I + 4 if aligned else I, device=DEV, requires_grad=False, seed=H + two_pass)
     sched = kernels.build_schedule(case.top_experts, case.gate_up_proj.shape[0])

@@ -384,6 +384,11 @@ def _wgrad_body(
 
 
 # (SPLIT and A_GATHER in the key: at H == I the down and the gate/up weight gradients share MD, ND, M, E)
+# TMA for the weight gradients: written and tested under the interpreter in session 9, not yet run on the
+# H200 (the session's device calls were refused): off until measured there (benchmarks/breakdown.py --tma-ab)
+WGRAD_TMA = False
+
+
 def _wgrad_tma_blocks(nargs):
     """Eager pre-hook: the row-step tiles of the descriptors, [BLOCK_K, BLOCK_M] of A and [BLOCK_K, BLOCK_N] of B."""
     if nargs["A_TMA"]:
@@ -439,7 +444,7 @@ def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, accu
     off32 = offsets_fit_int32(a, b)
     rows_out = 2 * MD if split else MD
     grid = lambda meta: (triton.cdiv(rows_out, meta["BLOCK_M"]) * triton.cdiv(ND, meta["BLOCK_N"]), E)
-    same = a.dtype == b.dtype
+    same = a.dtype == b.dtype and WGRAD_TMA
     a_desc = _row_desc(a, M, E) if same and not (a_gather and not single) else None
     b_desc = _row_desc(b, M, E) if same and not (b_gather and not single) else None
     _launch.launch(
