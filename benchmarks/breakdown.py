@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_moe import SHAPES, bench, make_inputs  # noqa: E402
+from bench_moe import SHAPES, MokPointerLoads, bench, make_inputs  # noqa: E402
 
 
 def persistent(fn, *args, **kw):
@@ -31,15 +31,10 @@ def persistent(fn, *args, **kw):
 
 
 def pointer_loads(fn):
-    """fn with every tile loaded by pointers (kernels.moe_fwd.TMA_KERNELS off: the A/B of the TMA loads)."""
-    from mok_inductor.kernels import moe_fwd
-
+    """fn with every tile loaded by pointers (bench_moe.MokPointerLoads' switch: the A/B of the TMA loads)."""
     def run():
-        moe_fwd.TMA_KERNELS = False
-        try:
+        with MokPointerLoads().context():
             return fn()
-        finally:
-            moe_fwd.TMA_KERNELS = True
 
     return run
 
