@@ -1,7 +1,8 @@
 """Per-kernel times of the mok forward and backward at one shape (kernel launchers called directly,
 autotuned first), with the TFLOP/s each kernel reaches: where the time goes.
 
-    python benchmarks/breakdown.py --shapes qwen3-30b-a3b,mixtral-8x7b [--out DIR] [--tma-ab]
+    python benchmarks/breakdown.py --shapes qwen3-30b-a3b,mixtral-8x7b [--out DIR] [--tma-ab] [--wgrad-tma]
+        [--kernels wgrad,dx]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def pointer_loads(fn):
     return run
 
 
-def breakdown(name, kind="balanced", tma_ab=False):
+def breakdown(name, kind="balanced", tma_ab=False, only=None):
     from mok_inductor import kernels as K_
     from mok_inductor.kernels import bwd_act, combine, gate_up, grouped_rows, plain, plain_t, wgrad
     from mok_inductor.ops import split_gate_up
@@ -85,6 +86,8 @@ def breakdown(name, kind="balanced", tma_ab=False):
         ("bwd dx (gate+up dgrad)", lambda: grouped_rows(dgu, plain_t(wg), dx_N, so, off, w2=plain_t(wu)), 2 * f),
         ("bwd combine dx", lambda: combine(dx_N, te_N, y), 0),
     ]
+    if only:  # the kernels whose label holds one of these words
+        steps = [st for st in steps if any(w in st[0] for w in only)]
     if tma_ab:  # each GEMM also with pointer loads only
         steps = [v for st in steps for v in ([st] if not st[2] else [st, (st[0] + " [pointer loads]",
                                                                           pointer_loads(st[1]), st[2])])]
@@ -102,10 +105,17 @@ def main():
     p.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tma-ab", action="store_true", help="each GEMM also with pointer loads (TMA_KERNELS off)")
+    p.add_argument("--wgrad-tma", action="store_true", help="the weight gradients with TMA too (moe_bwd.WGRAD_TMA)")
+    p.add_argument("--kernels", default="", help="comma-separated words: only the kernels whose label holds one")
     a = p.parse_args()
+    if a.wgrad_tma:
+        from mok_inductor.kernels import moe_bwd
+
+        moe_bwd.WGRAD_TMA = True
     rows = []
+    only = [w for w in a.kernels.split(",") if w]
     for s in a.shapes.split(","):
-        rows += breakdown(s, tma_ab=a.tma_ab)
+        rows += breakdown(s, tma_ab=a.tma_ab, only=only)
     with open(os.path.join(a.out, "breakdown.json"), "w") as f:
         json.dump(rows, f, indent=1)
     from kernel_report import report

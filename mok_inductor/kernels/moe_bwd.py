@@ -384,8 +384,10 @@ def _wgrad_body(
 
 
 # (SPLIT and A_GATHER in the key: at H == I the down and the gate/up weight gradients share MD, ND, M, E)
-# TMA for the weight gradients: written and tested under the interpreter in session 9, not yet run on the
-# H200 (the session's device calls were refused): off until measured there (benchmarks/breakdown.py --tma-ab)
+# TMA for the weight gradients' operand that is not gathered: off, measured slower on the H200 (session 10,
+# `breakdown.py --tma-ab --wgrad-tma`: wgrad down 3.216 against 3.166 ms with pointer loads at mixtral, 1.114
+# against 1.074 at gpt-oss; gate+up 6.752 / 6.622 and 2.339 / 2.213; whole layer within noise). Kept as the
+# measured alternative (tests cover it): its loads are rows of an [M, K] operand read K-major per step.
 WGRAD_TMA = False
 
 
