@@ -105,12 +105,27 @@ def run(layer, x, dy):
     return out.detach(), x.grad
 
 
-def check_close(name, mok, meg, ref, dtype):
-    e_mok, e_meg = rel(mok, ref), rel(meg, ref)
-    if dtype == torch.bfloat16:
-        assert e_mok <= 1e-2 and e_mok <= 2 * e_meg, f"{name}: MoK {e_mok:.2e} vs Megatron bf16 {e_meg:.2e}"
-    else:
-        assert e_mok <= 1e-4, f"{name}: MoK {e_mok:.2e}"
+class VsMegatron:
+    """MoK's and Megatron's runs of one layer, each tensor against the float64 Megatron layer (the same
+    module in float64). `check`: MoK within SPEC's bound (bf16 1e-2, float32 1e-4). `check_layer`, in bf16:
+    MoK's errors, summed over every tensor checked, at most Megatron's. (Not per tensor: an expert's weight
+    gradient comes from a few rows here, and the two runs' ratio for one tensor varied up to 2.15 over 60
+    random draws; the layer's sum measured 0.79 median, 0.87 at most, over 50, without the clamp.)"""
+
+    def __init__(self, dtype):
+        self.dtype, self.mok, self.meg = dtype, [], []
+
+    def check(self, name, mok, meg, ref):
+        e_mok, e_meg = rel(mok, ref), rel(meg, ref)
+        bound = 1e-2 if self.dtype == torch.bfloat16 else 1e-4
+        assert e_mok <= bound, f"{name}: MoK {e_mok:.2e} (Megatron {self.dtype} {e_meg:.2e})"
+        self.mok.append(e_mok)
+        self.meg.append(e_meg)
+
+    def check_layer(self):
+        assert self.mok
+        if self.dtype == torch.bfloat16:
+            assert sum(self.mok) <= sum(self.meg), f"MoK's errors sum {sum(self.mok):.3e}, Megatron's {sum(self.meg):.3e}"
 
 
 # ---------------------------------------------------------------------------------------------- numerics
@@ -119,12 +134,12 @@ def check_close(name, mok, meg, ref, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,clamp", [(torch.bfloat16, 4.0), (torch.float32, 4.0), (torch.bfloat16, None)])
 def test_output_and_gradients_match_megatron(device, dtype, clamp, monkeypatch):
-    """With the clamp active, Megatron's bf16 run clamps bf16-rounded pre-activations, so its own error
-    reaches several percent on some FC1 gradients: compare both to float64. Without the clamp the two
-    bf16 runs must also agree with each other: each within 1e-2 of float64, so within 2e-2 of each other
-    (measured up to 1e-2 over 15 seeds: the rounding orders differ, see shared/MEGATRON.md 3.1)."""
+    """Both runs against the float64 Megatron layer (`VsMegatron`). No direct bf16-to-bf16 bound: Megatron's own error is not
+    bounded by the contract. With the clamp active its bf16 run clamps bf16-rounded pre-activations (several
+    percent on some FC1 gradients); without the clamp its shared output gate's weight gradient, computed in
+    bf16 (SPEC asks float32), measured up to 1.7e-2 off float64 over 40 random draws (MoK: 2e-3), which
+    made a direct 2e-2 bound between the two runs fail now and then (2.5e-2 once)."""
     meg, mok, ref64 = layer_trio(make_config(dtype, activation_func_clamp_value=clamp), device)
-    direct = dtype == torch.bfloat16 and clamp is None
     calls = []
     real_forward = mf.forward
     monkeypatch.setattr(mf, "forward", lambda *a, **k: calls.append(1) or real_forward(*a, **k))
@@ -134,17 +149,15 @@ def test_output_and_gradients_match_megatron(device, dtype, clamp, monkeypatch):
     out_64, dx_64 = run(ref64, x.cpu().double(), dy.cpu().double())
     assert calls == [1]  # the MoK path ran, once
     assert out_mok.dtype == dtype and out_mok.shape == (S, B, H)
-    check_close("output", out_mok, out_meg, out_64, dtype)
-    check_close("d hidden_states", dx_mok, dx_meg, dx_64, dtype)  # includes the path through the router
-    if direct:
-        assert rel(out_mok, out_meg) <= 2e-2 and rel(dx_mok, dx_meg) <= 2e-2
+    errs = VsMegatron(dtype)
+    errs.check("output", out_mok, out_meg, out_64)
+    errs.check("d hidden_states", dx_mok, dx_meg, dx_64)  # includes the path through the router
     names = [n for n, _ in meg.named_parameters()]
     assert names == [n for n, _ in mok.named_parameters()] == [n for n, _ in ref64.named_parameters()]
     for (n, p_meg), p_mok, p_64 in zip(meg.named_parameters(), mok.parameters(), ref64.parameters()):
         assert p_mok.grad is not None and p_mok.grad.dtype == dtype, n
-        check_close(n, p_mok.grad, p_meg.grad, p_64.grad, dtype)
-        if direct:
-            assert rel(p_mok.grad, p_meg.grad) <= 2e-2, n
+        errs.check(n, p_mok.grad, p_meg.grad, p_64.grad)
+    errs.check_layer()
 
 
 def _ddp_like(layer):
@@ -178,11 +191,13 @@ def test_main_grad_accumulation_over_two_micro_batches(device):
         run(ref64, x.cpu().double(), dy.cpu().double())
     mk = mok.megakernel_experts
     fused_params = {id(p) for p in mk.parameters()}
+    errs = VsMegatron(torch.bfloat16)
     for (n, p_meg), p_mok, p_64 in zip(meg.named_parameters(), mok.parameters(), ref64.parameters()):
         assert p_mok.grad is None, n
         # MoK's weights were added by the kernel (flag set); the router's by the hook (flag clear)
         assert p_mok.grad_added_to_main_grad is (id(p_mok) in fused_params), n
-        check_close(n, p_mok.main_grad, p_meg.grad, p_64.grad, torch.bfloat16)
+        errs.check(n, p_mok.main_grad, p_meg.grad, p_64.grad)
+    errs.check_layer()
     assert any(n.startswith("router") for n, _ in mok.named_parameters())
 
 
@@ -498,8 +513,9 @@ def test_padding_mask_passes_through_the_router():
     for layer, cast in ((meg, torch.bfloat16), (mok, torch.bfloat16), (ref64, torch.float64)):
         out, _ = layer(x.to(cast), padding_mask=mask)
         outs.append(out.detach())
-    check_close("output with padding_mask", outs[1], outs[0], outs[2], torch.bfloat16)
-    assert rel(outs[1], outs[0]) <= 2e-2
+    errs = VsMegatron(torch.bfloat16)
+    errs.check("output with padding_mask", outs[1], outs[0], outs[2])
+    errs.check_layer()
 
 
 @pytest.mark.parametrize("overrides", [dict(moe_shared_expert_gate=False),
@@ -515,7 +531,9 @@ def test_shared_expert_variants(overrides):
     out_meg, dx_meg = run(meg, x, dy)
     out_mok, dx_mok = run(mok, x, dy)
     out_64, dx_64 = run(ref64, x.double(), dy.double())
-    check_close("output", out_mok, out_meg, out_64, torch.bfloat16)
-    check_close("d hidden_states", dx_mok, dx_meg, dx_64, torch.bfloat16)
+    errs = VsMegatron(torch.bfloat16)
+    errs.check("output", out_mok, out_meg, out_64)
+    errs.check("d hidden_states", dx_mok, dx_meg, dx_64)
     for (n, p_meg), p_mok, p_64 in zip(meg.named_parameters(), mok.parameters(), ref64.parameters()):
-        check_close(n, p_mok.grad, p_meg.grad, p_64.grad, torch.bfloat16)
+        errs.check(n, p_mok.grad, p_meg.grad, p_64.grad)
+    errs.check_layer()
