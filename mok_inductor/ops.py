@@ -363,12 +363,23 @@ def _moe_composite(x, router_weights, top_experts, gate_up_proj, down_proj, shar
                            shared_down_proj, shared_output_gate, swiglu_limit)
     num_experts = gate_up_proj.shape[0]
     sorted_routes, expert_offsets, route_slots = torch.ops.mok.schedule(top_experts, num_experts)
-    y, _, _ = _MoeFwdFunction.apply(
-        x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-        shared_gate_up_proj, shared_down_proj, shared_output_gate,
-        None if swiglu_limit is None else float(swiglu_limit),
-    )
+    args = (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+            shared_gate_up_proj, shared_down_proj, shared_output_gate,
+            None if swiglu_limit is None else float(swiglu_limit))
+    if _needs_autograd(args):
+        y, _, _ = _MoeFwdFunction.apply(*args)
+    else:  # inference: the forward op alone, without the Function's per-call cost (host-bound decode)
+        with torch._C._AutoDispatchBelowAutograd():
+            y, _, _ = torch.ops.mok.moe_fwd(*args)
     return y
+
+
+def _needs_autograd(args) -> bool:
+    """Whether the forward must run through its autograd.Function: grad mode on and an input requiring grad,
+    or a functorch transform (vmap, grad, ...) or torch.compile tracing, which handle the Function themselves."""
+    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
 
 
 def _under_functorch_autodiff() -> bool:

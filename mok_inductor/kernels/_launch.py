@@ -119,8 +119,20 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+# Host-side integer helpers in plain Python: Triton 3.6's triton.cdiv and triton.next_power_of_2 are
+# constexpr functions, whose per-call argument unwrapping costs several microseconds on a launch path run
+# about ten times per forward (benchmarks/decode_host.py: the eager decode forward is host-bound)
+
+
+def cdiv(a, b):
+    """ceil(a / b) of non-negative ints or SymInts (triton.cdiv's arithmetic)."""
+    return (a + b - 1) // b
+
+
+def next_pow2(n) -> int:
+    """The smallest power of two >= max(n, 1) (triton.next_power_of_2's result)."""
+    n = max(int(n), 1)
+    return 1 << (n - 1).bit_length()
 
 
 @triton.jit

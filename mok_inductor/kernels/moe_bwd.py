@@ -232,14 +232,14 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
     if two_pass is None:  # (dynamic shapes: two passes, the choice at training sizes)
         two_pass = _launch.at_least(M, TWO_PASS_MIN_ROWS * (1 if single else E), symbolic=True)
     subtile = subtile and not two_pass
-    P = 1 if two_pass else triton.cdiv(I, _BWD_ACT_SUB_MIN_BLOCK_N if subtile else _BWD_ACT_MIN_BLOCK_N)
+    P = 1 if two_pass else _launch.cdiv(I, _BWD_ACT_SUB_MIN_BLOCK_N if subtile else _BWD_ACT_MIN_BLOCK_N)
     dgu = torch.empty(M, 2 * I, dtype=dtype, device=dev)
     dscale_P = torch.zeros(P, n_routes, dtype=torch.float32, device=dev)
     hs = torch.empty(M, I, dtype=dtype, device=dev)
     if M == 0 or I == 0:
         return dgu, dscale_P.sum(0), hs
     dh = torch.empty(M, I, dtype=torch.float32, device=dev) if two_pass else dscale_P
-    grid = lambda meta: (row_tiles_worst(M, E, meta["BLOCK_M"], single) * triton.cdiv(I, meta["BLOCK_N"]),)
+    grid = lambda meta: (row_tiles_worst(M, E, meta["BLOCK_M"], single) * _launch.cdiv(I, meta["BLOCK_N"]),)
     scale_arg = scale if scale is not None else dscale_P
     flags = dict(SINGLE=single, HAS_SCALE=scale is not None, HAS_LIMIT=limit is not None,
                  DOT_PREC=_launch.dot_precision(dtype))
@@ -258,7 +258,7 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
     if two_pass:
         bm, bn = _SWIGLU_BWD_BLOCK
         _launch.launch(
-            _swiglu_bwd_kernel, (triton.cdiv(M, bm),),
+            _swiglu_bwd_kernel, (_launch.cdiv(M, bm),),
             dh, routes_N, offsets_E1, gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1), scale_arg,
             dgu, dgu.stride(0), dgu.stride(1), dscale_P, hs, M, E, I, lim,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=8, **flags,
@@ -445,7 +445,7 @@ def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, accu
     idx = tokens_N if gather else offsets_E1
     off32 = offsets_fit_int32(a, b)
     rows_out = 2 * MD if split else MD
-    grid = lambda meta: (triton.cdiv(rows_out, meta["BLOCK_M"]) * triton.cdiv(ND, meta["BLOCK_N"]), E)
+    grid = lambda meta: (_launch.cdiv(rows_out, meta["BLOCK_M"]) * _launch.cdiv(ND, meta["BLOCK_N"]), E)
     same = a.dtype == b.dtype and WGRAD_TMA
     a_desc = _row_desc(a, M, E) if same and not (a_gather and not single) else None
     b_desc = _row_desc(b, M, E) if same and not (b_gather and not single) else None

@@ -91,7 +91,7 @@ def _tile_ids(pid, M, E, NCOLS, SINGLE: tl.constexpr, BLOCK_M: tl.constexpr, BLO
 
 def row_tiles_worst(M: int, E: int, block_m: int, single: bool) -> int:
     """Upper bound of the row tiles of any schedule of M rows over E (+1) groups: shapes only."""
-    return triton.cdiv(M, block_m) if single else triton.cdiv(M, block_m) + E + 1
+    return _launch.cdiv(M, block_m) if single else _launch.cdiv(M, block_m) + E + 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,7 +434,7 @@ def dequantized(op: Operand, dtype: torch.dtype) -> Operand:
         return plain(out)
     dp, qp = (d.table, q.table) if table else (d, q)
     br, bb = (8, 2) if _launch.INTERPRET else (32, 8)
-    _launch.launch(_dequant_kernel, (triton.cdiv(n, br), triton.cdiv(k // 32, bb), E), dp, d.stride(0),
+    _launch.launch(_dequant_kernel, (_launch.cdiv(n, br), _launch.cdiv(k // 32, bb), E), dp, d.stride(0),
                    d.stride(1), d.stride(2), qp, q.stride(0), q.stride(1), q.stride(2), out, n, k, E, TABLE=table,
                    BLOCK_R=br, BLOCK_B=bb, num_warps=4)
     return plain(out)
@@ -678,7 +678,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         return gu_out
     E, _, H = gate.data.shape
     def tiles(meta):
-        return row_tiles_worst(M, E, meta["BLOCK_M"], single) * triton.cdiv(I, meta["BLOCK_N"])
+        return row_tiles_worst(M, E, meta["BLOCK_M"], single) * _launch.cdiv(I, meta["BLOCK_N"])
 
     mx_dot = use_mx_dot(x_TH.dtype, gate, up)
     if PERSISTENT_GATE_UP:
@@ -868,7 +868,7 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, 
     E = w1.data.shape[0]
     two = w2 is not None
     w2 = w2 if two else w1
-    grid = lambda meta: (row_tiles_worst(M, E, meta["BLOCK_M"], single) * triton.cdiv(NCOL, meta["BLOCK_N"]),)
+    grid = lambda meta: (row_tiles_worst(M, E, meta["BLOCK_M"], single) * _launch.cdiv(NCOL, meta["BLOCK_N"]),)
     mx_dot = use_mx_dot(a_MK.dtype, w1, w2)
     tma, tma_meta = _tma_args(a_MK, w1, w2, two, mx_dot)
     _launch.launch(
@@ -933,7 +933,7 @@ def combine(y_NH, te_N, out_TH, *, rw_N=None, s_TH=None, logit_T=None, bias_H=No
     block_h = min(1024, _launch.next_pow2(H)) if not _launch.INTERPRET else min(64, _launch.next_pow2(H))
     dummy = out_TH
     _launch.launch(
-        _combine_kernel, (T * triton.cdiv(H, block_h),),
+        _combine_kernel, (T * _launch.cdiv(H, block_h),),
         y_NH, y_NH.stride(0), y_NH.stride(1), te_N,
         rw_N if rw_N is not None else dummy,
         s_TH if s_TH is not None else dummy, *(s_TH.stride() if s_TH is not None else (0, 0)),
@@ -980,7 +980,7 @@ def rowdot(x_TH, w_1H):
         return out
     w = w_1H.reshape(-1)
     bt, bh = (16, 64) if _launch.INTERPRET else (32, 256)
-    _launch.launch(_rowdot_kernel, (triton.cdiv(T, bt),), x_TH, x_TH.stride(0), x_TH.stride(1),
+    _launch.launch(_rowdot_kernel, (_launch.cdiv(T, bt),), x_TH, x_TH.stride(0), x_TH.stride(1),
                    w, w.stride(0), out, T, H, BLOCK_T=bt, BLOCK_H=bh)
     return out
 

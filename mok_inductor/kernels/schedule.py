@@ -136,7 +136,7 @@ def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
     # symbolic expression of the token count; at C == 1 Inductor specialised the torch reductions over C
     # (then the cumsums of counts_CG, now bad_C.sum) to their size-1 case and guarded on it, so a later T
     # with C >= 2 recompiled (seen on the H200). With C >= 2 always, no such guard.
-    C = triton.cdiv(N, block) + 1
+    C = _launch.cdiv(N, block) + 1
     counts_CG = torch.empty(C, G, dtype=torch.int32, device=dev)
     bad_C = torch.empty(C, dtype=torch.int32, device=dev)
     _launch.launch(_schedule_count_kernel, (C,), te_N, counts_CG, bad_C, N, E, G_POW2=g_pow2, BLOCK=block)
@@ -144,7 +144,7 @@ def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
     totals_G = torch.empty(G, dtype=torch.int32, device=dev)
     ok = torch.empty((), dtype=torch.int32, device=dev)
     block_g = 16 if not _launch.INTERPRET else min(16, g_pow2)
-    _launch.launch(_schedule_prefix_kernel, (triton.cdiv(G, block_g),), counts_CG, base_CG, totals_G, bad_C, ok,
+    _launch.launch(_schedule_prefix_kernel, (_launch.cdiv(G, block_g),), counts_CG, base_CG, totals_G, bad_C, ok,
                    C, G, BLOCK_C=64, BLOCK_G=block_g)
     torch._assert_async(ok, f"top_experts: expected expert indices in [-1, {E})")
     sorted_N = torch.empty(N, dtype=torch.int32, device=dev)
