@@ -33,11 +33,6 @@ def pytest_report_header(config):
     return f"mok-inductor test seed: MOK_TEST_SEED={os.environ['MOK_TEST_SEED']}"
 
 
-def pytest_terminal_summary(terminalreporter):
-    """The seed again at the end (-q prints no header): what a failure needs to be repeated."""
-    terminalreporter.write_line(pytest_report_header(None))
-
-
 def pytest_runtest_logreport(report):
     """MOK_FAILLOG=path: append each failure's traceback to that file as it happens (device runs end at a
     time limit, possibly before pytest's summary)."""
