@@ -3,8 +3,7 @@
 Shape legend: T tokens, H hidden, I routed intermediate, Is shared intermediate, E experts,
 K routes per token.
 
-Every tensor is drawn fresh from a seeded generator (never zeros): a test's seed plus the session's
-MOK_TEST_SEED (tests/conftest.py draws it per session, so each run sees new inputs; set it to repeat one). The comparison metric is SPEC
+Every tensor is drawn fresh from a seeded generator (never zeros). The comparison metric is SPEC
 section 2's relative Frobenius error against the float64 oracle of `tests/oracle.py`.
 """
 
@@ -24,14 +23,6 @@ from oracle import oracle_moe
 # SPEC section 2: relative Frobenius error vs the float64 oracle. float16 has more mantissa bits than
 # bfloat16, so the bfloat16 bound is a safe bound for it too.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-
-SEED_SALT = int(os.environ.get("MOK_TEST_SEED", "0"))
-
-
-def seeded(seed: int) -> torch.Generator:
-    """A CPU generator for a test's `seed` in this session (plus MOK_TEST_SEED)."""
-    return torch.Generator().manual_seed(seed + SEED_SALT)
-
 
 DEVICES = [
     "cpu",
@@ -135,7 +126,7 @@ def make_case(T=6, H=16, I=8, E=4, K=2, *, dtype=torch.float32, device="cpu", sh
               index_dtype=torch.int64, seed=0, requires_grad=True) -> MoeCase:
     """Random inputs of one moe call. Weights are scaled so that activations are O(1) (the clamp of
     `limit` then really clips some values); router weights are positive, like softmax outputs."""
-    gen = seeded(seed)
+    gen = torch.Generator().manual_seed(seed)
     Is = I + 4 if Is is None else Is  # the shared intermediate size differs from I by default
 
     def randn(*shape, scale=1.0):
@@ -163,7 +154,7 @@ def run_moe(case: MoeCase, fn=None) -> torch.Tensor:
 
 
 def random_like(t: torch.Tensor, seed: int) -> torch.Tensor:
-    gen = seeded(seed)
+    gen = torch.Generator().manual_seed(seed)
     return torch.randn(t.shape, generator=gen, dtype=torch.float64).to(device=t.device, dtype=t.dtype)
 
 

@@ -4,12 +4,9 @@
   must be set before triton is first imported, so it is set here, at collection start.
 - Every test session compiles into its own Inductor cache directory, so a stale on-disk cache from
   another checkout can never answer for this one.
-- Fresh random inputs each session: the seeded generators of tests/_helpers.py (`make_case`,
-  `random_like`) add MOK_TEST_SEED, drawn here when unset (the header prints it: set it to repeat a run).
 """
 
 import os
-import random
 import sys
 import tempfile
 
@@ -25,12 +22,6 @@ torch.set_num_threads(1)
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="mok-inductor-cache-"))
 
 sys.path.insert(0, os.path.dirname(__file__))
-
-os.environ.setdefault("MOK_TEST_SEED", str(random.SystemRandom().randrange(2 ** 30)))  # (xdist workers inherit it)
-
-
-def pytest_report_header(config):
-    return f"mok-inductor test seed: MOK_TEST_SEED={os.environ['MOK_TEST_SEED']}"
 
 
 def pytest_runtest_logreport(report):
