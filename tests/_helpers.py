@@ -3,7 +3,11 @@
 Shape legend: T tokens, H hidden, I routed intermediate, Is shared intermediate, E experts,
 K routes per token.
 
-Every tensor is drawn fresh from a seeded generator (never zeros). The comparison metric is SPEC
+Every tensor is drawn fresh from a seeded generator (never zeros). The seeds are fixed per test, not drawn
+per run: session 10 tried a per-run seed, and at the edge cases' tiny bf16 shapes SPEC's relative bound
+is not attainable for every draw: d_router_weights at T=1 (two elements) exceeded 1e-2 in 9 of 200 draws
+(at most 5.9e-2), and the plain PyTorch bf16 computation of the same draws reached 1.3e-1. Fresh draws
+there need a bound scaled by the inner products' magnitudes, not by their (cancelling) values. The comparison metric is SPEC
 section 2's relative Frobenius error against the float64 oracle of `tests/oracle.py`.
 """
 
