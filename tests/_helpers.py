@@ -208,9 +208,12 @@ def assert_close_to_oracle(name: str, out: torch.Tensor, ref: torch.Tensor, dtyp
     assert err <= tol, f"{name}: relative error {err:.3e} vs the float64 oracle exceeds {tol:.1e}"
 
 
-def check_against_oracle(case: MoeCase, *, dtype=None, seed=123, fn=None, check_grads=True):
+def check_against_oracle(case: MoeCase, *, dtype=None, seed=123, fn=None, check_grads=True, vs_torch=()):
     """Forward and every gradient of `case` against the float64 oracle at SPEC tolerance of x's dtype.
-    Also checks output dtype/shape and that each gradient comes back in its input's dtype."""
+    Also checks output dtype/shape and that each gradient comes back in its input's dtype. vs_torch: names
+    of low-precision gradients whose bound is SPEC's or twice the error of the plain PyTorch computation in
+    the same dtype (`lowp_torch_moe`), the larger: for tensors of a handful of dot products, where single
+    roundings of h (which SPEC allows) magnified by cancellation exceed 1e-2 in PyTorch's bf16 too."""
     dtype = dtype or case.x.dtype
     y_shape = case.x.shape
     dy = random_like(case.x.detach(), seed)
@@ -230,7 +233,11 @@ def check_against_oracle(case: MoeCase, *, dtype=None, seed=123, fn=None, check_
         assert g.shape == src.shape, f"{n}: gradient shape {tuple(g.shape)}, expected {tuple(src.shape)}"
         # a gradient returned in a lower precision than x (bf16 router weights) is held to its own dtype's bound
         g_dtype = g.dtype if TOLERANCE.get(g.dtype, 0.0) > TOLERANCE[dtype] else dtype
-        assert_close_to_oracle(f"d_{n}", g, grads_ref[n], g_dtype)
+        factor = 1.0
+        if n in vs_torch and TOLERANCE[g_dtype] > TOLERANCE[torch.float32]:
+            base = baseline_with_grads(case, dy)[1][n]
+            factor = max(1.0, 2 * rel_err(base, grads_ref[n]) / TOLERANCE[g_dtype])
+        assert_close_to_oracle(f"d_{n}", g, grads_ref[n], g_dtype, factor)
     return y, grads, y_ref, grads_ref
 
 
