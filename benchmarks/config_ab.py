@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from breakdown import breakdown  # noqa: E402
 
 from mok_inductor.kernels import moe_bwd, moe_fwd  # noqa: E402
-from mok_inductor.kernels._launch import cfg  # noqa: E402
+from mok_inductor.kernels._launch import cfg, with_pre_hook  # noqa: E402
 
 CANDIDATES = {(moe_fwd, "_gate_up_kernel"): [cfg(128, 128, 64, 8, 4), cfg(64, 256, 64, 8, 3)],
               (moe_fwd, "_grouped_rows_kernel"): [cfg(128, 256, 64, 8, 4), cfg(256, 128, 64, 8, 3)],
@@ -33,9 +33,7 @@ KERNELS = "fwd gate_up (+gather),fwd down,two-pass,wgrad down,gate+up (one launc
 def extended(kernel, extra):
     """The autotuner `kernel` (an eager one of `_launch.autotune`) over its configs plus `extra`, with the same
     key, restored arguments and pre-hook (the TMA block shapes)."""
-    hook = kernel.configs[0].pre_hook
-    configs = list(kernel.configs) + [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages,
-                                                    pre_hook=hook) for c in extra]
+    configs = list(kernel.configs) + with_pre_hook(extra, kernel.configs[0].pre_hook)
     return triton.autotune(configs=configs, key=list(kernel.keys),
                            restore_value=list(kernel.restore_value) or None)(kernel.fn)
 

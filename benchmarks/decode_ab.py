@@ -19,12 +19,14 @@ import os
 import sys
 
 import torch
-import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_moe import SHAPES, GraphedMok, GraphedMokMxfp8, bench, copy_bandwidth, make_inputs  # noqa: E402
+from config_ab import extended  # noqa: E402
+
+from mok_inductor.kernels._launch import cfg  # noqa: E402
 
 # Extra tile configs for few rows per expert: the weights stream through small row tiles
 _WIDE = [(bm, bn, bk, w, s) for bm, bn, bk, w, s in [
@@ -66,9 +68,7 @@ def main():
           f"down {d_bytes / bw * 1e3:.4f}) at {bw / 1e12:.2f} TB/s", flush=True)
     rows = dict(shape=a.shape, touched=touched, copy_bw=bw, floor_ms=floor_ms, variants=[])
     base = (moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel)
-    wide = lambda k: triton.autotune(  # noqa: E731
-        configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-                 for bm, bn, bk, w, s in _WIDE] + list(k.configs), key=list(k.keys))(k.fn)
+    wide = lambda k: extended(k, [cfg(*c) for c in _WIDE])  # noqa: E731
     # label: (graph, gate/up kernel, down kernel, MX_FP8_DOT, weight bytes per element)
     variants = {"package configs": (GraphedMok, *base, False, 2),
                 "wider configs, both GEMMs": (GraphedMok, wide(base[0]), wide(base[1]), False, 2)}

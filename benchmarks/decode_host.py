@@ -35,12 +35,7 @@ def stubbed(calls: int):
     launched = []
     _launch.launch = lambda kernel, grid, *args, **kwargs: launched.append(kernel)
     torch._assert_async = lambda *args, **kwargs: None  # (its flag comes from a stubbed kernel)
-    T, H, I, E, K = 64, 256, 128, 128, 8
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(T, H, generator=gen).bfloat16()
-    rw, te = torch.randn(T, E, generator=gen).softmax(-1).topk(K)
-    w_gu = torch.randn(E, 2 * I, H, generator=gen).bfloat16()
-    w_d = torch.randn(E, H, I, generator=gen).bfloat16()
+    x, rw, te, w_gu, w_d = make_inputs(64, 256, 128, 128, 8, "balanced", device="cpu")  # (qwen3 decode's T, E, K)
     for _ in range(50):
         mok_inductor.moe(x, rw, te, w_gu, w_d)
     best = float("inf")

@@ -29,8 +29,9 @@ import triton.language as tl
 
 from . import _launch
 from ._launch import cfg, mma, to_out
-from .moe_fwd import (GROUP_M, _tile_ids, _tile_rows, clamp_gu, grouped_rows, plain_t, row_tiles_worst, rowdot,
-                      host_desc, swizzle, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile, w_tma_tile)
+from .moe_fwd import (GROUP_M, _tile_ids, _tile_rows, clamp_gu, grouped_rows, plain_t, row_desc, row_tiles_worst,
+                      rowdot, swizzle, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile,
+                      w_tma_tile)
 
 # (Register pressure: the epilogue holds acc, g, u, h and the gradients, so tiles of 128 x 128 spilled
 # 370-390 bytes on the H200; these are the configs that did not, or nearly not)
@@ -276,6 +277,40 @@ _WGRAD_CONFIGS = [cfg(128, 256, 64, 8, 3), cfg(256, 128, 64, 8, 3), cfg(128, 128
 
 
 @triton.jit
+def _wgrad_tiles(r0, hi, ks, nxt, tokens_ptr, a_ptr, stride_ar, a_cols, mmask, b_ptr, stride_br, b_cols, nmask,
+                 a_desc, b_desc, pid_m, pid_n, GATHER: tl.constexpr, A_GATHER: tl.constexpr,
+                 B_GATHER: tl.constexpr, OFF32: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+                 MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The row step r0 of `_wgrad_body`: (A^T tile [BLOCK_M, BLOCK_K], B tile [BLOCK_K, BLOCK_N], the gather
+    index of the next step). An operand by TMA (A_TMA, B_TMA: whole steps only) or by pointers, gathered by
+    token or by sorted row; MASKED: the rows past hi (the last, partial step) load zeros."""
+    rows = r0 + ks
+    if GATHER:
+        tok = nxt
+        nxt = tl.load(tokens_ptr + rows + BLOCK_K, mask=rows + BLOCK_K < hi, other=0)
+    else:
+        tok = rows
+    if MASKED:
+        rmask = rows < hi
+    else:
+        rmask = rows >= 0  # (all true: a whole step)
+    ar = tok if A_GATHER else rows
+    br = tok if B_GATHER else rows
+    if not OFF32:
+        ar = ar.to(tl.int64)
+        br = br.to(tl.int64)
+    if B_TMA:
+        b = b_desc.load([r0, pid_n * BLOCK_N])
+    else:
+        b = tl.load(b_ptr + br[:, None] * stride_br + b_cols, mask=rmask[:, None] & nmask[None, :], other=0.0)
+    if A_TMA:
+        a = tl.trans(a_desc.load([r0, pid_m * BLOCK_M]))
+    else:
+        a = tl.load(a_ptr + ar[None, :] * stride_ar + a_cols, mask=mmask[:, None] & rmask[None, :], other=0.0)
+    return a, b, nxt
+
+
+@triton.jit
 def _wgrad_body(
     a_ptr, stride_ar, stride_am,  # A: row index = token (A_GATHER) or sorted row; [*, MD] (SPLIT: [*, 2 MD])
     b_ptr, stride_br, stride_bn,  # B: row index = token (B_GATHER) or sorted row; [*, ND]
@@ -323,52 +358,20 @@ def _wgrad_body(
         b_cols = ns[None, :].to(tl.int64) * stride_bn
     if GATHER:  # the gather index of the next step is loaded one step ahead, off the loads' critical path
         nxt = tl.load(tokens_ptr + lo + ks, mask=lo + ks < hi, other=0)
+    else:
+        nxt = lo + ks  # (unused)
     r_tail = lo
-    if A_TMA or B_TMA:
+    if A_TMA or B_TMA:  # the whole row steps, the descriptors' operands by TMA
         r_tail = lo + (hi - lo) // BLOCK_K * BLOCK_K
         for r0 in range(lo, r_tail, BLOCK_K):
-            rows = r0 + ks
-            if GATHER:
-                tok = nxt
-                nxt = tl.load(tokens_ptr + rows + BLOCK_K, mask=rows + BLOCK_K < hi, other=0)
-            else:
-                tok = rows
-            if B_TMA:
-                b = b_desc.load([r0, pid_n * BLOCK_N])
-            else:
-                br = tok if B_GATHER else rows
-                if not OFF32:
-                    br = br.to(tl.int64)
-                b = tl.load(b_ptr + br[:, None] * stride_br + b_cols, mask=nmask[None, :], other=0.0)
-            if A_TMA:
-                a = tl.trans(a_desc.load([r0, pid_m * BLOCK_M]))
-            else:
-                ar = tok if A_GATHER else rows
-                if not OFF32:
-                    ar = ar.to(tl.int64)
-                a = tl.load(a_ptr + ar[None, :] * stride_ar + a_cols, mask=mmask[:, None], other=0.0)
+            a, b, nxt = _wgrad_tiles(r0, hi, ks, nxt, tokens_ptr, a_ptr, stride_ar, a_cols, mmask, b_ptr, stride_br,
+                                     b_cols, nmask, a_desc, b_desc, pid_m, pid_n, GATHER, A_GATHER, B_GATHER,
+                                     OFF32, A_TMA, B_TMA, False, BLOCK_M, BLOCK_N, BLOCK_K)
             acc = mma(a.to(b.dtype), b, acc, DOT_PREC)
     for r0 in range(r_tail, hi, BLOCK_K):
-        rows = r0 + ks
-        rmask = rows < hi
-        if GATHER:
-            tok = nxt
-            nxt = tl.load(tokens_ptr + rows + BLOCK_K, mask=rows + BLOCK_K < hi, other=0)
-        else:
-            tok = rows
-        ar = rows
-        br = rows
-        if A_GATHER:
-            ar = tok
-        if B_GATHER:
-            br = tok
-        if not OFF32:
-            ar = ar.to(tl.int64)
-            br = br.to(tl.int64)
-        b = tl.load(b_ptr + br[:, None] * stride_br + b_cols,
-                    mask=rmask[:, None] & nmask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        a = tl.load(a_ptr + ar[None, :] * stride_ar + a_cols,
-                    mask=mmask[:, None] & rmask[None, :], other=0.0)  # A^T tile [BLOCK_M, BLOCK_K]
+        a, b, nxt = _wgrad_tiles(r0, hi, ks, nxt, tokens_ptr, a_ptr, stride_ar, a_cols, mmask, b_ptr, stride_br,
+                                 b_cols, nmask, a_desc, b_desc, pid_m, pid_n, GATHER, A_GATHER, B_GATHER, OFF32,
+                                 False, False, True, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = mma(a.to(b.dtype), b, acc, DOT_PREC)
     dmask = mmask[:, None] & nmask[None, :]
     e64 = e.to(tl.int64)
@@ -404,16 +407,6 @@ _wgrad_kernel = _launch.autotune(_WGRAD_CONFIGS, cfg(16, 16, 16, 1, 1), key=_WGR
                                  restore_value=["dst_ptr", "dst2_ptr"], eager_pre_hook=_wgrad_tma_blocks)(_wgrad_body)
 
 
-def _row_desc(t: torch.Tensor, rows: int, groups: int):
-    """A host descriptor of the 2-D operand t read by rows (block shape: _wgrad_tma_blocks), or None where
-    TMA does not apply (moe_fwd.tma_eligible; contiguous rows, 16-byte aligned start and row stride)."""
-    if not tma_eligible(t, rows, groups) or t.stride(1) != 1 or t.stride(0) < t.shape[1] or t.shape[0] == 0:
-        return None
-    if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-        return None
-    return host_desc(t)
-
-
 def _span(t) -> int:
     """The largest element offset a view reaches from its first element."""
     return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))  # (torch strides are never negative)
@@ -446,9 +439,9 @@ def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, accu
     off32 = offsets_fit_int32(a, b)
     rows_out = 2 * MD if split else MD
     grid = lambda meta: (_launch.cdiv(rows_out, meta["BLOCK_M"]) * _launch.cdiv(ND, meta["BLOCK_N"]), E)
-    same = a.dtype == b.dtype and WGRAD_TMA
-    a_desc = _row_desc(a, M, E) if same and not (a_gather and not single) else None
-    b_desc = _row_desc(b, M, E) if same and not (b_gather and not single) else None
+    tma = WGRAD_TMA and a.dtype == b.dtype and tma_eligible(a, M, E)  # (block shapes: _wgrad_tma_blocks)
+    a_desc = row_desc(a) if tma and not (a_gather and not single) else None
+    b_desc = row_desc(b) if tma and not (b_gather and not single) else None
     _launch.launch(
         _wgrad_kernel, grid,
         a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), idx, offsets_E1,

@@ -716,7 +716,6 @@ _GROUPED_ROWS_CONFIGS = [cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 8, 3), cfg(6
                          cfg(128, 128, 64, 4, 4), cfg(64, 64, 128, 4, 3)]
 
 
-
 @triton.jit
 def _grouped_rows_k_loop(acc, a_row, stride_ak, a_k0, k_start, rmask, w_ptr, s_ptr, s_n, s_k, ss_n, ss_k, cols,
                          cmask, KD, like_ptr, MX: tl.constexpr, MX_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -816,6 +815,16 @@ def host_desc(t: torch.Tensor):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])  # (block shape: tma_pre_hook)
 
 
+def row_desc(t: torch.Tensor):
+    """A host descriptor of the 2-D tensor t read by whole rows, or None where TMA cannot read it: rows
+    contiguous and not overlapping, the start and the row stride 16-byte aligned, at least one row."""
+    if t.shape[0] == 0 or t.stride(1) != 1 or t.stride(0) < t.shape[1]:
+        return None
+    if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+        return None
+    return host_desc(t)
+
+
 def tma_eligible(act: torch.Tensor, rows: int, groups: int) -> bool:
     """Whether a launch with activations `act` and `rows` rows over `groups` experts may use host TMA
     descriptors: TMA_KERNELS on, an eager launch (also under the interpreter) of 16-bit activations, at least
@@ -846,15 +855,14 @@ def _tma_args(a_MK, w1, w2, two: bool, mx_dot: bool):
     off = (None, None, None, 1), dict(TMA=False, W_KMAJOR=False)
     if mx_dot or not tma_eligible(a_MK, a_MK.shape[0], w1.data.shape[0]):
         return off
-    if a_MK.stride(1) != 1 or (a_MK.stride(0) * a_MK.element_size()) % 16 or a_MK.data_ptr() % 16:
-        return off
     if two and (a_MK.shape[1] // 2 * a_MK.element_size()) % 16:  # (W2's A columns start at KD: TMA offsets
         return off  # along the contiguous dim are 16-byte aligned)
-    w = tma_weights((w1, w2) if two else (w1,))
+    a_desc = row_desc(a_MK)
+    w = tma_weights((w1, w2) if two else (w1,)) if a_desc is not None else None
     if w is None:
         return off
     descs, R, kmajor = w
-    return (host_desc(a_MK), descs[0], descs[-1], R), dict(TMA=True, W_KMAJOR=kmajor)
+    return (a_desc, descs[0], descs[-1], R), dict(TMA=True, W_KMAJOR=kmajor)
 
 
 def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, single=False):
