@@ -3,7 +3,7 @@ captured in one CUDA graph, and a profile of its replays, kernel by kernel (devi
 each GEMM reads and the bandwidth that makes, the gaps between kernels); then the two GEMMs autotuned over
 a wider list of tile configs than the package's (smaller tiles, longer K steps, more stages), each graph
 timed again, in the same process; --mxfp8 adds MXFP8 routed weights through the fp8 tensor cores
-(moe_fwd.MX_FP8_DOT) and through the dequantizing K loop with each of its e4m3 decodes (moe_fwd.MX_DECODE).
+(moe_fwd.MX_FP8_DOT) and through the dequantizing K loop.
 
     python benchmarks/decode_ab.py [--shape qwen3-decode] [--mxfp8] [--out DIR]
 
@@ -69,22 +69,18 @@ def main():
     rows = dict(shape=a.shape, touched=touched, copy_bw=bw, floor_ms=floor_ms, variants=[])
     base = (moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel)
     wide = lambda k: extended(k, [cfg(*c) for c in _WIDE])  # noqa: E731
-    # label: (graph, gate/up kernel, down kernel, MX_FP8_DOT, weight bytes per element, MX_DECODE)
-    dec = moe_fwd.MX_DECODE
-    variants = {"package configs": (GraphedMok, *base, False, 2, dec),
-                "wider configs, both GEMMs": (GraphedMok, wide(base[0]), wide(base[1]), False, 2, dec)}
+    # label: (graph, gate/up kernel, down kernel, MX_FP8_DOT, weight bytes per element)
+    variants = {"package configs": (GraphedMok, *base, False, 2),
+                "wider configs, both GEMMs": (GraphedMok, wide(base[0]), wide(base[1]), False, 2)}
     if a.mxfp8:
         mx = (moe_fwd._gate_up_mx_dot_kernel, moe_fwd._grouped_rows_mx_dot_kernel)
-        variants["MXFP8, fp8 tensor cores (MX_FP8_DOT)"] = (GraphedMokMxfp8, *mx, True, 1 + 1 / 32, dec)
-        for d, how in ((1, "conversions"), (2, "bit moves, bf16 multiplies"), (3, "bit moves, float32")):
-            variants[f"MXFP8, dequantizing K loop, MX_DECODE {d} ({how})"] = (GraphedMokMxfp8, *base, False,
-                                                                              1 + 1 / 32, d)
+        variants["MXFP8, fp8 tensor cores (MX_FP8_DOT)"] = (GraphedMokMxfp8, *mx, True, 1 + 1 / 32)
+        variants["MXFP8, dequantizing K loop"] = (GraphedMokMxfp8, *base, False, 1 + 1 / 32)
     default_dot = moe_fwd.MX_FP8_DOT
-    for label, (graphed, gk, dk, fp8_dot, elem_bytes, decode) in variants.items():
+    for label, (graphed, gk, dk, fp8_dot, elem_bytes) in variants.items():
         if elem_bytes == 2:
             moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel = gk, dk
         moe_fwd.MX_FP8_DOT = fp8_dot
-        moe_fwd.MX_DECODE = decode
         gb, db = gu_bytes * elem_bytes / 2, d_bytes * elem_bytes / 2
         v_floor = (gb + db) / bw * 1e3
         try:
@@ -109,7 +105,6 @@ def main():
         finally:
             moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel = base
             moe_fwd.MX_FP8_DOT = default_dot
-            moe_fwd.MX_DECODE = dec
     with open(os.path.join(a.out, "decode_ab.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

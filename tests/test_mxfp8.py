@@ -577,28 +577,26 @@ def test_fp8_tensor_core_path_propagates_nan(monkeypatch, where):
 
 # ---------------------------------------------------------------------------------------------- e4m3 decoding
 #
-# The dequantizing K loop decodes e4m3 for bf16 activations by conversion (moe_fwd.MX_DECODE 1) or by bit
-# moves (2: into bf16, two bf16 multiplies; 3: into float32, one conversion). Every one must give the exact
-# dequantized value: e4m3 * 2**(s - 127), which bf16 holds exactly, for every bit pattern and scale byte.
+# The dequantizing K loop (moe_fwd.w_tile) must give the exact dequantized value, e4m3 * 2**(s - 127), which
+# bf16 holds exactly, for every e4m3 bit pattern and every scale byte.
 
 
 @triton.jit
-def _decode_kernel(w_ptr, s_ptr, like_ptr, out_ptr, MX: tl.constexpr, DOT_PREC: tl.constexpr):
+def _decode_kernel(w_ptr, s_ptr, like_ptr, out_ptr, DOT_PREC: tl.constexpr):
     n = tl.program_id(0) * 64 + tl.arange(0, 64)  # 256 rows: row n has scale byte n in each 32-block
     k = tl.program_id(1) * 64 + tl.arange(0, 64)  # 256 columns: column k holds e4m3 bit pattern k
     ones = tl.full([64], 1, tl.int1)
-    w = _moe_fwd.w_tile(w_ptr, s_ptr, k, n, ones, ones, 256, 1, 8, 1, like_ptr, MX, DOT_PREC)  # [k, n]
+    w = _moe_fwd.w_tile(w_ptr, s_ptr, k, n, ones, ones, 256, 1, 8, 1, like_ptr, True, DOT_PREC)  # [k, n]
     tl.store(out_ptr + n[None, :] * 256 + k[:, None], w.to(tl.float32))
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3])
-def test_every_e4m3_pattern_and_scale_decodes_exactly(mode):
+def test_every_e4m3_pattern_and_scale_decodes_exactly():
     patterns = torch.arange(256, dtype=torch.uint8)
     data = patterns.repeat(256, 1).view(torch.float8_e4m3fn).to(_TRITON_DEV)  # [n, k]
     scales = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 8).to(_TRITON_DEV)  # [n, k / 32]
     out = torch.full((256, 256), 12345.0, device=_TRITON_DEV)  # poisoned: every element must be written
     like = torch.empty(1, dtype=torch.bfloat16, device=_TRITON_DEV)
-    _decode_kernel[(4, 4)](data, scales, like, out, MX=mode, DOT_PREC=_launch.dot_precision(torch.bfloat16))
+    _decode_kernel[(4, 4)](data, scales, like, out, DOT_PREC=_launch.dot_precision(torch.bfloat16))
     # from the formats' definitions: e4m3 S.EEEE.MMM (bias 7, subnormals at E = 0, NaN at EEEE.MMM = 1111.111),
     # E8M0 2**(byte - 127), in float32 as the kernels build it: byte 255 is Inf, byte 0 is taken as 0 (quantize
     # gives it to all-zero blocks only)
@@ -613,33 +611,14 @@ def test_every_e4m3_pattern_and_scale_decodes_exactly(mode):
     tile_dtype = torch.float32 if _launch.INTERPRET else torch.bfloat16
     want = (factor[:, None] * value[None, :]).to(tile_dtype).double()
     got = out.cpu().double()
-    if _launch.INTERPRET and mode == 1:
-        # the interpreter's own e4m3 conversion reads the NaN pattern as +-480 (CUDA's does not: this case runs
-        # there); the bit-move decodes run their float32 form here, the bf16 form on CUDA
+    if _launch.INTERPRET:
+        # the interpreter's own e4m3 conversion reads the NaN pattern as +-480 (CUDA's does not: it is checked
+        # there)
         keep = (patterns & 127) != 127
         got, want = got[:, keep], want[:, keep]
     same = (got == want) | (got.isnan() & want.isnan())
     assert same.all(), f"{(~same).sum().item()} of {same.numel()} decoded values differ, e.g. {got[~same][:4]} vs " \
                        f"{want[~same][:4]}"
-
-
-@pytest.mark.parametrize("mode", [2, 3])
-def test_bit_move_decodes_give_the_converting_loops_results_bitwise(monkeypatch, mode):
-    # the whole op, forward and backward (the dh GEMM reads the column-wise MXFP8 down weights); at this size
-    # (below kernels.MX_DEQUANTIZE_MIN_ROWS) every GEMM on MXFP8 weights runs the dequantizing K loop
-    _backend(monkeypatch, "triton")
-    p = _problem(torch.bfloat16, _TRITON_DEV, seed=mode)
-    q1, q2 = mxfp8.quantize(p["gu"]), mxfp8.quantize(p["d"])
-    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(9)).bfloat16().to(_TRITON_DEV)
-    runs = []
-    for m in (1, mode):
-        monkeypatch.setattr(_moe_fwd, "MX_DECODE", m)
-        x, rw = p["x"].clone().requires_grad_(True), p["rw"].clone().requires_grad_(True)
-        y = mok_inductor.moe(x, rw, p["te"], q1, q2)
-        y.backward(dy)
-        runs.append((y, x.grad, rw.grad))
-    for name, a, b in zip(("y", "dx", "d_router_weights"), *runs):
-        assert torch.equal(a, b), f"{name}: MX_DECODE {mode} differs from the converting loop"
 
 
 # ---------------------------------------------------------------------------------------------- bad input

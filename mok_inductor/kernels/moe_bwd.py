@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import _launch
 from ._launch import cfg, mma, to_out
-from .moe_fwd import (GROUP_M, _tile_ids, _tile_rows, clamp_gu, grouped_rows, mx_mode, plain_t, row_desc, row_tiles_worst,
+from .moe_fwd import (GROUP_M, _tile_ids, _tile_rows, clamp_gu, grouped_rows, plain_t, row_desc, row_tiles_worst,
                       rowdot, swizzle, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile,
                       w_tma_tile)
 
@@ -252,7 +252,7 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
         gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1), scale_arg,
         dgu, dgu.stride(0), dgu.stride(1), dscale_P, dscale_P.stride(0), hs, dh,
         *((None, 1) if tma is None else (tma[0][0], tma[1])),
-        M, H, I, E, topk, lim, MX_D=mx_mode(down_t, dtype), STORE_ACC=two_pass, SUBTILE=subtile,
+        M, H, I, E, topk, lim, MX_D=down_t.quantized, STORE_ACC=two_pass, SUBTILE=subtile,
         TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
         GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(down_t), **flags,
     )

@@ -133,8 +133,8 @@ def w_bases(w_ptr, s_ptr, e64, s_e, ss_e, E, TABLE: tl.constexpr, MX: tl.constex
 def w_tile(w_ptr, s_ptr, kk, cols, kmask, cmask, s_n, s_k, ss_n, ss_k, like_ptr,
            MX: tl.constexpr, DOT_PREC: tl.constexpr):
     """The [BLOCK_K, BLOCK_N] tile W[e][cols, kk] (k down the tile) of one expert's matrix (w_ptr, s_ptr:
-    its starts, `w_bases`); MX (`mx_mode`, nonzero): e4m3 data dequantized with its per-32 scales in registers
-    (e4m3 * 2**(s - 127) is exact in bf16/fp16/fp32) into like_ptr's dtype, for the activation dtype's tl.dot. (`tl.dot_scaled`
+    its starts, `w_bases`); MX: e4m3 data dequantized with its per-32 scales in registers (e4m3 * 2**(s -
+    127) is exact in bf16/fp16/fp32) into like_ptr's dtype, for the activation dtype's tl.dot. (`tl.dot_scaled`
     is not used: on Hopper Triton decomposes it into the same upcast, and the interpreter rejects it.) BLOCK_K
     is a multiple of 32: a K step holds whole scale blocks."""
     m = kmask[:, None] & cmask[None, :]
@@ -146,41 +146,15 @@ def w_tile(w_ptr, s_ptr, kk, cols, kmask, cmask, s_n, s_k, ss_n, ss_k, like_ptr,
         # broadcast in registers: fewer instructions in the sm_90 PTX, but decode 0.411 vs 0.359 ms. The
         # conversions (e4m3 -> f16 -> f32 -> bf16: F2F, a quarter of the float32 rate on Hopper) bound this
         # loop; an inline-PTX route with one F2F per two elements measured slower still (0.589 ms: Triton
-        # packs the elements for the asm one by one), and Inductor cannot embed its multi-line asm string
+        # packs the elements for the asm one by one), and Inductor cannot embed its multi-line asm string. So
+        # did (session 11) decoding by bit moves, e4m3's sign, exponent and mantissa shifted into a bf16's (or
+        # a float32's) bits, NaN selected, then exact multiplies: decode 0.600 (bf16) and 0.595 ms (float32)
+        # against 0.362; Triton's code for 8- and 16-bit integer tiles is mostly byte permutes (PRMT)
         sc = tl.load(s_ptr + (kk // 32)[:, None] * ss_k + cols[None, :] * ss_n, mask=m, other=0)
-        if MX == 1:
-            w = w.to(tl.float32) * e8m0_factor(sc)
-        elif MX == 2 and DOT_PREC != "interp":
-            # e4m3's bits moved into a bfloat16's (sign to bit 15, exponent and mantissa to bits 10..4: 0x87F0)
-            # are e4m3 * 2**-120 exactly, subnormals too (both formats' subnormals sit 120 octaves apart); its
-            # NaN (magnitude 0x7F) would read as 480. Two exact bf16 multiplies: 2**120, then the block's
-            # 2**(s - 127) (one factor 2**(s - 7) would overflow past s = 134)
-            b = (w.to(tl.int8, bitcast=True).to(tl.int16) << 4) & -30736
-            b = tl.where((b & 0x7FF0) == 0x7F0, 0x7FC0, b)
-            w = b.to(tl.bfloat16, bitcast=True) * _TWO_120 * (sc.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
-        else:  # 3, and 2 under the interpreter (no bfloat16 bitcast there): the same moves into float32's bits
-            b = (w.to(tl.int8, bitcast=True).to(tl.int32) << 20) & -2014314496  # 0x87F00000
-            b = tl.where((b & 0x7FF00000) == 0x7F00000, 0x7FC00000, b)
-            w = b.to(tl.float32, bitcast=True) * _TWO_120 * e8m0_factor(sc)
+        w = w.to(tl.float32) * e8m0_factor(sc)
         if DOT_PREC != "interp":
             w = w.to(like_ptr.dtype.element_ty)
     return w
-
-
-_TWO_120 = tl.constexpr(2.0 ** 120)
-
-
-# How the dequantizing K loop decodes e4m3 for bf16 activations (fp16 and float32 ones always take 1): 1 by
-# conversion (e4m3 -> f16 -> f32, times the scale, -> bf16), 2 by bit moves and bf16 multiplies, 3 by the bit
-# moves into float32 and one conversion to bf16
-MX_DECODE = 1
-
-
-def mx_mode(op, act_dtype: torch.dtype) -> int:
-    """The MX flag of a weight operand for `w_tile`: 0 (not MXFP8), else how its e4m3 is decoded."""
-    if not op.quantized:
-        return 0
-    return MX_DECODE if act_dtype == torch.bfloat16 else 1
 
 
 @triton.jit
@@ -727,7 +701,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         gu_out, gu_out.stride(0), gu_out.stride(1), h, h.stride(0), h.stride(1),
         *((None, None, 1) if tma is None else (*tma[0], tma[1])),
         M, H, I, E, topk, 0.0 if limit is None else float(limit), above, below,
-        SINGLE=single, MX_G=mx_mode(gate, x_TH.dtype), MX_U=mx_mode(up, x_TH.dtype), WRITE_H=h_out is not None,
+        SINGLE=single, MX_G=gate.quantized, MX_U=up.quantized, WRITE_H=h_out is not None,
         HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip, DOT_PREC=_launch.dot_precision(x_TH.dtype),
         MX_DOT=mx_dot, TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
         GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(gate, up),
@@ -914,7 +888,7 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, 
         *w_args(w1), *w_args(w2),
         out, out.stride(0), out.stride(1), *tma,
         M, NCOL, KD, E,
-        SINGLE=single, SCATTER=scatter, TWO=two, MX1=mx_mode(w1, out.dtype), MX2=mx_mode(w2, out.dtype),
+        SINGLE=single, SCATTER=scatter, TWO=two, MX1=w1.quantized, MX2=w2.quantized,
         DOT_PREC=_launch.dot_precision(a_MK.dtype), MX_DOT=mx_dot, GROUPS_POW2=_launch.next_pow2(E + 1),
         GROUP_M=GROUP_M, **tma_meta, **w_meta(w1, w2),
     )
