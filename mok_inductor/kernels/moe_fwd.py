@@ -146,10 +146,11 @@ def w_tile(w_ptr, s_ptr, kk, cols, kmask, cmask, s_n, s_k, ss_n, ss_k, like_ptr,
         # broadcast in registers: fewer instructions in the sm_90 PTX, but decode 0.411 vs 0.359 ms. The
         # conversions (e4m3 -> f16 -> f32 -> bf16: F2F, a quarter of the float32 rate on Hopper) bound this
         # loop; an inline-PTX route with one F2F per two elements measured slower still (0.589 ms: Triton
-        # packs the elements for the asm one by one), and Inductor cannot embed its multi-line asm string. So
-        # did (session 11) decoding by bit moves, e4m3's sign, exponent and mantissa shifted into a bf16's (or
-        # a float32's) bits, NaN selected, then exact multiplies: decode 0.600 (bf16) and 0.595 ms (float32)
-        # against 0.362; Triton's code for 8- and 16-bit integer tiles is mostly byte permutes (PRMT)
+        # packs the elements for the asm one by one), and Inductor cannot embed its multi-line asm string.
+        # Decoding by bit moves measured slower too (session 11): e4m3's sign, exponent and mantissa shifted
+        # into a bf16's (or a float32's) bits, NaN selected, then exact multiplies gave decode 0.600 (bf16)
+        # and 0.595 ms (float32) against 0.362; Triton turns such 8- and 16-bit integer tiles into byte
+        # permutes (PRMT) and integer multiply-adds, more instructions than the conversions they replace
         sc = tl.load(s_ptr + (kk // 32)[:, None] * ss_k + cols[None, :] * ss_n, mask=m, other=0)
         w = w.to(tl.float32) * e8m0_factor(sc)
         if DOT_PREC != "interp":
