@@ -577,8 +577,8 @@ def test_fp8_tensor_core_path_propagates_nan(monkeypatch, where):
 
 # ---------------------------------------------------------------------------------------------- e4m3 decoding
 #
-# The dequantizing K loop (moe_fwd.w_tile) must give the exact dequantized value, e4m3 * 2**(s - 127), which
-# bf16 holds exactly, for every e4m3 bit pattern and every scale byte.
+# The dequantizing K loop (moe_fwd.w_tile) must give the dequantized value e4m3 * 2**(s - 127) for every e4m3
+# bit pattern and every scale byte: exact in bf16's normal range, rounded once where it underflows.
 
 
 @triton.jit
