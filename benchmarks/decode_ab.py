@@ -3,7 +3,7 @@ captured in one CUDA graph, and a profile of its replays, kernel by kernel (devi
 each GEMM reads and the bandwidth that makes, the gaps between kernels); then the two GEMMs autotuned over
 a wider list of tile configs than the package's (smaller tiles, longer K steps, more stages), each graph
 timed again, in the same process; --mxfp8 adds MXFP8 routed weights through the fp8 tensor cores
-(moe_fwd.MX_FP8_DOT) and through the dequantizing K loop.
+(moe_fwd.MX_FP8_DOT), the fp16 ones (moe_fwd.MX_F16_DOT) and the dequantizing K loop.
 
     python benchmarks/decode_ab.py [--shape qwen3-decode] [--mxfp8] [--out DIR]
 
@@ -69,18 +69,20 @@ def main():
     rows = dict(shape=a.shape, touched=touched, copy_bw=bw, floor_ms=floor_ms, variants=[])
     base = (moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel)
     wide = lambda k: extended(k, [cfg(*c) for c in _WIDE])  # noqa: E731
-    # label: (graph, gate/up kernel, down kernel, MX_FP8_DOT, weight bytes per element)
-    variants = {"package configs": (GraphedMok, *base, False, 2),
-                "wider configs, both GEMMs": (GraphedMok, wide(base[0]), wide(base[1]), False, 2)}
+    # label: (graph, gate/up kernel, down kernel, the K loop by 32-blocks (moe_fwd.use_mx_dot: 0 off, 1 fp8,
+    # 2 fp16), weight bytes per element)
+    variants = {"package configs": (GraphedMok, *base, 0, 2),
+                "wider configs, both GEMMs": (GraphedMok, wide(base[0]), wide(base[1]), 0, 2)}
     if a.mxfp8:
         mx = (moe_fwd._gate_up_mx_dot_kernel, moe_fwd._grouped_rows_mx_dot_kernel)
-        variants["MXFP8, fp8 tensor cores (MX_FP8_DOT)"] = (GraphedMokMxfp8, *mx, True, 1 + 1 / 32)
-        variants["MXFP8, dequantizing K loop"] = (GraphedMokMxfp8, *base, False, 1 + 1 / 32)
-    default_dot = moe_fwd.MX_FP8_DOT
-    for label, (graphed, gk, dk, fp8_dot, elem_bytes) in variants.items():
+        variants["MXFP8, fp8 tensor cores (MX_FP8_DOT)"] = (GraphedMokMxfp8, *mx, 1, 1 + 1 / 32)
+        variants["MXFP8, fp16 tensor cores (MX_F16_DOT)"] = (GraphedMokMxfp8, *mx, 2, 1 + 1 / 32)
+        variants["MXFP8, dequantizing K loop"] = (GraphedMokMxfp8, *base, 0, 1 + 1 / 32)
+    default_dot = moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT
+    for label, (graphed, gk, dk, mx_dot, elem_bytes) in variants.items():
         if elem_bytes == 2:
             moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel = gk, dk
-        moe_fwd.MX_FP8_DOT = fp8_dot
+        moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT = mx_dot == 1, mx_dot == 2
         gb, db = gu_bytes * elem_bytes / 2, d_bytes * elem_bytes / 2
         v_floor = (gb + db) / bw * 1e3
         try:
@@ -104,7 +106,7 @@ def main():
             rows["variants"].append(dict(variant=label, error=f"{type(exc).__name__}: {exc}"[:4000]))
         finally:
             moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel = base
-            moe_fwd.MX_FP8_DOT = default_dot
+            moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT = default_dot
     with open(os.path.join(a.out, "decode_ab.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

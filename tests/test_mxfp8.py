@@ -406,40 +406,47 @@ def test_triton_matches_reference_at_a_larger_shape_on_cuda():
         assert rel_err(a, b) <= TOLERANCE[torch.bfloat16]
 
 
-# ---------------------------------------------------------------------------------------------- fp8 tensor cores
+# ---------------------------------------------------------------------------------------------- tensor cores
 #
-# bf16/fp16 activations with MXFP8 weights read in the K loop go to the fp8 tensor cores (moe_fwd.mx_dot): the
-# activations split per 32-block into two e4m3 terms (moe_fwd.mx_act_split). The forward GEMMs and the
-# backward's dx GEMM take that path; float32 activations keep the dequantizing loop.
+# With moe_fwd.MX_FP8_DOT (mode 1) or MX_F16_DOT (mode 2), bf16/fp16 activations with MXFP8 weights read in
+# the K loop go to the tensor cores by 32-blocks (moe_fwd.mx_dot): mode 1 splits the activations per block
+# into two e4m3 terms for the fp8 tensor cores, mode 2 scales them into one exact fp16 term and converts the
+# weights to fp16 (moe_fwd.mx_act_split). The forward GEMMs and the backward's dx GEMM take that path; float32
+# activations keep the dequantizing loop.
 
 
 @triton.jit
-def _split_kernel(a_ptr, hi_ptr, lo_ptr, s_ptr, DOT_PREC: tl.constexpr):
+def _split_kernel(a_ptr, hi_ptr, lo_ptr, s_ptr, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
     r = tl.arange(0, 16)
     c = tl.arange(0, 32)
-    hi, lo, sc = _moe_fwd.mx_act_split(tl.load(a_ptr + r[:, None] * 32 + c[None, :]), DOT_PREC)
+    hi, lo, sc = _moe_fwd.mx_act_split(tl.load(a_ptr + r[:, None] * 32 + c[None, :]), MODE, DOT_PREC)
     tl.store(hi_ptr + r[:, None] * 32 + c[None, :], hi.to(tl.float32))
     tl.store(lo_ptr + r[:, None] * 32 + c[None, :], lo.to(tl.float32))
     tl.store(s_ptr + r, sc)
 
 
-def _split_tile(a):
-    """moe_fwd.mx_act_split of a [16, 32] float32 tile, run as a kernel: (hi, lo, scale) as float64 tensors."""
+def _split_tile(a, mode=1):
+    """moe_fwd.mx_act_split of a [16, 32] tile, run as a kernel: (hi, lo, scale) as float64 tensors."""
     a = a.to(_TRITON_DEV)
-    hi, lo = torch.full_like(a, float("nan")), torch.full_like(a, float("nan"))
+    hi, lo = torch.full(a.shape, float("nan"), device=a.device), torch.full(a.shape, float("nan"), device=a.device)
     sc = torch.full((16,), -1.0, device=a.device)
-    _split_kernel[(1,)](a, hi, lo, sc, DOT_PREC=_launch.dot_precision(torch.bfloat16))
+    _split_kernel[(1,)](a, hi, lo, sc, MODE=mode, DOT_PREC=_launch.dot_precision(torch.bfloat16))
     return hi.cpu().double(), lo.cpu().double(), sc.cpu().double()
 
 
-def test_activation_split_is_two_e4m3_terms_within_bf16_precision():
-    g = torch.Generator().manual_seed(3)
+def _split_input(seed=3, octaves=20):
+    g = torch.Generator().manual_seed(seed)
     # rows of very different magnitudes, each with an outlier and elements far below its largest
-    a = torch.randn(16, 32, generator=g) * torch.exp2(torch.randint(-20, 20, (16, 1), generator=g).float())
+    a = torch.randn(16, 32, generator=g) * torch.exp2(torch.randint(-octaves, octaves, (16, 1), generator=g).float())
     a[:, 5] *= 64
     a[3] = 0.0  # an all-zero row
     a[7, 2] = float("nan")
     a[9, 30] = float("-inf")
+    return a
+
+
+def test_activation_split_is_two_e4m3_terms_within_bf16_precision():
+    a = _split_input()
     hi, lo, sc = _split_tile(a)
     finite = [r for r in range(16) if r not in (7, 9)]
     assert torch.isnan(sc[7]) and torch.isnan(sc[9])  # a non-finite block poisons its row
@@ -463,35 +470,58 @@ def test_activation_split_is_two_e4m3_terms_within_bf16_precision():
     assert one > 1e-2 and two < 2e-3, (one, two)
 
 
-def _fp8_dot_on(monkeypatch):
-    """The kernels launched (a list, filled as they run); MX_FP8_DOT on (off by default, an A/B candidate)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_activation_fp16_term_is_exact(dtype):
+    # the activations as the K loop loads them (float16's: row magnitudes within its range)
+    a = _split_input(seed=4, octaves=20 if dtype == torch.bfloat16 else 6).to(dtype)
+    hi, lo, sc = _split_tile(a, mode=2)
+    assert torch.isnan(sc[7]) and torch.isnan(sc[9])  # a non-finite block poisons its row
+    a64 = a.double().cpu()
+    for r in [r for r in range(16) if r not in (7, 9)]:
+        s = sc[r].item()
+        assert s > 0 and math.frexp(s)[0] == 0.5  # a power of two
+        amax = a64[r].abs().max().item()
+        assert amax == 0 or 2.0 ** 14 <= amax / s < 2.0 ** 15
+        assert torch.equal(hi[r], hi[r].half().double()) and torch.equal(lo[r], hi[r])  # one fp16 term
+        # exact: bf16's (fp16's) significand fits fp16's; only elements below fp16's normal range after the
+        # scaling (under 2**-28 of the block's largest) could round
+        big = a64[r].abs() >= amax * 2.0 ** -28
+        assert torch.equal((hi[r] * s)[big], a64[r][big]), r
+        assert ((hi[r] * s - a64[r]).abs() <= s * 2.0 ** -25).all(), r
+
+
+def _fp8_dot_on(monkeypatch, mode=1):
+    """The kernels launched (a list, filled as they run); the K loop on the tensor cores by 32-blocks on:
+    MX_FP8_DOT (mode 1) or MX_F16_DOT (mode 2), both off by default (A/B candidates)."""
     from mok_inductor.kernels import _launch
 
-    monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", True)
+    monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT" if mode == 1 else "MX_F16_DOT", True)
     launched, real = [], _launch.launch
     monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: launched.append(k) or real(k, *a, **kw))
     return launched
 
 
+@pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout,shared,limit", [("combined", True, 0.9), ("split", False, None)])
-def test_fp8_tensor_core_path_vs_oracle(monkeypatch, dtype, layout, shared, limit):
-    # the fp8 GEMMs run (forward gate/up and down, backward dx) and the layer is within bf16's tolerance of the
-    # float64 computation on the dequantized weights, gradients included
+def test_tensor_core_path_vs_oracle(monkeypatch, dtype, layout, shared, limit, mode):
+    # the fp8 (fp16) GEMMs run (forward gate/up and down, backward dx) and the layer is within bf16's tolerance
+    # of the float64 computation on the dequantized weights, gradients included
     from mok_inductor.kernels import moe_fwd
 
     _backend(monkeypatch, "triton")
-    launched = _fp8_dot_on(monkeypatch)
+    launched = _fp8_dot_on(monkeypatch, mode)
     p = _problem(dtype, _TRITON_DEV, shared=shared, limit=limit, seed=17 + len(layout))
     _run_and_check(p, layout, dtype)
     assert moe_fwd._gate_up_mx_dot_kernel in launched and moe_fwd._grouped_rows_mx_dot_kernel in launched
     assert launched.count(moe_fwd._grouped_rows_mx_dot_kernel) == 2  # the forward's down, the backward's dx
 
 
-def test_fp8_tensor_core_path_against_the_dequantizing_loop(monkeypatch):
+@pytest.mark.parametrize("mode", [1, 2])
+def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch, mode):
     # the same layer through both K loops at a deeper reduction (H = 256: 8 scale blocks), activations with
-    # outliers: the fp8 path is as close to the exact dequantized-weight computation as bf16 rounding allows,
-    # and float32 activations never take it
+    # outliers: the fp8 (fp16) path is as close to the exact dequantized-weight computation as bf16 rounding
+    # allows, and float32 activations never take it
     from mok_inductor.kernels import moe_fwd
 
     _backend(monkeypatch, "triton")
@@ -507,31 +537,34 @@ def test_fp8_tensor_core_path_against_the_dequantizing_loop(monkeypatch):
     q1, q2 = (q._replace(**{f: getattr(q, f).to(dev) for f in ("data", "scale", "data_t", "scale_t")}) for q in (q1, q2))
     w1, w2 = (mxfp8.dequantize(q, dtype=torch.float64).cpu() for q in (q1, q2))
     want = _oracle(x.bfloat16().double(), rw.double(), te, w1, w1, w2, w2)  # (forward only: no column-wise)
-    launched = _fp8_dot_on(monkeypatch)
+    launched = _fp8_dot_on(monkeypatch, mode)
+    flag = "MX_FP8_DOT" if mode == 1 else "MX_F16_DOT"
     with torch.no_grad():
         y_fp8 = mok_inductor.moe(x.bfloat16().to(dev), *args, q1, q2)
         assert moe_fwd._gate_up_mx_dot_kernel in launched
-        monkeypatch.setattr(moe_fwd, "MX_FP8_DOT", False)
+        monkeypatch.setattr(moe_fwd, flag, False)
         launched.clear()
         y_deq = mok_inductor.moe(x.bfloat16().to(dev), *args, q1, q2)
         assert moe_fwd._gate_up_kernel in launched and moe_fwd._gate_up_mx_dot_kernel not in launched
-        monkeypatch.setattr(moe_fwd, "MX_FP8_DOT", True)
+        monkeypatch.setattr(moe_fwd, flag, True)
         launched.clear()
         mok_inductor.moe(x.to(dev), *args, q1, q2)  # float32 activations
         assert moe_fwd._gate_up_mx_dot_kernel not in launched and moe_fwd._grouped_rows_mx_dot_kernel not in launched
     e_fp8, e_deq = rel_err(y_fp8, want), rel_err(y_deq, want)
-    # both well inside bf16's 1e-2; the two e4m3 terms add at most a few bf16 roundings' worth
-    assert e_deq < 4e-3 and e_fp8 < 6e-3, (e_fp8, e_deq)
+    # both well inside bf16's 1e-2; the two e4m3 terms add at most a few bf16 roundings' worth, the exact fp16
+    # term none
+    assert e_deq < 4e-3 and e_fp8 < (6e-3 if mode == 1 else 4e-3), (e_fp8, e_deq)
 
 
-def test_fp8_tensor_core_path_reads_no_scale_past_k(monkeypatch):
+@pytest.mark.parametrize("mode", [1, 2])
+def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode):
     # a K step longer than k (BLOCK_K 128, k = 32): its sub-blocks past k's end load a zero weight tile and
     # must not read a scale there (one byte 255 is 2**128 and 0 * Inf = NaN; seen on the H200). The scales are
     # a view into a buffer holding 255 right after each row's blocks
     from mok_inductor.kernels import moe_fwd
     from mok_inductor.mxfp8 import Operand
 
-    launched = _fp8_dot_on(monkeypatch)
+    launched = _fp8_dot_on(monkeypatch, mode)
     wide = triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128}, num_warps=1)],
                            key=["M", "NCOL", "KD", "E"])(moe_fwd._grouped_rows_body)
     monkeypatch.setattr(moe_fwd, "_grouped_rows_mx_dot_kernel", wide)
@@ -554,10 +587,11 @@ def test_fp8_tensor_core_path_reads_no_scale_past_k(monkeypatch):
 
 @pytest.mark.parametrize("where", ["x", pytest.param("weight", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: the interpreter decodes the e4m3 NaN (0x7F) as 480"))])
-def test_fp8_tensor_core_path_propagates_nan(monkeypatch, where):
+@pytest.mark.parametrize("mode", [1, 2])
+def test_tensor_core_path_propagates_nan(monkeypatch, where, mode):
     # a NaN activation poisons its token's output rows only; a NaN weight element its expert's routes
     _backend(monkeypatch, "triton")
-    _fp8_dot_on(monkeypatch)
+    _fp8_dot_on(monkeypatch, mode)
     p = _problem(torch.bfloat16, _TRITON_DEV, drop=False)
     x = p["x"].clone()
     q1, q2 = mxfp8.quantize(p["gu"]), mxfp8.quantize(p["d"])

@@ -185,7 +185,10 @@ def e8m0_factor(sc):
 # 3 mantissa bits, is 3.6% off in tests/test_mxfp8.py). The weight tile goes to the tensor cores as loaded (no
 # upcast, no per-element scale load). For bf16/fp16 activations at the K-loop sizes (few rows per expert:
 # decode) when MX_FP8_DOT is on (off: measured slower, see there); float32 activations (SPEC's 1e-4) always
-# keep the dequantizing loop.
+# keep the dequantizing loop. MX_DOT == 2 (MX_F16_DOT): the same blocks on the fp16 tensor cores instead, one
+# activation term, exact: the block scaled by a power of two into fp16's range, where bf16's 8 significant
+# bits fit in fp16's 11, and each weight e4m3 -> fp16 by one conversion per two elements (e4m3's values are
+# all fp16 normals), without the dequantizing loop's float32 round trip and per-element scale multiply.
 
 
 @triton.jit
@@ -203,33 +206,40 @@ def to_e4m3(v, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def mx_act_split(a, DOT_PREC: tl.constexpr):
-    """(hi, lo, scale) of an activation tile [BLOCK_M, 32] (one 32-block of k per row): hi + lo = a / scale
-    within about 2**-8 relative, both e4m3; scale [BLOCK_M] float32, a power of two per row putting the
-    block's largest magnitude in [128, 256) (within e4m3's 448); NaN for a row whose block holds a NaN or an
-    Inf (non-finite values propagate)."""
+def mx_act_split(a, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """(hi, lo, scale) of an activation tile [BLOCK_M, 32] (one 32-block of k per row); scale [BLOCK_M]
+    float32, a power of two per row; NaN for a row whose block holds a NaN or an Inf (non-finite values
+    propagate). MODE 1 (e4m3): hi + lo = a / scale within about 2**-8 relative, both e4m3, the block's largest
+    magnitude put in [128, 256) (within e4m3's 448). MODE 2 (fp16): hi = lo = a / scale in fp16, the largest
+    magnitude put in [2**14, 2**15) (within fp16's 65504); exact for every element above 2**-28 of it."""
     af = a.to(tl.float32)
     mag = tl.abs(af)
     finite = mag < float("inf")  # (false for NaN)
     amax = tl.max(tl.where(finite, mag, 0.0), axis=1)
     nonfinite = tl.sum(tl.where(finite, 0, 1), axis=1) > 0
     b = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # amax's biased exponent
-    b = tl.minimum(tl.maximum(b, 8), 254)
-    scale = ((b - 7) << 23).to(tl.float32, bitcast=True)  # 2**(b - 134)
-    v = af * ((261 - b) << 23).to(tl.float32, bitcast=True)[:, None]  # a / scale (exact)
-    hi = to_e4m3(v, DOT_PREC)
-    lo = to_e4m3(v - hi.to(tl.float32), DOT_PREC)
+    if MODE == 2:
+        b = tl.minimum(tl.maximum(b, 15), 254)
+        scale = ((b - 14) << 23).to(tl.float32, bitcast=True)  # 2**(b - 141)
+        hi = (af * ((268 - b) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)  # a / scale
+        lo = hi
+    else:
+        b = tl.minimum(tl.maximum(b, 8), 254)
+        scale = ((b - 7) << 23).to(tl.float32, bitcast=True)  # 2**(b - 134)
+        v = af * ((261 - b) << 23).to(tl.float32, bitcast=True)[:, None]  # a / scale (exact)
+        hi = to_e4m3(v, DOT_PREC)
+        lo = to_e4m3(v - hi.to(tl.float32), DOT_PREC)
     return hi, lo, tl.where(nonfinite, float("nan"), scale)
 
 
 @triton.jit
-def mx_act_block(a_row, stride_ak, a_k0, kb, KD, rmask, DOT_PREC: tl.constexpr):
+def mx_act_block(a_row, stride_ak, a_k0, kb, KD, rmask, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
     """Scale block kb of the A rows (k = 32 kb + [0, 32), at column a_k0 + k of A), split for mx_dot:
     (kk, kmask, hi, lo, scale)."""
     kk = kb * 32 + tl.arange(0, 32)
     kmask = kk < KD
     a = tl.load(a_row + (a_k0 + kk[None, :]) * stride_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
-    hi, lo, sa = mx_act_split(a, DOT_PREC)
+    hi, lo, sa = mx_act_split(a, MODE, DOT_PREC)
     return kk, kmask, hi, lo, sa
 
 
@@ -244,11 +254,17 @@ def w_tile_e4m3(w_ptr, s_ptr, kb, kk, KD, cols, kmask, cmask, s_n, s_k, ss_n, ss
 
 
 @triton.jit
-def mx_dot(hi, lo, sa, w, sw, acc, DOT_PREC: tl.constexpr):
+def mx_dot(hi, lo, sa, w, sw, acc, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
     """acc + (hi @ w + lo @ w) * sa[:, None] * sw[None, :]: one 32-block of k on the fp8 tensor cores, scaled
     and added to the float32 accumulator every 32 of k (which also bounds the sums kept in the fp8 MMA's own
-    accumulator, narrower than float32 on Hopper)."""
-    if DOT_PREC == "interp":
+    accumulator, narrower than float32 on Hopper). MODE 2: acc + (hi @ fp16(w)) * ..., on the fp16 tensor
+    cores (`mx_act_split`)."""
+    if MODE == 2:
+        if DOT_PREC == "interp":
+            p = tl.dot(hi.to(tl.float32), w.to(tl.float32))
+        else:
+            p = tl.dot(hi, w.to(tl.float16))
+    elif DOT_PREC == "interp":
         wf = w.to(tl.float32)
         p = tl.dot(hi.to(tl.float32), wf)
         p = tl.dot(lo.to(tl.float32), wf, p)
@@ -488,7 +504,7 @@ def _gate_up_tile(
 ):
     """The K loop and epilogue of one tile of expert `group`'s rows [row_start, row_end). PERSISTENT: the
     tile may be idle (no rows) or of the `-1` tail group: no K step runs, and the tail's g, u, h are zero.
-    MX_DOT: MXFP8 gate and up on the fp8 tensor cores (`mx_dot`), BLOCK_K // 32 scale blocks per K step.
+    MX_DOT (1 fp8, 2 fp16): MXFP8 gate and up on the tensor cores (`mx_dot`), BLOCK_K // 32 scale blocks per K step.
     TMA: the weight tiles of the whole K steps through descriptors (`w_tma_tile`; not PERSISTENT), the tail
     step and the gathered x rows by pointers."""
     rows = row_start + tl.arange(0, BLOCK_M)
@@ -518,11 +534,11 @@ def _gate_up_tile(
         for k0 in range(0, k_end, BLOCK_K):
             for j in tl.static_range(BLOCK_K // 32):
                 kb = k0 // 32 + j
-                kk, kmask, hi, lo, sa = mx_act_block(a_row, stride_xh, 0, kb, H, rmask, DOT_PREC)
+                kk, kmask, hi, lo, sa = mx_act_block(a_row, stride_xh, 0, kb, H, rmask, MX_DOT, DOT_PREC)
                 bg, sg = w_tile_e4m3(wg, gs, kb, kk, H, cols, kmask, cmask, g_n, g_k, gs_n, gs_k)
                 bu, su = w_tile_e4m3(wu, us, kb, kk, H, cols, kmask, cmask, u_n, u_k, us_n, us_k)
-                acc_g = mx_dot(hi, lo, sa, bg, sg, acc_g, DOT_PREC)
-                acc_u = mx_dot(hi, lo, sa, bu, su, acc_u, DOT_PREC)
+                acc_g = mx_dot(hi, lo, sa, bg, sg, acc_g, MX_DOT, DOT_PREC)
+                acc_u = mx_dot(hi, lo, sa, bu, su, acc_u, MX_DOT, DOT_PREC)
     else:
         k_start = 0
         if TMA:
@@ -608,7 +624,8 @@ _gate_up_kernel = _launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=
 # expert, and the per-block scaling is BLOCK_M x BLOCK_N float32 work per 32 k) and long K steps
 _MX_DOT_CONFIGS = [cfg(16, 64, 128, 4, 4), cfg(16, 128, 128, 4, 3), cfg(16, 64, 256, 4, 3), cfg(16, 32, 128, 2, 4),
                    cfg(32, 64, 128, 4, 4), cfg(64, 64, 128, 4, 3), cfg(128, 128, 64, 8, 3)]
-_gate_up_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY)(_gate_up_body)
+_gate_up_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1),
+                                          key=_GATE_UP_KEY + ["MX_DOT"])(_gate_up_body)
 
 
 @_launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY)
@@ -662,14 +679,21 @@ def _num_sms(device) -> int:
 # (benchmarks/mx_ab.py) 0.13-0.17x bf16 mok (the per-block float32 scaling of the accumulator runs on the
 # CUDA cores). The candidate next step: the activations split once (x per call, h in the gate/up epilogue).
 MX_FP8_DOT = False
+# The same per-32-block K loop on the fp16 tensor cores (MX_DOT 2: one exact fp16 activation term, the e4m3
+# weights converted to fp16 as loaded), in place of the fp8 one when on. Its idea: the dequantizing loop is
+# bound by its conversions (e4m3 -> f16 -> f32, scale, -> bf16); this keeps only the first, one per two
+# elements. Prepared in session 11, not yet measured on the H200 (benchmarks/decode_ab.py --mxfp8): off.
+MX_F16_DOT = False
 
 
-def use_mx_dot(act_dtype: torch.dtype, *ops) -> bool:
-    """Whether a GEMM of `act_dtype` activations with these weight operands runs on the fp8 tensor cores:
-    every operand MXFP8 (read in the K loop) and bf16/fp16 activations (float32's 1e-4 needs the exact
-    dequantized weights in a float32 dot)."""
-    return (MX_FP8_DOT and act_dtype in (torch.bfloat16, torch.float16)
-            and all(op is not None and op.quantized for op in ops))
+def use_mx_dot(act_dtype: torch.dtype, *ops) -> int:
+    """How a GEMM of `act_dtype` activations with these weight operands runs its K loop by 32-blocks on the
+    tensor cores (`mx_dot`): 0 not (the dequantizing loop), 1 fp8, 2 fp16. Only with every operand MXFP8
+    (read in the K loop) and bf16/fp16 activations (float32's 1e-4 needs the exact dequantized weights in a
+    float32 dot)."""
+    if not (act_dtype in (torch.bfloat16, torch.float16) and all(op is not None and op.quantized for op in ops)):
+        return 0
+    return 2 if MX_F16_DOT else 1 if MX_FP8_DOT else 0
 
 
 def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=None, single=False):
@@ -729,9 +753,9 @@ def _grouped_rows_k_loop(acc, a_row, stride_ak, a_k0, k_start, rmask, w_ptr, s_p
         for k0 in range(0, KD, BLOCK_K):
             for j in tl.static_range(BLOCK_K // 32):
                 kb = k0 // 32 + j
-                kk, kmask, hi, lo, sa = mx_act_block(a_row, stride_ak, a_k0, kb, KD, rmask, DOT_PREC)
+                kk, kmask, hi, lo, sa = mx_act_block(a_row, stride_ak, a_k0, kb, KD, rmask, MX_DOT, DOT_PREC)
                 w, sw = w_tile_e4m3(w_ptr, s_ptr, kb, kk, KD, cols, kmask, cmask, s_n, s_k, ss_n, ss_k)
-                acc = mx_dot(hi, lo, sa, w, sw, acc, DOT_PREC)
+                acc = mx_dot(hi, lo, sa, w, sw, acc, MX_DOT, DOT_PREC)
     else:
         ks = tl.arange(0, BLOCK_K)
         for k0 in range(k_start, KD, BLOCK_K):
@@ -810,7 +834,7 @@ _grouped_rows_body = _grouped_rows_kernel
 _grouped_rows_kernel = _launch.autotune(_GROUPED_ROWS_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GROUPED_ROWS_KEY,
                                         eager_pre_hook=tma_pre_hook(("a_desc",), ("w1_desc", "w2_desc")))(_grouped_rows_body)
 _grouped_rows_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1),
-                                               key=_GROUPED_ROWS_KEY)(_grouped_rows_body)
+                                               key=_GROUPED_ROWS_KEY + ["MX_DOT"])(_grouped_rows_body)
 
 
 def host_desc(t: torch.Tensor):
