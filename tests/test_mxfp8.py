@@ -556,11 +556,12 @@ def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch, mode):
     assert e_deq < 4e-3 and e_fp8 < (6e-3 if mode == 1 else 4e-3), (e_fp8, e_deq)
 
 
+@pytest.mark.parametrize("kd", [32, 160])  # no whole K step; one whole step (4 blocks) and a 1-block tail
 @pytest.mark.parametrize("mode", [1, 2])
-def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode):
-    # a K step longer than k (BLOCK_K 128, k = 32): its sub-blocks past k's end load a zero weight tile and
-    # must not read a scale there (one byte 255 is 2**128 and 0 * Inf = NaN; seen on the H200). The scales are
-    # a view into a buffer holding 255 right after each row's blocks
+def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
+    # K steps of BLOCK_K 128 over k = 32 or 160 (a tail of one block): no block past k's end may be read, its scale least of all
+    # (one byte 255 is 2**128, and a zero tile times Inf is NaN; seen on the H200 when the loop ran whole K
+    # steps). The scales are a view into a buffer holding 255 right after each row's blocks
     from mok_inductor.kernels import moe_fwd
     from mok_inductor.mxfp8 import Operand
 
@@ -568,16 +569,17 @@ def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode):
     wide = triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128}, num_warps=1)],
                            key=["M", "NCOL", "KD", "E"])(moe_fwd._grouped_rows_body)
     monkeypatch.setattr(moe_fwd, "_grouped_rows_mx_dot_kernel", wide)
-    e, n, kd, m = 2, 48, 32, 20
+    e, n, m = 2, 48, 20
     q = mxfp8.quantize(_weight(e, n, kd, seed=5), columnwise=False)
-    buf = torch.full((e, n, 4), 255, dtype=torch.uint8)
-    buf[..., :1] = q.scale
+    nb = kd // 32
+    buf = torch.full((e, n, nb + 3), 255, dtype=torch.uint8)
+    buf[..., :nb] = q.scale
     a = torch.randn(m, kd, generator=torch.Generator().manual_seed(2)).bfloat16()
     offsets = torch.tensor([0, 12, m], dtype=torch.int32)
     routes = torch.arange(m, dtype=torch.int32)
     dev = _TRITON_DEV
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
-    moe_fwd.grouped_rows(a.to(dev), Operand(q.data.to(dev), buf.to(dev)[..., :1]), out, routes.to(dev),
+    moe_fwd.grouped_rows(a.to(dev), Operand(q.data.to(dev), buf.to(dev)[..., :nb]), out, routes.to(dev),
                          offsets.to(dev), scatter=False)
     assert wide in launched
     w = mxfp8.dequantize(q, dtype=torch.float64)

@@ -233,23 +233,21 @@ def mx_act_split(a, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def mx_act_block(a_row, stride_ak, a_k0, kb, KD, rmask, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Scale block kb of the A rows (k = 32 kb + [0, 32), at column a_k0 + k of A), split for mx_dot:
-    (kk, kmask, hi, lo, scale)."""
+def mx_act_block(a_row, stride_ak, a_k0, kb, rmask, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Scale block kb of the A rows (k = 32 kb + [0, 32), at column a_k0 + k of A; a whole block, MXFP8's k
+    being a multiple of 32), split for mx_dot: (hi, lo, scale)."""
     kk = kb * 32 + tl.arange(0, 32)
-    kmask = kk < KD
-    a = tl.load(a_row + (a_k0 + kk[None, :]) * stride_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
-    hi, lo, sa = mx_act_split(a, MODE, DOT_PREC)
-    return kk, kmask, hi, lo, sa
+    a = tl.load(a_row + (a_k0 + kk[None, :]) * stride_ak, mask=rmask[:, None], other=0.0)
+    return mx_act_split(a, MODE, DOT_PREC)
 
 
 @triton.jit
-def w_tile_e4m3(w_ptr, s_ptr, kb, kk, KD, cols, kmask, cmask, s_n, s_k, ss_n, ss_k):
-    """The e4m3 tile [32, BLOCK_N] W[e][cols, kk] of scale block kb (kk = 32 kb + [0, 32)) as stored, and its
-    [BLOCK_N] float32 scale factors, 0 for a block past k's end KD (its zero tile must not meet a stray scale
-    byte: 255 is 2**128 = Inf here, and 0 * Inf = NaN; found on the H200)."""
-    w = tl.load(w_ptr + kk[:, None] * s_k + cols[None, :] * s_n, mask=kmask[:, None] & cmask[None, :], other=0.0)
-    sc = tl.load(s_ptr + kb * ss_k + cols * ss_n, mask=cmask & (kb * 32 < KD), other=0)
+def w_tile_e4m3(w_ptr, s_ptr, kb, cols, cmask, s_n, s_k, ss_n, ss_k):
+    """The e4m3 tile [32, BLOCK_N] W[e][cols, 32 kb + [0, 32)] of scale block kb (a whole block) as stored,
+    and its [BLOCK_N] float32 scale factors."""
+    kk = kb * 32 + tl.arange(0, 32)
+    w = tl.load(w_ptr + kk[:, None] * s_k + cols[None, :] * s_n, mask=cmask[None, :], other=0.0)
+    sc = tl.load(s_ptr + kb * ss_k + cols * ss_n, mask=cmask, other=0)
     return w, e8m0_factor(sc)
 
 
@@ -272,6 +270,25 @@ def mx_dot(hi, lo, sa, w, sw, acc, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
         p = tl.dot(hi, w)
         p = tl.dot(lo, w, p)
     return acc + p * (sa[:, None] * sw[None, :])
+
+
+@triton.jit
+def _mx_block(acc, a_row, stride_ak, a_k0, kb, rmask, w_ptr, s_ptr, cols, cmask, s_n, s_k, ss_n, ss_k,
+              MODE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc + scale block kb of A[rows, a_k0 + k] @ W[e][cols, k]^T through `mx_dot`."""
+    hi, lo, sa = mx_act_block(a_row, stride_ak, a_k0, kb, rmask, MODE, DOT_PREC)
+    w, sw = w_tile_e4m3(w_ptr, s_ptr, kb, cols, cmask, s_n, s_k, ss_n, ss_k)
+    return mx_dot(hi, lo, sa, w, sw, acc, MODE, DOT_PREC)
+
+
+@triton.jit
+def _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb, rmask, wg, gs, wu, us, cols, cmask, g_n, g_k, gs_n, gs_k,
+                      u_n, u_k, us_n, us_k, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Scale block kb of the gate and up GEMMs through `mx_dot`, the activation block split once for both."""
+    hi, lo, sa = mx_act_block(a_row, stride_xh, 0, kb, rmask, MODE, DOT_PREC)
+    bg, sg = w_tile_e4m3(wg, gs, kb, cols, cmask, g_n, g_k, gs_n, gs_k)
+    bu, su = w_tile_e4m3(wu, us, kb, cols, cmask, u_n, u_k, us_n, us_k)
+    return mx_dot(hi, lo, sa, bg, sg, acc_g, MODE, DOT_PREC), mx_dot(hi, lo, sa, bu, su, acc_u, MODE, DOT_PREC)
 
 
 class ExpertTable:
@@ -530,15 +547,16 @@ def _gate_up_tile(
         k_end = tl.where((group < E) & (row_start < row_end), H, 0)
     else:
         k_end = H
-    if MX_DOT:
-        for k0 in range(0, k_end, BLOCK_K):
+    if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
+        k_full = k_end - k_end % BLOCK_K
+        for k0 in range(0, k_full, BLOCK_K):
             for j in tl.static_range(BLOCK_K // 32):
-                kb = k0 // 32 + j
-                kk, kmask, hi, lo, sa = mx_act_block(a_row, stride_xh, 0, kb, H, rmask, MX_DOT, DOT_PREC)
-                bg, sg = w_tile_e4m3(wg, gs, kb, kk, H, cols, kmask, cmask, g_n, g_k, gs_n, gs_k)
-                bu, su = w_tile_e4m3(wu, us, kb, kk, H, cols, kmask, cmask, u_n, u_k, us_n, us_k)
-                acc_g = mx_dot(hi, lo, sa, bg, sg, acc_g, MX_DOT, DOT_PREC)
-                acc_u = mx_dot(hi, lo, sa, bu, su, acc_u, MX_DOT, DOT_PREC)
+                acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, k0 // 32 + j, rmask, wg, gs, wu,
+                                                 us, cols, cmask, g_n, g_k, gs_n, gs_k, u_n, u_k, us_n, us_k,
+                                                 MX_DOT, DOT_PREC)
+        for kb in range(k_full // 32, k_end // 32):
+            acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb, rmask, wg, gs, wu, us, cols, cmask,
+                                             g_n, g_k, gs_n, gs_k, u_n, u_k, us_n, us_k, MX_DOT, DOT_PREC)
     else:
         k_start = 0
         if TMA:
@@ -749,13 +767,15 @@ def _grouped_rows_k_loop(acc, a_row, stride_ak, a_k0, k_start, rmask, w_ptr, s_p
                          cmask, KD, like_ptr, MX: tl.constexpr, MX_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
                          BLOCK_K: tl.constexpr):
     """acc + A[rows, a_k0 + k] @ W[e][cols, k]^T over k in [k_start, KD) (w_ptr, s_ptr: expert e's starts)."""
-    if MX_DOT:
-        for k0 in range(0, KD, BLOCK_K):
+    if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
+        k_full = KD - KD % BLOCK_K
+        for k0 in range(0, k_full, BLOCK_K):
             for j in tl.static_range(BLOCK_K // 32):
-                kb = k0 // 32 + j
-                kk, kmask, hi, lo, sa = mx_act_block(a_row, stride_ak, a_k0, kb, KD, rmask, MX_DOT, DOT_PREC)
-                w, sw = w_tile_e4m3(w_ptr, s_ptr, kb, kk, KD, cols, kmask, cmask, s_n, s_k, ss_n, ss_k)
-                acc = mx_dot(hi, lo, sa, w, sw, acc, MX_DOT, DOT_PREC)
+                acc = _mx_block(acc, a_row, stride_ak, a_k0, k0 // 32 + j, rmask, w_ptr, s_ptr, cols, cmask, s_n,
+                                s_k, ss_n, ss_k, MX_DOT, DOT_PREC)
+        for kb in range(k_full // 32, KD // 32):
+            acc = _mx_block(acc, a_row, stride_ak, a_k0, kb, rmask, w_ptr, s_ptr, cols, cmask, s_n, s_k, ss_n, ss_k,
+                            MX_DOT, DOT_PREC)
     else:
         ks = tl.arange(0, BLOCK_K)
         for k0 in range(k_start, KD, BLOCK_K):
