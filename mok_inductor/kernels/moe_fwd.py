@@ -182,8 +182,9 @@ def e8m0_factor(sc):
 # term, scaled in float32 by the weight block's and the activation block's powers of two. The activations
 # are split per 32-block into two e4m3 terms, hi + lo (about 2**-8 relative, bf16's precision: SPEC section 6
 # asks for the bf16 computation on the dequantized weights within bf16's tolerance; one e4m3 term alone,
-# 3 mantissa bits, is 3.6% off in tests/test_mxfp8.py). The weight tile goes to the tensor cores as loaded (no
-# upcast, no per-element scale load). For bf16/fp16 activations at the K-loop sizes (few rows per expert:
+# 3 mantissa bits, is 3.6% off in tests/test_mxfp8.py). The weight tile goes to the dot as loaded (no
+# per-element scale load; below wgmma's 64-row tiles Triton runs an e4m3 dot on sm_90 as fp16 MMAs, both
+# operands unpacked e4m3 -> f16 first: sm_90 SASS, session 11). For bf16/fp16 activations at the K-loop sizes (few rows per expert:
 # decode) when MX_FP8_DOT is on (off: measured slower, see there); float32 activations (SPEC's 1e-4) always
 # keep the dequantizing loop. MX_DOT == 2 (MX_F16_DOT): the same blocks on the fp16 tensor cores instead, one
 # activation term, exact: the block scaled by a power of two into fp16's range, where bf16's 8 significant
