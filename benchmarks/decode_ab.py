@@ -29,9 +29,9 @@ from config_ab import extended  # noqa: E402
 from mok_inductor.kernels._launch import cfg  # noqa: E402
 
 # Extra tile configs for few rows per expert: the weights stream through small row tiles
-_WIDE = [(bm, bn, bk, w, s) for bm, bn, bk, w, s in [
-    (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 64, 256, 4, 3), (64, 32, 128, 4, 4), (64, 128, 64, 4, 5),
-    (64, 256, 64, 8, 3), (64, 64, 64, 4, 6), (128, 64, 128, 8, 3)]]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+_WIDE = [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 64, 256, 4, 3), (64, 32, 128, 4, 4), (64, 128, 64, 4, 5),
+         (64, 256, 64, 8, 3), (64, 64, 64, 4, 6), (128, 64, 128, 8, 3)]
 
 
 def kernel_profile(graph, reps=20):
