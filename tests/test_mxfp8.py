@@ -490,7 +490,7 @@ def test_activation_fp16_term_is_exact(dtype):
         assert ((hi[r] * s - a64[r]).abs() <= s * 2.0 ** -25).all(), r
 
 
-def _fp8_dot_on(monkeypatch, mode=1):
+def _mx_dot_on(monkeypatch, mode=1):
     """The kernels launched (a list, filled as they run); the K loop on the tensor cores by 32-blocks on:
     MX_FP8_DOT (mode 1) or MX_F16_DOT (mode 2), both off by default (A/B candidates)."""
     from mok_inductor.kernels import _launch
@@ -510,7 +510,7 @@ def test_tensor_core_path_vs_oracle(monkeypatch, dtype, layout, shared, limit, m
     from mok_inductor.kernels import moe_fwd
 
     _backend(monkeypatch, "triton")
-    launched = _fp8_dot_on(monkeypatch, mode)
+    launched = _mx_dot_on(monkeypatch, mode)
     p = _problem(dtype, _TRITON_DEV, shared=shared, limit=limit, seed=17 + len(layout))
     _run_and_check(p, layout, dtype)
     assert moe_fwd._gate_up_mx_dot_kernel in launched and moe_fwd._grouped_rows_mx_dot_kernel in launched
@@ -537,10 +537,10 @@ def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch, mode):
     q1, q2 = (q._replace(**{f: getattr(q, f).to(dev) for f in ("data", "scale", "data_t", "scale_t")}) for q in (q1, q2))
     w1, w2 = (mxfp8.dequantize(q, dtype=torch.float64).cpu() for q in (q1, q2))
     want = _oracle(x.bfloat16().double(), rw.double(), te, w1, w1, w2, w2)  # (forward only: no column-wise)
-    launched = _fp8_dot_on(monkeypatch, mode)
+    launched = _mx_dot_on(monkeypatch, mode)
     flag = "MX_FP8_DOT" if mode == 1 else "MX_F16_DOT"
     with torch.no_grad():
-        y_fp8 = mok_inductor.moe(x.bfloat16().to(dev), *args, q1, q2)
+        y_dot = mok_inductor.moe(x.bfloat16().to(dev), *args, q1, q2)
         assert moe_fwd._gate_up_mx_dot_kernel in launched
         monkeypatch.setattr(moe_fwd, flag, False)
         launched.clear()
@@ -550,10 +550,10 @@ def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch, mode):
         launched.clear()
         mok_inductor.moe(x.to(dev), *args, q1, q2)  # float32 activations
         assert moe_fwd._gate_up_mx_dot_kernel not in launched and moe_fwd._grouped_rows_mx_dot_kernel not in launched
-    e_fp8, e_deq = rel_err(y_fp8, want), rel_err(y_deq, want)
+    e_dot, e_deq = rel_err(y_dot, want), rel_err(y_deq, want)
     # both well inside bf16's 1e-2; the two e4m3 terms add at most a few bf16 roundings' worth, the exact fp16
     # term none
-    assert e_deq < 4e-3 and e_fp8 < (6e-3 if mode == 1 else 4e-3), (e_fp8, e_deq)
+    assert e_deq < 4e-3 and e_dot < (6e-3 if mode == 1 else 4e-3), (e_dot, e_deq)
 
 
 @pytest.mark.parametrize("kd", [32, 160])  # no whole K step; one whole step (4 blocks) and a 1-block tail
@@ -565,7 +565,7 @@ def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
     from mok_inductor.kernels import moe_fwd
     from mok_inductor.mxfp8 import Operand
 
-    launched = _fp8_dot_on(monkeypatch, mode)
+    launched = _mx_dot_on(monkeypatch, mode)
     wide = triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128}, num_warps=1)],
                            key=["M", "NCOL", "KD", "E"])(moe_fwd._grouped_rows_body)
     monkeypatch.setattr(moe_fwd, "_grouped_rows_mx_dot_kernel", wide)
@@ -593,7 +593,7 @@ def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
 def test_tensor_core_path_propagates_nan(monkeypatch, where, mode):
     # a NaN activation poisons its token's output rows only; a NaN weight element its expert's routes
     _backend(monkeypatch, "triton")
-    _fp8_dot_on(monkeypatch, mode)
+    _mx_dot_on(monkeypatch, mode)
     p = _problem(torch.bfloat16, _TRITON_DEV, drop=False)
     x = p["x"].clone()
     q1, q2 = mxfp8.quantize(p["gu"]), mxfp8.quantize(p["d"])
