@@ -3,9 +3,11 @@ captured in one CUDA graph, and a profile of its replays, kernel by kernel (devi
 each GEMM reads and the bandwidth that makes, the gaps between kernels); then the two GEMMs autotuned over
 a wider list of tile configs than the package's (smaller tiles, longer K steps, more stages), each graph
 timed again, in the same process; --mxfp8 adds MXFP8 routed weights through the fp8 tensor cores
-(moe_fwd.MX_FP8_DOT), the fp16 ones (moe_fwd.MX_F16_DOT) and the dequantizing K loop.
+(moe_fwd.MX_FP8_DOT), the fp16 ones (moe_fwd.MX_F16_DOT; also over a wider config list) and the
+dequantizing K loop. --tokens runs the shape at another token count: up to kernels.MX_DEQUANTIZE_MIN_ROWS
+routes per expert MXFP8 stays in the K loop, so this times the K-loop choices between decode and prefill.
 
-    python benchmarks/decode_ab.py [--shape qwen3-decode] [--mxfp8] [--out DIR]
+    python benchmarks/decode_ab.py [--shape qwen3-decode] [--tokens T] [--mxfp8] [--only LABELS] [--out DIR]
 
 The floor is the bytes of the touched experts' weights over the measured copy bandwidth, as in
 benchmarks/bench_moe.py.
@@ -32,6 +34,9 @@ from mok_inductor.kernels._launch import cfg  # noqa: E402
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
 _WIDE = [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 64, 256, 4, 3), (64, 32, 128, 4, 4), (64, 128, 64, 4, 5),
          (64, 256, 64, 8, 3), (64, 64, 64, 4, 6), (128, 64, 128, 8, 3)]
+# and for the MXFP8 loops by 32-blocks (moe_fwd._MX_DOT_CONFIGS: 16-row tiles first)
+_MX_WIDE = [(16, 64, 64, 4, 6), (16, 128, 64, 4, 5), (16, 256, 64, 8, 4), (16, 128, 128, 8, 3), (16, 256, 128, 8, 3),
+            (16, 64, 128, 2, 5), (16, 32, 256, 2, 3), (16, 128, 256, 8, 2), (32, 128, 128, 8, 3), (16, 64, 256, 4, 2)]
 
 
 def kernel_profile(graph, reps=20):
@@ -57,32 +62,44 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--mxfp8", action="store_true", help="also MXFP8 routed weights: the fp8 tensor-core K loop "
                    "and the dequantizing one (floor: 1 + 1/32 bytes per weight element)")
+    p.add_argument("--tokens", type=int, help="T in place of the shape's (more rows per expert, still K loop)")
+    p.add_argument("--only", default="", help="comma-separated parts of the variant labels to run")
     a = p.parse_args()
     T, H, I, E, K = SHAPES[a.shape]
+    T = a.tokens or T
     x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, "balanced")
     touched = torch.unique(te).numel()
     bw = copy_bandwidth()
     gu_bytes, d_bytes = touched * 2 * I * H * 2, touched * H * I * 2
     floor_ms = (gu_bytes + d_bytes) / bw * 1e3
-    print(f"{a.shape}: {touched} experts touched, floor {floor_ms:.4f} ms (gate/up {gu_bytes / bw * 1e3:.4f}, "
+    print(f"{a.shape} at T={T}: {touched} experts touched, floor {floor_ms:.4f} ms (gate/up {gu_bytes / bw * 1e3:.4f}, "
           f"down {d_bytes / bw * 1e3:.4f}) at {bw / 1e12:.2f} TB/s", flush=True)
-    rows = dict(shape=a.shape, touched=touched, copy_bw=bw, floor_ms=floor_ms, variants=[])
-    base = (moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel)
+    rows = dict(shape=a.shape, tokens=T, touched=touched, copy_bw=bw, floor_ms=floor_ms, variants=[])
+    names = ("_gate_up_kernel", "_grouped_rows_kernel")
+    base = tuple(getattr(moe_fwd, n) for n in names)
     wide = lambda k: extended(k, [cfg(*c) for c in _WIDE])  # noqa: E731
     # label: (graph, gate/up kernel, down kernel, the K loop by 32-blocks (moe_fwd.use_mx_dot: 0 off, 1 fp8,
     # 2 fp16), weight bytes per element)
-    variants = {"package configs": (GraphedMok, *base, 0, 2),
-                "wider configs, both GEMMs": (GraphedMok, wide(base[0]), wide(base[1]), 0, 2)}
+    variants = {"package configs": (GraphedMok, {}, 0, 2),
+                "wider configs, both GEMMs": (GraphedMok, dict(zip(names, map(wide, base))), 0, 2)}
     if a.mxfp8:
-        mx = (moe_fwd._gate_up_mx_dot_kernel, moe_fwd._grouped_rows_mx_dot_kernel)
-        variants["MXFP8, fp8 tensor cores (MX_FP8_DOT)"] = (GraphedMokMxfp8, *mx, 1, 1 + 1 / 32)
-        variants["MXFP8, fp16 tensor cores (MX_F16_DOT)"] = (GraphedMokMxfp8, *mx, 2, 1 + 1 / 32)
-        variants["MXFP8, dequantizing K loop"] = (GraphedMokMxfp8, *base, 0, 1 + 1 / 32)
-    default_dot = moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT
-    for label, (graphed, gk, dk, mx_dot, elem_bytes) in variants.items():
-        if elem_bytes == 2:
-            moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel = gk, dk
-        moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT = mx_dot == 1, mx_dot == 2
+        mx_names = ("_gate_up_mx_dot_kernel", "_grouped_rows_mx_dot_kernel")
+        mx_base = tuple(getattr(moe_fwd, n) for n in mx_names)
+        mx_wide = {n: extended(k, [cfg(*c) for c in _MX_WIDE]) for n, k in zip(mx_names, mx_base)}
+        variants["MXFP8, fp8 tensor cores (MX_FP8_DOT)"] = (GraphedMokMxfp8, {}, 1, 1 + 1 / 32)
+        variants["MXFP8, fp16 tensor cores (MX_F16_DOT)"] = (GraphedMokMxfp8, {}, 2, 1 + 1 / 32)
+        variants["MXFP8, fp16 tensor cores, wider configs"] = (GraphedMokMxfp8, mx_wide, 2, 1 + 1 / 32)
+        variants["MXFP8, dequantizing K loop"] = (GraphedMokMxfp8, {}, 0, 1 + 1 / 32)
+    if a.only:
+        variants = {k: v for k, v in variants.items() if any(w in k for w in a.only.split(","))}
+    default_kernels = {n: getattr(moe_fwd, n) for n in names + mx_names} if a.mxfp8 else dict(zip(names, base))
+    default_dot = moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT, moe_fwd.MX_F16_DOT_MAX_ROWS
+    for label, (graphed, kernels, mx_dot, elem_bytes) in variants.items():
+        for n, k in kernels.items():
+            setattr(moe_fwd, n, k)
+        # (a variant's K loop at every row count: the package takes the fp16 one at decode sizes only)
+        moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT, moe_fwd.MX_F16_DOT_MAX_ROWS = mx_dot == 1, mx_dot == 2, 1 << 40
+        gk, dk = (getattr(moe_fwd, n) for n in (mx_names if mx_dot else names))
         gb, db = gu_bytes * elem_bytes / 2, d_bytes * elem_bytes / 2
         v_floor = (gb + db) / bw * 1e3
         try:
@@ -105,9 +122,10 @@ def main():
             print(f"  {label}: FAILED {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
             rows["variants"].append(dict(variant=label, error=f"{type(exc).__name__}: {exc}"[:4000]))
         finally:
-            moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel = base
-            moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT = default_dot
-    with open(os.path.join(a.out, "decode_ab.json"), "w") as f:
+            for n, k in default_kernels.items():
+                setattr(moe_fwd, n, k)
+            moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT, moe_fwd.MX_F16_DOT_MAX_ROWS = default_dot
+    with open(os.path.join(a.out, f"decode_ab_{a.shape}_T{T}.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
 
