@@ -297,6 +297,20 @@ def test_moe_equals_the_computation_on_dequantized_weights(monkeypatch, device, 
     _run_and_check(p, layout, dtype, quantized)
 
 
+@pytest.mark.parametrize("layout", ["combined", "split"])
+def test_dequantizing_k_loop_with_bf16_activations(monkeypatch, layout):
+    # at this file's sizes bf16 activations take the fp16 K loop (few routes per expert); the dequantizing K
+    # loop, which they take above moe_fwd.MX_F16_DOT_MAX_ROWS routes per expert, checked here at the same sizes
+    _backend(monkeypatch, "triton")
+    monkeypatch.setattr(_moe_fwd, "MX_F16_DOT", False)
+    launched, real = [], _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: launched.append(k) or real(k, *a, **kw))
+    p = _problem(torch.bfloat16, _TRITON_DEV, shared=True, limit=0.9, seed=29 + len(layout))
+    _run_and_check(p, layout, torch.bfloat16)
+    assert _moe_fwd._gate_up_kernel in launched and _moe_fwd._gate_up_mx_dot_kernel not in launched
+    assert _moe_fwd._grouped_rows_mx_dot_kernel not in launched
+
+
 @pytest.mark.parametrize("layout,quantized,shared,limit", [
     ("combined", ("gu", "d"), True, 0.9),
     ("split", ("gu", "d"), False, None),
@@ -408,8 +422,9 @@ def test_triton_matches_reference_at_a_larger_shape_on_cuda():
 
 # ---------------------------------------------------------------------------------------------- tensor cores
 #
-# With moe_fwd.MX_FP8_DOT (mode 1) or MX_F16_DOT (mode 2), bf16/fp16 activations with MXFP8 weights read in
-# the K loop go to the tensor cores by 32-blocks (moe_fwd.mx_dot): mode 1 splits the activations per block
+# With moe_fwd.MX_FP8_DOT (mode 1, an A/B candidate, off) or MX_F16_DOT (mode 2, on at up to
+# MX_F16_DOT_MAX_ROWS routes per expert), bf16/fp16 activations with MXFP8 weights read in the K loop go to
+# the tensor cores by 32-blocks (moe_fwd.mx_dot): mode 1 splits the activations per block
 # into two e4m3 terms for the fp8 tensor cores, mode 2 scales them into one exact fp16 term and converts the
 # weights to fp16 (moe_fwd.mx_act_split). The forward GEMMs and the backward's dx GEMM take that path; float32
 # activations keep the dequantizing loop.
@@ -491,14 +506,59 @@ def test_activation_fp16_term_is_exact(dtype):
 
 
 def _mx_dot_on(monkeypatch, mode=1):
-    """The kernels launched (a list, filled as they run); the K loop on the tensor cores by 32-blocks on:
-    MX_FP8_DOT (mode 1) or MX_F16_DOT (mode 2), both off by default (A/B candidates)."""
+    """The kernels launched (a list, filled as they run); the K loop on the tensor cores by 32-blocks at every
+    row count: MX_FP8_DOT (mode 1, off by default: an A/B candidate) or MX_F16_DOT (mode 2, on by default at
+    decode sizes only), the other one off."""
     from mok_inductor.kernels import _launch
 
-    monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT" if mode == 1 else "MX_F16_DOT", True)
+    monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", mode == 1)
+    monkeypatch.setattr(_moe_fwd, "MX_F16_DOT", mode == 2)
+    monkeypatch.setattr(_moe_fwd, "MX_F16_DOT_MAX_ROWS", 1 << 40)
     launched, real = [], _launch.launch
     monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: launched.append(k) or real(k, *a, **kw))
     return launched
+
+
+def test_fp16_tensor_cores_at_decode_sizes_only(monkeypatch):
+    # by default bf16/fp16 activations take the fp16 K loop at most MX_F16_DOT_MAX_ROWS routes per expert on
+    # average, the dequantizing loop above that, for float32 activations, next to a bf16 operand, and for a
+    # symbolic row count not known to be that small (no guard)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    assert _moe_fwd.MX_F16_DOT and not _moe_fwd.MX_FP8_DOT
+    q = mxfp8.Operand(torch.ones(E, 64, 64).to(torch.float8_e4m3fn), torch.full((E, 64, 2), 127, dtype=torch.uint8))
+    plain = mxfp8.Operand(torch.ones(E, 64, 64, dtype=torch.bfloat16), None)
+    most = _moe_fwd.MX_F16_DOT_MAX_ROWS * E
+    for dtype in (torch.bfloat16, torch.float16):
+        assert _moe_fwd.use_mx_dot(dtype, 1, E, q, q) == 2 and _moe_fwd.use_mx_dot(dtype, most, E, q, q) == 2
+        assert _moe_fwd.use_mx_dot(dtype, most + 1, E, q, q) == 0
+        assert _moe_fwd.use_mx_dot(dtype, 1, E, q, plain) == 0
+    assert _moe_fwd.use_mx_dot(torch.float32, 1, E, q, q) == 0
+    n = ShapeEnv().create_unbacked_symint()
+    assert _moe_fwd.use_mx_dot(torch.bfloat16, n, E, q, q) == 0
+    assert _moe_fwd.use_mx_dot(torch.bfloat16, n * 0 + most, E, q, q) == 2  # statically known
+    monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", True)  # the fp8 A/B flag then takes the larger sizes
+    assert _moe_fwd.use_mx_dot(torch.bfloat16, most + 1, E, q, q) == 1
+    monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", False)
+
+    # and the layer launches accordingly: the fp16 loop at MAX_ROWS * E routes, the dequantizing one past them
+    _backend(monkeypatch, "triton")
+    launched, real = [], _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: launched.append(k) or real(k, *a, **kw))
+    monkeypatch.setattr(_moe_fwd, "MX_F16_DOT_MAX_ROWS", 2)  # (small problems for the interpreter)
+    g = torch.Generator().manual_seed(23)
+    q1, q2 = mxfp8.quantize(_weight(E, 2 * I, H, seed=3)), mxfp8.quantize(_weight(E, H, I, seed=4))
+    q1, q2 = (q._replace(**{f: getattr(q, f).to(_TRITON_DEV) for f in ("data", "scale", "data_t", "scale_t")})
+              for q in (q1, q2))
+    for t, want in ((2 * E // K, _moe_fwd._gate_up_mx_dot_kernel), (2 * E // K + 1, _moe_fwd._gate_up_kernel)):
+        x = torch.randn(t, H, generator=g).bfloat16().to(_TRITON_DEV)
+        rw = (torch.rand(t, K, generator=g) + 0.1).to(_TRITON_DEV)
+        te = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]).to(_TRITON_DEV)
+        launched.clear()
+        with torch.no_grad():
+            mok_inductor.moe(x, rw, te, q1, q2)
+        gate_up = [k for k in launched if k in (_moe_fwd._gate_up_mx_dot_kernel, _moe_fwd._gate_up_kernel)]
+        assert gate_up == [want], (t, gate_up)
 
 
 @pytest.mark.parametrize("mode", [1, 2])

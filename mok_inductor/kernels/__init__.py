@@ -23,8 +23,9 @@ capturable in CUDA graphs and bitwise deterministic.
 MXFP8 operands are read in the K loops (e4m3 + scales, dequantized in registers) at small rows per expert,
 and dequantized once per call into a transient x.dtype copy at large ones (MX_DEQUANTIZE_MIN_ROWS). A K loop
 on the fp8 tensor cores (bf16/fp16 activations split into two e4m3 terms, `moe_fwd.MX_FP8_DOT`) is an A/B
-candidate, off: slower on the H200 (docs/benchmarks.md, run 9). So is the same loop on the fp16 tensor cores
-(one exact fp16 activation term, `moe_fwd.MX_F16_DOT`), off: not yet measured.
+candidate, off: slower on the H200 (docs/benchmarks.md, run 9). The same loop on the fp16 tensor cores (one
+exact fp16 activation term, `moe_fwd.MX_F16_DOT`) runs at decode sizes (at most `moe_fwd.MX_F16_DOT_MAX_ROWS`
+routes per expert on average): 7% faster than the dequantizing loop there, and slower above (run 14).
 
 Split per-expert weights (sequences of E 2-D tensors, bf16 or MXFP8) are read in place through a device
 table of the experts' addresses (`moe_fwd.ExpertTable`; stacked instead while torch.compile traces, or when

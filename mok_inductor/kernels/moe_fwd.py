@@ -186,8 +186,8 @@ def e8m0_factor(sc):
 # per-element scale load; below wgmma's 64-row tiles Triton runs an e4m3 dot on sm_90 as fp16 MMAs, both
 # operands unpacked e4m3 -> f16 first: sm_90 SASS, session 11). For bf16/fp16 activations at the K-loop sizes (few rows per expert:
 # decode) when MX_FP8_DOT is on (off: measured slower, see there); float32 activations (SPEC's 1e-4) always
-# keep the dequantizing loop. MX_DOT == 2 (MX_F16_DOT): the same blocks on the fp16 tensor cores instead, one
-# activation term, exact: the block scaled by a power of two into fp16's range, where bf16's 8 significant
+# keep the dequantizing loop. MX_DOT == 2 (MX_F16_DOT, on at decode sizes: see there): the same blocks on the
+# fp16 tensor cores instead, one activation term, exact: the block scaled by a power of two into fp16's range, where bf16's 8 significant
 # bits fit in fp16's 11, and each weight e4m3 -> fp16 by one conversion per two elements (e4m3's values are
 # all fp16 normals), without the dequantizing loop's float32 round trip and per-element scale multiply.
 
@@ -642,7 +642,7 @@ _gate_up_kernel = _launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=
 # MX_DOT (decode sizes): row tiles of 16 (the fp8 tensor cores' mma.sync shape, not wgmma's 64: few rows per
 # expert, and the per-block scaling is BLOCK_M x BLOCK_N float32 work per 32 k) and long K steps
 _MX_DOT_CONFIGS = [cfg(16, 64, 128, 4, 4), cfg(16, 128, 128, 4, 3), cfg(16, 64, 256, 4, 3), cfg(16, 32, 128, 2, 4),
-                   cfg(32, 64, 128, 4, 4), cfg(64, 64, 128, 4, 3), cfg(128, 128, 64, 8, 3)]
+                   cfg(16, 64, 64, 4, 6), cfg(32, 64, 128, 4, 4), cfg(64, 64, 128, 4, 3), cfg(128, 128, 64, 8, 3)]
 _gate_up_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1),
                                           key=_GATE_UP_KEY + ["MX_DOT"])(_gate_up_body)
 
@@ -699,20 +699,29 @@ def _num_sms(device) -> int:
 # CUDA cores). The candidate next step: the activations split once (x per call, h in the gate/up epilogue).
 MX_FP8_DOT = False
 # The same per-32-block K loop on the fp16 tensor cores (MX_DOT 2: one exact fp16 activation term, the e4m3
-# weights converted to fp16 as loaded), in place of the fp8 one when on. Its idea: the dequantizing loop is
-# bound by its conversions (e4m3 -> f16 -> f32, scale, -> bf16); this keeps only the first, one per two
-# elements. Prepared in session 11, not yet measured on the H200 (benchmarks/decode_ab.py --mxfp8): off.
-MX_F16_DOT = False
+# weights converted to fp16 as loaded), on where the routes are few per expert: at most MX_F16_DOT_MAX_ROWS per
+# expert on average, decided without a guard (a symbolic row count that is not statically that small keeps the
+# dequantizing loop). The dequantizing loop is bound by its conversions (e4m3 -> f16 -> f32, scale, -> bf16);
+# this keeps only the first, one per two elements. Measured on the H200 (docs/benchmarks.md, run 14; qwen3,
+# CUDA graphs, benchmarks/decode_ab.py --mxfp8 [--tokens]), ms against the dequantizing loop's: 4 routes per
+# expert (decode, T=64) 0.3368 against 0.3596 (down 2.25 against 1.79 TB/s of weights, gate/up 1.91 against
+# 1.85), 8 routes 0.3422 against 0.3604; but 16 routes 0.4486 against 0.3641, 64 routes 1.206 against 0.493:
+# its 16-row tiles read each expert's weights again every 16 rows, where the dequantizing loop's 64-128-row
+# tiles read them once or twice.
+MX_F16_DOT = True
+MX_F16_DOT_MAX_ROWS = 8
 
 
-def use_mx_dot(act_dtype: torch.dtype, *ops) -> int:
-    """How a GEMM of `act_dtype` activations with these weight operands runs its K loop by 32-blocks on the
-    tensor cores (`mx_dot`): 0 not (the dequantizing loop), 1 fp8, 2 fp16. Only with every operand MXFP8
-    (read in the K loop) and bf16/fp16 activations (float32's 1e-4 needs the exact dequantized weights in a
-    float32 dot)."""
+def use_mx_dot(act_dtype: torch.dtype, M, E: int, *ops) -> int:
+    """How a GEMM of `act_dtype` activations over M sorted rows of E experts with these weight operands runs
+    its K loop by 32-blocks on the tensor cores (`mx_dot`): 0 not (the dequantizing loop), 1 fp8, 2 fp16. Only
+    with every operand MXFP8 (read in the K loop) and bf16/fp16 activations (float32's 1e-4 needs the exact
+    dequantized weights in a float32 dot)."""
     if not (act_dtype in (torch.bfloat16, torch.float16) and all(op is not None and op.quantized for op in ops)):
         return 0
-    return 2 if MX_F16_DOT else 1 if MX_FP8_DOT else 0
+    if MX_F16_DOT and not _launch.at_least(M, MX_F16_DOT_MAX_ROWS * max(E, 1) + 1, True):
+        return 2
+    return 1 if MX_FP8_DOT else 0
 
 
 def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=None, single=False):
@@ -727,7 +736,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
     def tiles(meta):
         return row_tiles_worst(M, E, meta["BLOCK_M"], single) * _launch.cdiv(I, meta["BLOCK_N"])
 
-    mx_dot = use_mx_dot(x_TH.dtype, gate, up)
+    mx_dot = use_mx_dot(x_TH.dtype, M, E, gate, up)
     if PERSISTENT_GATE_UP:
         kernel, progs = _gate_up_persistent_kernel, _num_sms(x_TH.device) * PERSISTENT_PROGRAMS
         grid = (progs,)  # (programs past the last tile loop zero times; no size comparison, no guard)
@@ -926,7 +935,7 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, 
     two = w2 is not None
     w2 = w2 if two else w1
     grid = lambda meta: (row_tiles_worst(M, E, meta["BLOCK_M"], single) * _launch.cdiv(NCOL, meta["BLOCK_N"]),)
-    mx_dot = use_mx_dot(a_MK.dtype, w1, w2)
+    mx_dot = use_mx_dot(a_MK.dtype, M, E, w1, w2)
     tma, tma_meta = _tma_args(a_MK, w1, w2, two, mx_dot)
     _launch.launch(
         _grouped_rows_mx_dot_kernel if mx_dot else _grouped_rows_kernel, grid,
