@@ -184,12 +184,13 @@ def e8m0_factor(sc):
 # asks for the bf16 computation on the dequantized weights within bf16's tolerance; one e4m3 term alone,
 # 3 mantissa bits, is 3.6% off in tests/test_mxfp8.py). The weight tile goes to the dot as loaded (no
 # per-element scale load; below wgmma's 64-row tiles Triton runs an e4m3 dot on sm_90 as fp16 MMAs, both
-# operands unpacked e4m3 -> f16 first: sm_90 SASS, session 11). For bf16/fp16 activations at the K-loop sizes (few rows per expert:
-# decode) when MX_FP8_DOT is on (off: measured slower, see there); float32 activations (SPEC's 1e-4) always
-# keep the dequantizing loop. MX_DOT == 2 (MX_F16_DOT, on at decode sizes: see there): the same blocks on the
-# fp16 tensor cores instead, one activation term, exact: the block scaled by a power of two into fp16's range, where bf16's 8 significant
-# bits fit in fp16's 11, and each weight e4m3 -> fp16 by one conversion per two elements (e4m3's values are
-# all fp16 normals), without the dequantizing loop's float32 round trip and per-element scale multiply.
+# operands unpacked e4m3 -> f16 first: sm_90 SASS, session 11). For bf16/fp16 activations at the K-loop
+# sizes (few rows per expert: decode) when MX_FP8_DOT is on (off: measured slower, see there); float32
+# activations (SPEC's 1e-4) always keep the dequantizing loop. MX_DOT == 2 (MX_F16_DOT, on at decode sizes:
+# see there): the same blocks on the fp16 tensor cores instead, one activation term, exact: the block scaled
+# by a power of two into fp16's range, where bf16's 8 significant bits fit in fp16's 11, and each weight
+# e4m3 -> fp16 by one conversion per two elements (e4m3's values are all fp16 normals), without the
+# dequantizing loop's float32 round trip and per-element scale multiply.
 
 
 @triton.jit
