@@ -284,6 +284,16 @@ def baseline_with_grads(case: MoeCase, dy: torch.Tensor):
     return y.detach(), {n: t.grad if t.grad is not None else torch.zeros_like(t) for n, t in c.tensors().items()}
 
 
+def record_launches(monkeypatch) -> list:
+    """The kernels launched through `mok_inductor.kernels._launch.launch` from here on, in order (a list filled
+    as they run; every launch still runs)."""
+    from mok_inductor.kernels import _launch
+
+    launched, real = [], _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: launched.append(k) or real(k, *a, **kw))
+    return launched
+
+
 def init_gloo(attempts: int = 5) -> None:
     """A one-rank gloo process group on a free port; another process may take the port between the probe
     and the bind, so a failed bind retries on a new port."""

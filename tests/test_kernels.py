@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from _helpers import TOLERANCE, make_case, random_like, rel_err
+from _helpers import TOLERANCE, make_case, random_like, record_launches, rel_err
 from oracle import oracle_moe
 
 from mok_inductor import kernels, reference
@@ -217,13 +217,12 @@ def test_persistent_gate_up_equals_default(name, monkeypatch):
     # the persistent gate/up kernel (PERSISTENT_GATE_UP, an A/B candidate): a few programs loop over every
     # tile, idle and `-1`-tail tiles included (the tail's g, u, h zero); bitwise the default kernel's
     # forward, routed and shared, and the whole backward against the oracle
-    from mok_inductor.kernels import _launch, moe_fwd
+    from mok_inductor.kernels import moe_fwd
 
     case = make_case(**dict(CASES)[name], device=DEV, requires_grad=False, seed=8)
     sched = kernels.build_schedule(case.top_experts, case.gate_up_proj.shape[0])
     ref = _forward(kernels, case, sched)
-    launched, real_launch = [], _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kwa: launched.append(k) or real_launch(k, *a, **kwa))
+    launched = record_launches(monkeypatch)
     monkeypatch.setattr(moe_fwd, "PERSISTENT_GATE_UP", True)
     got = _forward(kernels, case, sched)
     assert moe_fwd._gate_up_persistent_kernel in launched and moe_fwd._gate_up_kernel not in launched
@@ -308,10 +307,9 @@ def test_two_pass_bwd_act_equals_fused(limit, variant, monkeypatch):
     rw = case.router_weights.float().reshape(-1)
     down_t = kernels.plain_t(case.down_proj)
     kw = [dict(two_pass=False), dict(two_pass=True) if variant == "two_pass" else dict(two_pass=False, subtile=True)]
-    from mok_inductor.kernels import _launch, moe_bwd
+    from mok_inductor.kernels import moe_bwd
 
-    launched, real_launch = [], _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kwa: launched.append(k) or real_launch(k, *a, **kwa))
+    launched = record_launches(monkeypatch)
     outs = [kernels.bwd_act(dy, down_t, fwd.gu_N2I, rw, sched.sorted_routes_N, sched.expert_offsets_E1, 2, limit,
                             **k) for k in kw]
     second = moe_bwd._bwd_gemm_kernel if variant == "two_pass" else moe_bwd._bwd_act_sub_kernel

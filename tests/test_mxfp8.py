@@ -126,7 +126,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import mok_inductor  # noqa: E402
-from _helpers import DEVICES, TOLERANCE, rel_err  # noqa: E402
+from _helpers import DEVICES, TOLERANCE, record_launches, rel_err  # noqa: E402
 from mok_inductor.kernels import _launch, moe_fwd as _moe_fwd  # noqa: E402
 
 T, H, I, IS, E, K = 6, 64, 32, 32, 3, 2
@@ -303,8 +303,7 @@ def test_dequantizing_k_loop_with_bf16_activations(monkeypatch, layout):
     # loop, which they take above moe_fwd.MX_F16_DOT_MAX_ROWS routes per expert, checked here at the same sizes
     _backend(monkeypatch, "triton")
     monkeypatch.setattr(_moe_fwd, "MX_F16_DOT", False)
-    launched, real = [], _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: launched.append(k) or real(k, *a, **kw))
+    launched = record_launches(monkeypatch)
     p = _problem(torch.bfloat16, _TRITON_DEV, shared=True, limit=0.9, seed=29 + len(layout))
     _run_and_check(p, layout, torch.bfloat16)
     assert _moe_fwd._gate_up_kernel in launched and _moe_fwd._gate_up_mx_dot_kernel not in launched
@@ -505,18 +504,19 @@ def test_activation_fp16_term_is_exact(dtype):
         assert ((hi[r] * s - a64[r]).abs() <= s * 2.0 ** -25).all(), r
 
 
+def _to_device(q, device):
+    """An MXFP8Weight with its data and scales (both layouts) on `device`."""
+    return q._replace(**{f: getattr(q, f).to(device) for f in ("data", "scale", "data_t", "scale_t")})
+
+
 def _mx_dot_on(monkeypatch, mode=1):
     """The kernels launched (a list, filled as they run); the K loop on the tensor cores by 32-blocks at every
     row count: MX_FP8_DOT (mode 1, off by default: an A/B candidate) or MX_F16_DOT (mode 2, on by default at
     decode sizes only), the other one off."""
-    from mok_inductor.kernels import _launch
-
     monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", mode == 1)
     monkeypatch.setattr(_moe_fwd, "MX_F16_DOT", mode == 2)
     monkeypatch.setattr(_moe_fwd, "MX_F16_DOT_MAX_ROWS", 1 << 40)
-    launched, real = [], _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: launched.append(k) or real(k, *a, **kw))
-    return launched
+    return record_launches(monkeypatch)
 
 
 def test_fp16_tensor_cores_at_decode_sizes_only(monkeypatch):
@@ -543,13 +543,11 @@ def test_fp16_tensor_cores_at_decode_sizes_only(monkeypatch):
 
     # and the layer launches accordingly: the fp16 loop at MAX_ROWS * E routes, the dequantizing one past them
     _backend(monkeypatch, "triton")
-    launched, real = [], _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: launched.append(k) or real(k, *a, **kw))
+    launched = record_launches(monkeypatch)
     monkeypatch.setattr(_moe_fwd, "MX_F16_DOT_MAX_ROWS", 2)  # (small problems for the interpreter)
     g = torch.Generator().manual_seed(23)
     q1, q2 = mxfp8.quantize(_weight(E, 2 * I, H, seed=3)), mxfp8.quantize(_weight(E, H, I, seed=4))
-    q1, q2 = (q._replace(**{f: getattr(q, f).to(_TRITON_DEV) for f in ("data", "scale", "data_t", "scale_t")})
-              for q in (q1, q2))
+    q1, q2 = _to_device(q1, _TRITON_DEV), _to_device(q2, _TRITON_DEV)
     for t, want in ((2 * E // K, _moe_fwd._gate_up_mx_dot_kernel), (2 * E // K + 1, _moe_fwd._gate_up_kernel)):
         x = torch.randn(t, H, generator=g).bfloat16().to(_TRITON_DEV)
         rw = (torch.rand(t, K, generator=g) + 0.1).to(_TRITON_DEV)
@@ -594,7 +592,7 @@ def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch, mode):
     q1, q2 = mxfp8.quantize(_weight(e, 2 * i, h, seed=1)), mxfp8.quantize(_weight(e, h, i, seed=2))
     dev = _TRITON_DEV
     args = [v.to(dev) for v in (rw, te)]
-    q1, q2 = (q._replace(**{f: getattr(q, f).to(dev) for f in ("data", "scale", "data_t", "scale_t")}) for q in (q1, q2))
+    q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
     w1, w2 = (mxfp8.dequantize(q, dtype=torch.float64).cpu() for q in (q1, q2))
     want = _oracle(x.bfloat16().double(), rw.double(), te, w1, w1, w2, w2)  # (forward only: no column-wise)
     launched = _mx_dot_on(monkeypatch, mode)
