@@ -425,8 +425,10 @@ def test_triton_matches_reference_at_a_larger_shape_on_cuda():
 # MX_F16_DOT_MAX_ROWS routes per expert), bf16/fp16 activations with MXFP8 weights read in the K loop go to
 # the tensor cores by 32-blocks (moe_fwd.mx_dot): mode 1 splits the activations per block
 # into two e4m3 terms for the fp8 tensor cores, mode 2 scales them into one exact fp16 term and converts the
-# weights to fp16 (moe_fwd.mx_act_split). The forward GEMMs and the backward's dx GEMM take that path; float32
-# activations keep the dequantizing loop.
+# weights to fp16 (moe_fwd.mx_act_split). Modes 3 and 4 (moe_fwd.MX_F16_MODE, A/B candidates) scale the
+# activations per row into fp16 once per call (moe_fwd.row_f16) and each weight block relative to its row's
+# largest scale, with no scaling of the accumulator; 4 puts the weights first in the dot. The forward GEMMs and
+# the backward's dx GEMM take that path; float32 activations keep the dequantizing loop.
 
 
 @triton.jit
@@ -504,6 +506,69 @@ def test_activation_fp16_term_is_exact(dtype):
         assert ((hi[r] * s - a64[r]).abs() <= s * 2.0 ** -25).all(), r
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_row_scaled_fp16_activations(dtype):
+    # moe_fwd.row_f16 (modes 3, 4): each row times one power of two into fp16's largest octave, read through
+    # strides; exact but far below the row's largest element (fp16's subnormals); a NaN or an Inf poisons
+    # its row's scale
+    g = torch.Generator().manual_seed(6)
+    octaves = 20 if dtype == torch.bfloat16 else 6
+    base = torch.randn(200, 9, generator=g) * torch.exp2(torch.randint(-octaves, octaves, (1, 9), generator=g).float())
+    a = base.t()  # [9, 200], strides (1, 9)
+    a[:, 17] *= 64
+    a[2] = 0.0  # an all-zero row
+    a[5, 3] = float("nan")
+    a[6, 100] = float("inf")
+    a = a.to(dtype)
+    a16, r_s = _moe_fwd.row_f16(a.to(_TRITON_DEV))
+    a16, r_s = a16.cpu(), r_s.cpu().double()
+    assert a16.dtype == torch.float16 and a16.shape == a.shape and a16.is_contiguous()
+    assert torch.isnan(r_s[5]) and torch.isnan(r_s[6])
+    a64 = a.double()
+    for r in [r for r in range(9) if r not in (5, 6)]:
+        s = r_s[r].item()
+        assert s > 0 and math.frexp(s)[0] == 0.5  # a power of two
+        amax = a64[r].abs().max().item()
+        assert amax == 0 or 2.0 ** 14 <= amax / s < 2.0 ** 15
+        back = a16[r].double() * s
+        big = a64[r].abs() >= amax * 2.0 ** -28
+        assert torch.equal(back[big], a64[r][big]), r
+        assert ((back - a64[r]).abs() <= s * 2.0 ** -25).all(), r
+    assert torch.equal(a16[2], torch.zeros(200, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("mode", [3, 4])
+def test_row_scaled_loop_with_block_scales_far_apart(monkeypatch, mode):
+    # the row-scaled fp16 K loop multiplies each weight block by 2**(its scale - its row's largest) in fp16:
+    # blocks 40 octaves below their row's largest underflow there (to fp16 subnormals or zero), which must
+    # cost nothing visible against the float64 computation on the dequantized weights, give no NaN or Inf,
+    # and leave an all-zero weight row's outputs zero. Two experts, k = 192 (one whole K step, two tail blocks)
+    from mok_inductor.kernels import moe_fwd
+    from mok_inductor.mxfp8 import Operand
+
+    launched = _mx_dot_on(monkeypatch, mode)
+    g = torch.Generator().manual_seed(8)
+    e, n, kd, m = 2, 40, 192, 18
+    spread = torch.exp2(torch.randint(-40, 1, (e, n, kd // 32, 1), generator=g).float())
+    w = (torch.randn(e, n, kd // 32, 32, generator=g) * spread).reshape(e, n, kd)
+    w[1, 7] = 0.0
+    q = mxfp8.quantize(w.bfloat16(), columnwise=False)
+    assert (q.scale[1, 7] == 0).all() and (q.scale.int().amax(-1) - q.scale.int().amin(-1)).max() >= 30
+    a = torch.randn(m, kd, generator=g).bfloat16()
+    offsets = torch.tensor([0, 11, m], dtype=torch.int32)
+    routes = torch.arange(m, dtype=torch.int32)
+    dev = _TRITON_DEV
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+    moe_fwd.grouped_rows(a.to(dev), Operand(q.data.to(dev), q.scale.to(dev)), out, routes.to(dev), offsets.to(dev),
+                         scatter=False)
+    assert moe_fwd._grouped_rows_mx_dot_kernel in launched
+    wd = mxfp8.dequantize(q, dtype=torch.float64)
+    want = torch.cat([a[:11].double() @ wd[0].t(), a[11:].double() @ wd[1].t()])
+    out = out.cpu()
+    assert torch.isfinite(out).all() and rel_err(out, want) <= TOLERANCE[torch.bfloat16]
+    assert torch.equal(out[11:, 7], torch.zeros(m - 11, dtype=torch.bfloat16))
+
+
 def _to_device(q, device):
     """An MXFP8Weight with its data and scales (both layouts) on `device`."""
     return q._replace(**{f: getattr(q, f).to(device) for f in ("data", "scale", "data_t", "scale_t")})
@@ -512,9 +577,10 @@ def _to_device(q, device):
 def _mx_dot_on(monkeypatch, mode=1):
     """The kernels launched (a list, filled as they run); the K loop on the tensor cores by 32-blocks at every
     row count: MX_FP8_DOT (mode 1, off by default: an A/B candidate) or MX_F16_DOT (mode 2, on by default at
-    decode sizes only), the other one off."""
+    decode sizes only; modes 3 and 4 its row-scaled variants, MX_F16_MODE), the other one off."""
     monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", mode == 1)
-    monkeypatch.setattr(_moe_fwd, "MX_F16_DOT", mode == 2)
+    monkeypatch.setattr(_moe_fwd, "MX_F16_DOT", mode >= 2)
+    monkeypatch.setattr(_moe_fwd, "MX_F16_MODE", max(mode, 2))
     monkeypatch.setattr(_moe_fwd, "MX_F16_DOT_MAX_ROWS", 1 << 40)
     return record_launches(monkeypatch)
 
@@ -559,7 +625,7 @@ def test_fp16_tensor_cores_at_decode_sizes_only(monkeypatch):
         assert gate_up == [want], (t, gate_up)
 
 
-@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("mode", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout,shared,limit", [("combined", True, 0.9), ("split", False, None)])
 def test_tensor_core_path_vs_oracle(monkeypatch, dtype, layout, shared, limit, mode):
@@ -575,7 +641,7 @@ def test_tensor_core_path_vs_oracle(monkeypatch, dtype, layout, shared, limit, m
     assert launched.count(moe_fwd._grouped_rows_mx_dot_kernel) == 2  # the forward's down, the backward's dx
 
 
-@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("mode", [1, 2, 3, 4])
 def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch, mode):
     # the same layer through both K loops at a deeper reduction (H = 256: 8 scale blocks), activations with
     # outliers: the fp8 (fp16) path is as close to the exact dequantized-weight computation as bf16 rounding
@@ -596,7 +662,7 @@ def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch, mode):
     w1, w2 = (mxfp8.dequantize(q, dtype=torch.float64).cpu() for q in (q1, q2))
     want = _oracle(x.bfloat16().double(), rw.double(), te, w1, w1, w2, w2)  # (forward only: no column-wise)
     launched = _mx_dot_on(monkeypatch, mode)
-    flag = "MX_FP8_DOT" if mode == 1 else "MX_F16_DOT"
+    flag = "MX_FP8_DOT" if mode == 1 else "MX_F16_DOT"  # (off: the dequantizing loop)
     with torch.no_grad():
         y_dot = mok_inductor.moe(x.bfloat16().to(dev), *args, q1, q2)
         assert moe_fwd._gate_up_mx_dot_kernel in launched
@@ -610,12 +676,12 @@ def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch, mode):
         assert moe_fwd._gate_up_mx_dot_kernel not in launched and moe_fwd._grouped_rows_mx_dot_kernel not in launched
     e_dot, e_deq = rel_err(y_dot, want), rel_err(y_deq, want)
     # both well inside bf16's 1e-2; the two e4m3 terms add at most a few bf16 roundings' worth, the exact fp16
-    # term none
+    # term none (modes 2-4)
     assert e_deq < 4e-3 and e_dot < (6e-3 if mode == 1 else 4e-3), (e_dot, e_deq)
 
 
 @pytest.mark.parametrize("kd", [32, 160])  # no whole K step; one whole step (4 blocks) and a 1-block tail
-@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("mode", [1, 2, 3, 4])
 def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
     # K steps of BLOCK_K 128 over k = 32 or 160 (a tail of one block): no block past k's end may be read, its scale least of all
     # (one byte 255 is 2**128, and a zero tile times Inf is NaN; seen on the H200 when the loop ran whole K
@@ -647,7 +713,7 @@ def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
 
 @pytest.mark.parametrize("where", ["x", pytest.param("weight", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: the interpreter decodes the e4m3 NaN (0x7F) as 480"))])
-@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("mode", [1, 2, 3, 4])
 def test_tensor_core_path_propagates_nan(monkeypatch, where, mode):
     # a NaN activation poisons its token's output rows only; a NaN weight element its expert's routes
     _backend(monkeypatch, "triton")
