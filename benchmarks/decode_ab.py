@@ -3,8 +3,8 @@ captured in one CUDA graph, and a profile of its replays, kernel by kernel (devi
 each GEMM reads and the bandwidth that makes, the gaps between kernels); then the two GEMMs autotuned over
 a wider list of tile configs than the package's (smaller tiles, longer K steps, more stages), each graph
 timed again, in the same process; --mxfp8 adds MXFP8 routed weights through the fp8 tensor cores
-(moe_fwd.MX_FP8_DOT), the fp16 ones (moe_fwd.MX_F16_DOT; also over a wider config list), its row-scaled
-variants (moe_fwd.MX_F16_MODE 3 and 4, labelled rows3 and rows4) and the dequantizing K loop. --tokens runs the shape at another token count: up to kernels.MX_DEQUANTIZE_MIN_ROWS
+(moe_fwd.MX_FP8_DOT), the fp16 ones (moe_fwd.MX_F16_DOT; also over a wider config list), its variant on
+activation rows scaled once per call (moe_fwd.MX_F16_MODE 3, labelled rows3) and the dequantizing K loop. --tokens runs the shape at another token count: up to kernels.MX_DEQUANTIZE_MIN_ROWS
 routes per expert MXFP8 stays in the K loop, so this times the K-loop choices between decode and prefill.
 
     python benchmarks/decode_ab.py [--shape qwen3-decode] [--tokens T] [--mxfp8] [--only LABELS] [--out DIR]
@@ -37,7 +37,7 @@ _WIDE = [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 64, 256, 4, 3), (64, 32
 # and for the MXFP8 loops by 32-blocks (moe_fwd._MX_DOT_CONFIGS: 16-row tiles first)
 _MX_WIDE = [(16, 64, 64, 4, 6), (16, 128, 64, 4, 5), (16, 256, 64, 8, 4), (16, 128, 128, 8, 3), (16, 256, 128, 8, 3),
             (16, 64, 128, 2, 5), (16, 32, 256, 2, 3), (16, 128, 256, 8, 2), (32, 128, 128, 8, 3), (16, 64, 256, 4, 2)]
-# the row-scaled loops keep no per-block scaling of the accumulator, so taller row tiles may pay there too
+# and for the variant on rows scaled once: taller row tiles too (no activation split per block to repeat)
 _ROWS_WIDE = _MX_WIDE + [(64, 64, 64, 4, 6), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4), (32, 64, 128, 4, 5),
                          (16, 64, 128, 4, 6)]
 
@@ -82,7 +82,7 @@ def main():
     base = tuple(getattr(moe_fwd, n) for n in names)
     wide = lambda k: extended(k, [cfg(*c) for c in _WIDE])  # noqa: E731
     # label: (graph, gate/up kernel, down kernel, the K loop by 32-blocks (moe_fwd.use_mx_dot: 0 off, 1 fp8,
-    # 2 fp16, 3 and 4 fp16 row-scaled), weight bytes per element)
+    # 2 fp16, 3 fp16 on rows scaled once), weight bytes per element)
     variants = {"package configs": (GraphedMok, {}, 0, 2),
                 "wider configs, both GEMMs": (GraphedMok, dict(zip(names, map(wide, base))), 0, 2)}
     if a.mxfp8:
@@ -93,11 +93,9 @@ def main():
         variants["MXFP8, fp16 tensor cores (MX_F16_DOT)"] = (GraphedMokMxfp8, {}, 2, 1 + 1 / 32)
         variants["MXFP8, fp16 tensor cores, wider configs"] = (GraphedMokMxfp8, mx_wide, 2, 1 + 1 / 32)
         rows_wide = {n: extended(k, [cfg(*c) for c in _ROWS_WIDE]) for n, k in zip(mx_names, mx_base)}
-        variants["MXFP8, fp16 row-scaled (rows3)"] = (GraphedMokMxfp8, {}, 3, 1 + 1 / 32)
-        variants["MXFP8, fp16 row-scaled, wider configs (rows3)"] = (GraphedMokMxfp8, rows_wide, 3, 1 + 1 / 32)
-        variants["MXFP8, fp16 row-scaled, weights first (rows4)"] = (GraphedMokMxfp8, {}, 4, 1 + 1 / 32)
-        variants["MXFP8, fp16 row-scaled, weights first, wider configs (rows4)"] = (GraphedMokMxfp8, rows_wide, 4,
-                                                                                     1 + 1 / 32)
+        variants["MXFP8, fp16 on rows scaled once (rows3)"] = (GraphedMokMxfp8, {}, 3, 1 + 1 / 32)
+        variants["MXFP8, fp16 on rows scaled once, wider configs (rows3)"] = (GraphedMokMxfp8, rows_wide, 3,
+                                                                               1 + 1 / 32)
         variants["MXFP8, dequantizing K loop"] = (GraphedMokMxfp8, {}, 0, 1 + 1 / 32)
     if a.only:
         variants = {k: v for k, v in variants.items() if any(w in k for w in a.only.split(","))}

@@ -425,10 +425,9 @@ def test_triton_matches_reference_at_a_larger_shape_on_cuda():
 # MX_F16_DOT_MAX_ROWS routes per expert), bf16/fp16 activations with MXFP8 weights read in the K loop go to
 # the tensor cores by 32-blocks (moe_fwd.mx_dot): mode 1 splits the activations per block
 # into two e4m3 terms for the fp8 tensor cores, mode 2 scales them into one exact fp16 term and converts the
-# weights to fp16 (moe_fwd.mx_act_split). Modes 3 and 4 (moe_fwd.MX_F16_MODE, A/B candidates) scale the
-# activations per row into fp16 once per call (moe_fwd.row_f16) and each weight block relative to its row's
-# largest scale, with no scaling of the accumulator; 4 puts the weights first in the dot. The forward GEMMs and
-# the backward's dx GEMM take that path; float32 activations keep the dequantizing loop.
+# weights to fp16 (moe_fwd.mx_act_split). Mode 3 (moe_fwd.MX_F16_MODE 3, an A/B candidate) is mode 2 with the
+# activations scaled per row into fp16 once per call (moe_fwd.row_f16) instead of per block in every program.
+# The forward GEMMs and the backward's dx GEMM take that path; float32 activations keep the dequantizing loop.
 
 
 @triton.jit
@@ -508,7 +507,7 @@ def test_activation_fp16_term_is_exact(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_row_scaled_fp16_activations(dtype):
-    # moe_fwd.row_f16 (modes 3, 4): each row times one power of two into fp16's largest octave, read through
+    # moe_fwd.row_f16 (mode 3): each row times one power of two into fp16's largest octave, read through
     # strides; exact but far below the row's largest element (fp16's subnormals); a NaN or an Inf poisons
     # its row's scale
     g = torch.Generator().manual_seed(6)
@@ -537,12 +536,11 @@ def test_row_scaled_fp16_activations(dtype):
     assert torch.equal(a16[2], torch.zeros(200, dtype=torch.float16))
 
 
-@pytest.mark.parametrize("mode", [3, 4])
-def test_row_scaled_loop_with_block_scales_far_apart(monkeypatch, mode):
-    # the row-scaled fp16 K loop multiplies each weight block by 2**(its scale - its row's largest) in fp16:
-    # blocks 40 octaves below their row's largest underflow there (to fp16 subnormals or zero), which must
-    # cost nothing visible against the float64 computation on the dequantized weights, give no NaN or Inf,
-    # and leave an all-zero weight row's outputs zero. Two experts, k = 192 (one whole K step, two tail blocks)
+@pytest.mark.parametrize("mode", [2, 3])
+def test_fp16_loop_with_block_scales_far_apart(monkeypatch, mode):
+    # the fp16 K loops with weight blocks up to 40 octaves apart in one row (and activation rows, mode 3, scaled
+    # as a whole): within bf16's tolerance of the float64 computation on the dequantized weights, no NaN or Inf,
+    # an all-zero weight row's outputs zero. Two experts, k = 192 (one whole K step of 4 blocks, two tail blocks)
     from mok_inductor.kernels import moe_fwd
     from mok_inductor.mxfp8 import Operand
 
@@ -577,7 +575,7 @@ def _to_device(q, device):
 def _mx_dot_on(monkeypatch, mode=1):
     """The kernels launched (a list, filled as they run); the K loop on the tensor cores by 32-blocks at every
     row count: MX_FP8_DOT (mode 1, off by default: an A/B candidate) or MX_F16_DOT (mode 2, on by default at
-    decode sizes only; modes 3 and 4 its row-scaled variants, MX_F16_MODE), the other one off."""
+    decode sizes only; mode 3 its variant on rows scaled once, MX_F16_MODE), the other one off."""
     monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", mode == 1)
     monkeypatch.setattr(_moe_fwd, "MX_F16_DOT", mode >= 2)
     monkeypatch.setattr(_moe_fwd, "MX_F16_MODE", max(mode, 2))
@@ -625,7 +623,7 @@ def test_fp16_tensor_cores_at_decode_sizes_only(monkeypatch):
         assert gate_up == [want], (t, gate_up)
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout,shared,limit", [("combined", True, 0.9), ("split", False, None)])
 def test_tensor_core_path_vs_oracle(monkeypatch, dtype, layout, shared, limit, mode):
@@ -641,7 +639,7 @@ def test_tensor_core_path_vs_oracle(monkeypatch, dtype, layout, shared, limit, m
     assert launched.count(moe_fwd._grouped_rows_mx_dot_kernel) == 2  # the forward's down, the backward's dx
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", [1, 2, 3])
 def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch, mode):
     # the same layer through both K loops at a deeper reduction (H = 256: 8 scale blocks), activations with
     # outliers: the fp8 (fp16) path is as close to the exact dequantized-weight computation as bf16 rounding
@@ -681,7 +679,7 @@ def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch, mode):
 
 
 @pytest.mark.parametrize("kd", [32, 160])  # no whole K step; one whole step (4 blocks) and a 1-block tail
-@pytest.mark.parametrize("mode", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", [1, 2, 3])
 def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
     # K steps of BLOCK_K 128 over k = 32 or 160 (a tail of one block): no block past k's end may be read, its scale least of all
     # (one byte 255 is 2**128, and a zero tile times Inf is NaN; seen on the H200 when the loop ran whole K
@@ -713,7 +711,7 @@ def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
 
 @pytest.mark.parametrize("where", ["x", pytest.param("weight", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: the interpreter decodes the e4m3 NaN (0x7F) as 480"))])
-@pytest.mark.parametrize("mode", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", [1, 2, 3])
 def test_tensor_core_path_propagates_nan(monkeypatch, where, mode):
     # a NaN activation poisons its token's output rows only; a NaN weight element its expert's routes
     _backend(monkeypatch, "triton")

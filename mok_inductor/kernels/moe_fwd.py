@@ -190,7 +190,10 @@ def e8m0_factor(sc):
 # see there): the same blocks on the fp16 tensor cores instead, one activation term, exact: the block scaled
 # by a power of two into fp16's range, where bf16's 8 significant bits fit in fp16's 11, and each weight
 # e4m3 -> fp16 by one conversion per two elements (e4m3's values are all fp16 normals), without the
-# dequantizing loop's float32 round trip and per-element scale multiply.
+# dequantizing loop's float32 round trip and per-element scale multiply. MX_DOT == 3 (MX_F16_MODE 3, an A/B
+# candidate): the fp16 loop of 2 with the activations scaled per row, not per block, into fp16 once per call
+# (`row_f16`), so that no program splits blocks; each block's product is scaled by the weight scales only, the
+# row scales applied after the K loop (exact but for activations under 2**-24 of their row's largest).
 
 
 @triton.jit
@@ -237,10 +240,15 @@ def mx_act_split(a, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
 @triton.jit
 def mx_act_block(a_row, stride_ak, a_k0, kb, rmask, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
     """Scale block kb of the A rows (k = 32 kb + [0, 32), at column a_k0 + k of A; a whole block, MXFP8's k
-    being a multiple of 32), split for mx_dot: (hi, lo, scale)."""
+    being a multiple of 32), split for mx_dot: (hi, lo, scale). MODE 3: A is already fp16, scaled per row
+    (`row_f16`): (the block, the block, an unused scale)."""
     kk = kb * 32 + tl.arange(0, 32)
     a = tl.load(a_row + (a_k0 + kk[None, :]) * stride_ak, mask=rmask[:, None], other=0.0)
-    return mx_act_split(a, MODE, DOT_PREC)
+    if MODE == 3:
+        out = a, a, rmask.to(tl.float32)
+    else:
+        out = mx_act_split(a, MODE, DOT_PREC)
+    return out
 
 
 @triton.jit
@@ -258,8 +266,9 @@ def mx_dot(hi, lo, sa, w, sw, acc, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
     """acc + (hi @ w + lo @ w) * sa[:, None] * sw[None, :]: one 32-block of k on the fp8 tensor cores, scaled
     and added to the float32 accumulator every 32 of k (which also bounds the sums kept in the fp8 MMA's own
     accumulator, narrower than float32 on Hopper). MODE 2: acc + (hi @ fp16(w)) * ..., on the fp16 tensor
-    cores (`mx_act_split`)."""
-    if MODE == 2:
+    cores (`mx_act_split`); MODE 3: acc + (hi @ fp16(w)) * sw[None, :], hi the rows scaled by `row_f16`, their
+    scales applied by the caller after the K loop."""
+    if MODE >= 2:
         if DOT_PREC == "interp":
             p = tl.dot(hi.to(tl.float32), w.to(tl.float32))
         else:
@@ -271,7 +280,11 @@ def mx_dot(hi, lo, sa, w, sw, acc, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
     else:
         p = tl.dot(hi, w)
         p = tl.dot(lo, w, p)
-    return acc + p * (sa[:, None] * sw[None, :])
+    if MODE == 3:
+        acc = acc + p * sw[None, :]
+    else:
+        acc = acc + p * (sa[:, None] * sw[None, :])
+    return acc
 
 
 @triton.jit
@@ -291,134 +304,6 @@ def _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb, rmask, wg, gs, wu, us,
     bg, sg = w_tile_e4m3(wg, gs, kb, cols, cmask, g_n, g_k, gs_n, gs_k)
     bu, su = w_tile_e4m3(wu, us, kb, cols, cmask, u_n, u_k, us_n, us_k)
     return mx_dot(hi, lo, sa, bg, sg, acc_g, MODE, DOT_PREC), mx_dot(hi, lo, sa, bu, su, acc_u, MODE, DOT_PREC)
-
-
-# MX_DOT 3 and 4 (MX_F16_ROWS, an A/B candidate): the fp16 tensor cores without a per-block scaling of the
-# accumulator. The activations are scaled per row, not per block, into fp16 once per call (`row_f16`: x before
-# the gate/up GEMM, h before the down GEMM); each weight block is converted e4m3 -> fp16 and multiplied in fp16
-# by 2**(its scale - the largest scale of its row), that row's power of two and the activation row's applied
-# once in the epilogue. The K loop is then one accumulating fp16 dot chain. MX_DOT 4: the same with the weight
-# block as the dot's first operand ([BLOCK_N, 32], k contiguous as stored; the accumulator [BLOCK_N, BLOCK_M],
-# transposed at the end), so that on Hopper the converted weights can feed the MMA from registers while the
-# few activation rows are the narrow operand. Exact but for weight elements under about 2**-21 of their row's
-# largest and activations under 2**-24 of their row's (fp16's subnormal range), rounded once there.
-
-
-@triton.jit
-def w_row_scale(s_ptr, cols, cmask, KB, ss_n, ss_k):
-    """int32 [BLOCK_N]: the largest E8M0 scale byte of each weight row `cols` over its KB blocks (0 for a
-    masked row). Reads no block past KB (a scale view may be followed by other bytes)."""
-    m = tl.zeros_like(cols)
-    for kb0 in range(0, KB, 32):
-        kb = kb0 + tl.arange(0, 32)
-        sc = tl.load(s_ptr + kb[:, None] * ss_k + cols[None, :] * ss_n, mask=(kb < KB)[:, None] & cmask[None, :],
-                     other=0)
-        m = tl.maximum(m, tl.max(sc.to(tl.int32), axis=0))
-    return m
-
-
-@triton.jit
-def w_block_f16(w_ptr, s_ptr, kb, cols, cmask, s_n, s_k, ss_n, ss_k, smax, SWAP: tl.constexpr,
-                DOT_PREC: tl.constexpr):
-    """Scale block kb of W[e][cols, :] as fp16 e4m3 * 2**(s - smax) (smax: `w_row_scale`): [32, BLOCK_N], or
-    (SWAP) [BLOCK_N, 32]. A zero scale byte gives zeros (as `e8m0_factor`)."""
-    kk = kb * 32 + tl.arange(0, 32)
-    sc = tl.load(s_ptr + kb * ss_k + cols * ss_n, mask=cmask, other=0).to(tl.int32)
-    f = ((tl.maximum(sc - smax, -126) + 127) << 23).to(tl.float32, bitcast=True)
-    f = tl.where(sc == 0, 0.0, f).to(tl.float16)  # (rounds to 0 under fp16's 2**-24)
-    if SWAP:
-        w = tl.load(w_ptr + cols[:, None] * s_n + kk[None, :] * s_k, mask=cmask[:, None], other=0.0)
-        f = f[:, None]
-    else:
-        w = tl.load(w_ptr + kk[:, None] * s_k + cols[None, :] * s_n, mask=cmask[None, :], other=0.0)
-        f = f[None, :]
-    if DOT_PREC == "interp":  # (the same single rounding of the exact product)
-        w = (w.to(tl.float32) * f.to(tl.float32)).to(tl.float16)
-    else:
-        w = w.to(tl.float16) * f
-    return w  # (one return: Triton checks every return's type, constexpr branches included)
-
-
-@triton.jit
-def f16_dot(a, w, acc, SWAP: tl.constexpr, DOT_PREC: tl.constexpr):
-    """acc + a @ w of fp16 tiles, float32 accumulation; SWAP: acc + w @ a^T (w [BLOCK_N, 32], acc
-    [BLOCK_N, BLOCK_M])."""
-    if DOT_PREC == "interp":
-        a = a.to(tl.float32)
-        w = w.to(tl.float32)
-    if SWAP:
-        acc = tl.dot(w, tl.trans(a), acc)
-    else:
-        acc = tl.dot(a, w, acc)
-    return acc
-
-
-@triton.jit
-def f16_acc(SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def f16_result(acc, smax, SWAP: tl.constexpr):
-    """The [BLOCK_M, BLOCK_N] float32 product of a row-scaled K loop, its weight rows' powers of two applied."""
-    if SWAP:
-        acc = tl.trans(acc)
-    return acc * e8m0_factor(smax)[None, :]
-
-
-@triton.jit
-def _f16_rows_k_loop(a_row, stride_ak, a_k0, KD, rmask, w_ptr, s_ptr, cols, cmask, s_n, s_k, ss_n, ss_k,
-                     SWAP: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """A16[rows, a_k0 + k] @ W[e][cols, k]^T over k < KD (whole K steps of BLOCK_K // 32 blocks, then the
-    tail's blocks one by one), float32 [BLOCK_M, BLOCK_N], without the activation rows' scales."""
-    smax = w_row_scale(s_ptr, cols, cmask, KD // 32, ss_n, ss_k)
-    acc = f16_acc(SWAP, BLOCK_M, BLOCK_N)
-    k_full = KD - KD % BLOCK_K
-    for k0 in range(0, k_full, BLOCK_K):
-        for j in tl.static_range(BLOCK_K // 32):
-            kk = k0 + j * 32 + tl.arange(0, 32)
-            a = tl.load(a_row + (a_k0 + kk[None, :]) * stride_ak, mask=rmask[:, None], other=0.0)
-            w = w_block_f16(w_ptr, s_ptr, k0 // 32 + j, cols, cmask, s_n, s_k, ss_n, ss_k, smax, SWAP, DOT_PREC)
-            acc = f16_dot(a, w, acc, SWAP, DOT_PREC)
-    for kb in range(k_full // 32, KD // 32):
-        kk = kb * 32 + tl.arange(0, 32)
-        a = tl.load(a_row + (a_k0 + kk[None, :]) * stride_ak, mask=rmask[:, None], other=0.0)
-        w = w_block_f16(w_ptr, s_ptr, kb, cols, cmask, s_n, s_k, ss_n, ss_k, smax, SWAP, DOT_PREC)
-        acc = f16_dot(a, w, acc, SWAP, DOT_PREC)
-    return f16_result(acc, smax, SWAP)
-
-
-@triton.jit
-def _gate_up_f16_rows(a_row, stride_xh, H, rmask, wg, gs, wu, us, cols, cmask, g_n, g_k, gs_n, gs_k,
-                      u_n, u_k, us_n, us_k, SWAP: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`_f16_rows_k_loop` of the gate and up GEMMs, each activation block loaded once for both."""
-    sg = w_row_scale(gs, cols, cmask, H // 32, gs_n, gs_k)
-    su = w_row_scale(us, cols, cmask, H // 32, us_n, us_k)
-    acc_g = f16_acc(SWAP, BLOCK_M, BLOCK_N)
-    acc_u = f16_acc(SWAP, BLOCK_M, BLOCK_N)
-    k_full = H - H % BLOCK_K
-    for k0 in range(0, k_full, BLOCK_K):
-        for j in tl.static_range(BLOCK_K // 32):
-            kk = k0 + j * 32 + tl.arange(0, 32)
-            a = tl.load(a_row + kk[None, :] * stride_xh, mask=rmask[:, None], other=0.0)
-            bg = w_block_f16(wg, gs, k0 // 32 + j, cols, cmask, g_n, g_k, gs_n, gs_k, sg, SWAP, DOT_PREC)
-            bu = w_block_f16(wu, us, k0 // 32 + j, cols, cmask, u_n, u_k, us_n, us_k, su, SWAP, DOT_PREC)
-            acc_g = f16_dot(a, bg, acc_g, SWAP, DOT_PREC)
-            acc_u = f16_dot(a, bu, acc_u, SWAP, DOT_PREC)
-    for kb in range(k_full // 32, H // 32):
-        kk = kb * 32 + tl.arange(0, 32)
-        a = tl.load(a_row + kk[None, :] * stride_xh, mask=rmask[:, None], other=0.0)
-        bg = w_block_f16(wg, gs, kb, cols, cmask, g_n, g_k, gs_n, gs_k, sg, SWAP, DOT_PREC)
-        bu = w_block_f16(wu, us, kb, cols, cmask, u_n, u_k, us_n, us_k, su, SWAP, DOT_PREC)
-        acc_g = f16_dot(a, bg, acc_g, SWAP, DOT_PREC)
-        acc_u = f16_dot(a, bu, acc_u, SWAP, DOT_PREC)
-    return f16_result(acc_g, sg, SWAP), f16_result(acc_u, su, SWAP)
 
 
 @triton.jit
@@ -453,7 +338,7 @@ def _row_f16_kernel(a_ptr, stride_am, stride_ak, o_ptr, r_ptr, R, KA, BLOCK_R: t
 
 def row_f16(a_RK: torch.Tensor):
     """(a16 [R, KA] fp16, r_s [R] float32) with a = a16 * r_s[:, None] (`_row_f16_kernel`): the activations of a
-    row-scaled fp16 K loop (MX_DOT 3, 4), one pass over a (read twice, the second time mostly from L2)."""
+    fp16 K loop of MX_DOT 3, one pass over a (read twice, the second time mostly from L2)."""
     R, KA = a_RK.shape
     a16 = torch.empty(R, KA, dtype=torch.float16, device=a_RK.device)
     r_s = torch.empty(R, dtype=torch.float32, device=a_RK.device)
@@ -695,8 +580,8 @@ def _gate_up_tile(
 ):
     """The K loop and epilogue of one tile of expert `group`'s rows [row_start, row_end). PERSISTENT: the
     tile may be idle (no rows) or of the `-1` tail group: no K step runs, and the tail's g, u, h are zero.
-    MX_DOT (1 fp8, 2 fp16): MXFP8 gate and up on the tensor cores (`mx_dot`), BLOCK_K // 32 scale blocks per K step;
-    3, 4: by `_gate_up_f16_rows`, x the fp16 rows of `row_f16` and xr_ptr their float32 scales.
+    MX_DOT (1 fp8, 2 and 3 fp16): MXFP8 gate and up on the tensor cores (`mx_dot`), BLOCK_K // 32 scale blocks per
+    K step; 3: x the fp16 rows of `row_f16`, xr_ptr their float32 scales.
     TMA: the weight tiles of the whole K steps through descriptors (`w_tma_tile`; not PERSISTENT), the tail
     step and the gathered x rows by pointers."""
     rows = row_start + tl.arange(0, BLOCK_M)
@@ -722,13 +607,7 @@ def _gate_up_tile(
         k_end = tl.where((group < E) & (row_start < row_end), H, 0)
     else:
         k_end = H
-    if MX_DOT >= 3:  # x16 rows (`row_f16`), their scales applied here
-        acc_g, acc_u = _gate_up_f16_rows(a_row, stride_xh, k_end, rmask, wg, gs, wu, us, cols, cmask, g_n, g_k, gs_n,
-                                         gs_k, u_n, u_k, us_n, us_k, MX_DOT == 4, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
-        r_s = tl.load(xr_ptr + tok, mask=rmask, other=1.0)[:, None]
-        acc_g *= r_s
-        acc_u *= r_s
-    elif MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
+    if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = k_end - k_end % BLOCK_K
         for k0 in range(0, k_full, BLOCK_K):
             for j in tl.static_range(BLOCK_K // 32):
@@ -738,6 +617,10 @@ def _gate_up_tile(
         for kb in range(k_full // 32, k_end // 32):
             acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb, rmask, wg, gs, wu, us, cols, cmask,
                                              g_n, g_k, gs_n, gs_k, u_n, u_k, us_n, us_k, MX_DOT, DOT_PREC)
+        if MX_DOT == 3:  # x's row scales
+            r_s = tl.load(xr_ptr + tok, mask=rmask, other=1.0)[:, None]
+            acc_g *= r_s
+            acc_u *= r_s
     else:
         k_start = 0
         if TMA:
@@ -773,8 +656,8 @@ def _gate_up_tile(
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, stride_xt, stride_xh,  # x [T, H] (MX_DOT 3, 4: fp16, `row_f16`)
-    xr_ptr,  # MX_DOT 3, 4: x's row scales [T] float32 (else unused)
+    x_ptr, stride_xt, stride_xh,  # x [T, H] (MX_DOT 3: fp16, `row_f16`)
+    xr_ptr,  # MX_DOT 3: x's row scales [T] float32 (else unused)
     routes_ptr, offsets_ptr,  # sorted_routes [M] int32, expert_offsets [E+1] int32
     wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k,  # gate read as [E, I, H]: data, scales [E, I, H/32] (MX_G)
     wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k,  # up read as [E, I, H]
@@ -891,18 +774,18 @@ MX_FP8_DOT = False
 # tiles read them once or twice.
 MX_F16_DOT = True
 MX_F16_DOT_MAX_ROWS = 8
-# Which fp16 loop that is: 2 the per-block scaled one above; 3, 4 the row-scaled ones (`_f16_rows_k_loop`: the
-# activations scaled per row into fp16 once per call, the weights per block in fp16, no scaling of the
-# accumulator; 4 with the weights as the dot's first operand). 3 and 4 are A/B candidates, unmeasured.
+# Which fp16 loop that is: 2 the activations scaled per 32-block in every program (`mx_act_split`), or 3 (an A/B
+# candidate) scaled per row into fp16 once per call (`row_f16`: x before the gate/up GEMM, h before the down
+# GEMM), the K loop then scaling each block's product by the weight scales only.
 MX_F16_MODE = 2
 
 
 def use_mx_dot(act_dtype: torch.dtype, M, E: int, *ops) -> int:
     """How a GEMM of `act_dtype` activations over M sorted rows of E experts with these weight operands runs
-    its K loop by 32-blocks on the tensor cores: 0 not (the dequantizing loop), 1 fp8, 2 fp16 (`mx_dot`), 3 and 4
-    fp16 row-scaled (`_f16_rows_k_loop`; MX_F16_MODE picks among 2-4). Only with every operand MXFP8 (read in
-    the K loop) and bf16/fp16 activations (float32's 1e-4 needs the exact dequantized weights in a float32
-    dot)."""
+    its K loop by 32-blocks on the tensor cores (`mx_dot`): 0 not (the dequantizing loop), 1 fp8, 2 or 3 fp16
+    (MX_F16_MODE). Only
+    with every operand MXFP8 (read in the K loop) and bf16/fp16 activations (float32's 1e-4 needs the exact
+    dequantized weights in a float32 dot)."""
     if not (act_dtype in (torch.bfloat16, torch.float16) and all(op is not None and op.quantized for op in ops)):
         return 0
     if MX_F16_DOT and not _launch.at_least(M, MX_F16_DOT_MAX_ROWS * max(E, 1) + 1, True):
@@ -932,7 +815,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
     tma = None if PERSISTENT_GATE_UP or mx_dot or not tma_eligible(x_TH, M, E) else tma_weights((gate, up))
     h = h_out if h_out is not None else gu_out
     xr = None
-    if mx_dot >= 3:
+    if mx_dot == 3:
         x_TH, xr = row_f16(x_TH)
     keep_clip = limit is not None and gu_out.dtype in (torch.bfloat16, torch.float16)
     above, below = (float(v) for v in reference.clip_bounds(limit, gu_out.dtype)) if keep_clip else (0.0, 0.0)
@@ -1001,8 +884,8 @@ def _tma_k_loop(acc, a_desc, a_k0, row_start, w_desc, w_row0, n0, kd_full, W_KMA
 
 @triton.jit
 def _grouped_rows_kernel(
-    a_ptr, stride_am, stride_ak,  # A [M, KD or 2*KD], sorted rows (MX_DOT 3, 4: fp16, `row_f16`)
-    ar_ptr,  # MX_DOT 3, 4: A's row scales [M] float32 (else unused)
+    a_ptr, stride_am, stride_ak,  # A [M, KD or 2*KD], sorted rows (MX_DOT 3: fp16, `row_f16`)
+    ar_ptr,  # MX_DOT 3: A's row scales [M] float32 (else unused)
     routes_ptr, offsets_ptr,  # sorted_routes [M], expert_offsets [E+1]
     w1_ptr, s1_e, s1_n, s1_k, q1_ptr, q1_e, q1_n, q1_k,  # W1[e] (n, k) data and scales (MX1), [E, NCOL, KD]
     w2_ptr, s2_e, s2_n, s2_k, q2_ptr, q2_e, q2_n, q2_k,  # W2[e], multiplies A's columns [KD, 2 KD) (TWO)
@@ -1026,17 +909,6 @@ def _grouped_rows_kernel(
     w1, q1 = w_bases(w1_ptr, q1_ptr, e64, s1_e, q1_e, E, W_TABLE, MX1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a_row = a_ptr + rows[:, None].to(tl.int64) * stride_am
-    if MX_DOT >= 3:  # (MX1, MX2; never TMA) each weight's rows scaled by their powers of two, then A's rows
-        acc = _f16_rows_k_loop(a_row, stride_ak, 0, KD, rmask, w1, q1, cols, cmask, s1_n, s1_k, q1_n, q1_k,
-                               MX_DOT == 4, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
-        if TWO:
-            w2, q2 = w_bases(w2_ptr, q2_ptr, e64, s2_e, q2_e, E, W_TABLE, MX2)
-            acc += _f16_rows_k_loop(a_row, stride_ak, KD, KD, rmask, w2, q2, cols, cmask, s2_n, s2_k, q2_n, q2_k,
-                                    MX_DOT == 4, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
-        acc *= tl.load(ar_ptr + rows, mask=rmask, other=1.0)[:, None]
-        _grouped_rows_store(acc, out_ptr, stride_om, stride_on, routes_ptr, rows, rmask, cols, cmask, SCATTER,
-                            DOT_PREC)
-        return
     k_start = 0
     if TMA:
         k_start = KD - KD % BLOCK_K
@@ -1051,13 +923,8 @@ def _grouped_rows_kernel(
                               W_KMAJOR, DOT_PREC, BLOCK_K)
         acc = _grouped_rows_k_loop(acc, a_row, stride_ak, KD, k_start, rmask, w2, q2, s2_n, s2_k, q2_n, q2_k, cols,
                                    cmask, KD, out_ptr, MX2, MX_DOT, DOT_PREC, BLOCK_K)
-    _grouped_rows_store(acc, out_ptr, stride_om, stride_on, routes_ptr, rows, rmask, cols, cmask, SCATTER, DOT_PREC)
-
-
-@triton.jit
-def _grouped_rows_store(acc, out_ptr, stride_om, stride_on, routes_ptr, rows, rmask, cols, cmask,
-                        SCATTER: tl.constexpr, DOT_PREC: tl.constexpr):
-    """out[dest(r), cols] = acc in out's dtype (dest: the route, SCATTER, or the sorted row)."""
+    if MX_DOT == 3:  # A's row scales
+        acc *= tl.load(ar_ptr + rows, mask=rmask, other=1.0)[:, None]
     if SCATTER:
         dest = tl.load(routes_ptr + rows, mask=rmask, other=0)
     else:
@@ -1147,7 +1014,7 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, 
     tma, tma_meta = _tma_args(a_MK, w1, w2, two, mx_dot)
     dot_prec = _launch.dot_precision(a_MK.dtype)
     ar = None
-    if mx_dot >= 3:
+    if mx_dot == 3:
         a_MK, ar = row_f16(a_MK)
     _launch.launch(
         _grouped_rows_mx_dot_kernel if mx_dot else _grouped_rows_kernel, grid,
