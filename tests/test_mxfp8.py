@@ -421,11 +421,11 @@ def test_triton_matches_reference_at_a_larger_shape_on_cuda():
 
 # ---------------------------------------------------------------------------------------------- tensor cores
 #
-# With moe_fwd.MX_FP8_DOT (mode 1, an A/B candidate, off) or MX_F16_DOT (mode 2, on at up to
+# With moe_fwd.MX_FP8_DOT (mode 1, an A/B candidate, off) or MX_F16_DOT (modes 2 and 3, on at up to
 # MX_F16_DOT_MAX_ROWS routes per expert), bf16/fp16 activations with MXFP8 weights read in the K loop go to
 # the tensor cores by 32-blocks (moe_fwd.mx_dot): mode 1 splits the activations per block
 # into two e4m3 terms for the fp8 tensor cores, mode 2 scales them into one exact fp16 term and converts the
-# weights to fp16 (moe_fwd.mx_act_split). Mode 3 (moe_fwd.MX_F16_MODE 3, an A/B candidate) is mode 2 with the
+# weights to fp16 (moe_fwd.mx_act_split). Mode 3 (moe_fwd.MX_F16_MODE 3, the default) is mode 2 with the
 # activations scaled per row into fp16 once per call (moe_fwd.row_f16) instead of per block in every program.
 # The forward GEMMs and the backward's dx GEMM take that path; float32 activations keep the dequantizing loop.
 
@@ -574,8 +574,8 @@ def _to_device(q, device):
 
 def _mx_dot_on(monkeypatch, mode=1):
     """The kernels launched (a list, filled as they run); the K loop on the tensor cores by 32-blocks at every
-    row count: MX_FP8_DOT (mode 1, off by default: an A/B candidate) or MX_F16_DOT (mode 2, on by default at
-    decode sizes only; mode 3 its variant on rows scaled once, MX_F16_MODE), the other one off."""
+    row count: MX_FP8_DOT (mode 1, off by default: an A/B candidate) or MX_F16_DOT (modes 2 and 3, on by default
+    at decode sizes only; MX_F16_MODE picks: 3, the default, on rows scaled once), the other one off."""
     monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", mode == 1)
     monkeypatch.setattr(_moe_fwd, "MX_F16_DOT", mode >= 2)
     monkeypatch.setattr(_moe_fwd, "MX_F16_MODE", max(mode, 2))
@@ -589,23 +589,24 @@ def test_fp16_tensor_cores_at_decode_sizes_only(monkeypatch):
     # symbolic row count not known to be that small (no guard)
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    assert _moe_fwd.MX_F16_DOT and not _moe_fwd.MX_FP8_DOT
+    assert _moe_fwd.MX_F16_DOT and not _moe_fwd.MX_FP8_DOT and _moe_fwd.MX_F16_MODE == 3
     q = mxfp8.Operand(torch.ones(E, 64, 64).to(torch.float8_e4m3fn), torch.full((E, 64, 2), 127, dtype=torch.uint8))
     plain = mxfp8.Operand(torch.ones(E, 64, 64, dtype=torch.bfloat16), None)
     most = _moe_fwd.MX_F16_DOT_MAX_ROWS * E
     for dtype in (torch.bfloat16, torch.float16):
-        assert _moe_fwd.use_mx_dot(dtype, 1, E, q, q) == 2 and _moe_fwd.use_mx_dot(dtype, most, E, q, q) == 2
+        assert _moe_fwd.use_mx_dot(dtype, 1, E, q, q) == 3 and _moe_fwd.use_mx_dot(dtype, most, E, q, q) == 3
         assert _moe_fwd.use_mx_dot(dtype, most + 1, E, q, q) == 0
         assert _moe_fwd.use_mx_dot(dtype, 1, E, q, plain) == 0
     assert _moe_fwd.use_mx_dot(torch.float32, 1, E, q, q) == 0
     n = ShapeEnv().create_unbacked_symint()
     assert _moe_fwd.use_mx_dot(torch.bfloat16, n, E, q, q) == 0
-    assert _moe_fwd.use_mx_dot(torch.bfloat16, n * 0 + most, E, q, q) == 2  # statically known
+    assert _moe_fwd.use_mx_dot(torch.bfloat16, n * 0 + most, E, q, q) == 3  # statically known
     monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", True)  # the fp8 A/B flag then takes the larger sizes
     assert _moe_fwd.use_mx_dot(torch.bfloat16, most + 1, E, q, q) == 1
     monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", False)
 
-    # and the layer launches accordingly: the fp16 loop at MAX_ROWS * E routes, the dequantizing one past them
+    # and the layer launches accordingly: the fp16 loop (and its row pre-pass) at MAX_ROWS * E routes, the
+    # dequantizing one past them
     _backend(monkeypatch, "triton")
     launched = record_launches(monkeypatch)
     monkeypatch.setattr(_moe_fwd, "MX_F16_DOT_MAX_ROWS", 2)  # (small problems for the interpreter)
@@ -621,6 +622,7 @@ def test_fp16_tensor_cores_at_decode_sizes_only(monkeypatch):
             mok_inductor.moe(x, rw, te, q1, q2)
         gate_up = [k for k in launched if k in (_moe_fwd._gate_up_mx_dot_kernel, _moe_fwd._gate_up_kernel)]
         assert gate_up == [want], (t, gate_up)
+        assert launched.count(_moe_fwd._row_f16_kernel) == (2 if want is _moe_fwd._gate_up_mx_dot_kernel else 0)
 
 
 @pytest.mark.parametrize("mode", [1, 2, 3])

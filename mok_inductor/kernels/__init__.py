@@ -25,7 +25,8 @@ and dequantized once per call into a transient x.dtype copy at large ones (MX_DE
 on the fp8 tensor cores (bf16/fp16 activations split into two e4m3 terms, `moe_fwd.MX_FP8_DOT`) is an A/B
 candidate, off: slower on the H200 (docs/benchmarks.md, run 9). The same loop on the fp16 tensor cores (one
 exact fp16 activation term, `moe_fwd.MX_F16_DOT`) runs at decode sizes (at most `moe_fwd.MX_F16_DOT_MAX_ROWS`
-routes per expert on average): 7% faster than the dequantizing loop there, and slower above (run 14).
+routes per expert on average), on activation rows scaled into fp16 once per call (`moe_fwd.row_f16`,
+`MX_F16_MODE` 3): 1.13x bf16 at qwen3 decode (run 15), and slower than the dequantizing loop above (run 14).
 
 Split per-expert weights (sequences of E 2-D tensors, bf16 or MXFP8) are read in place through a device
 table of the experts' addresses (`moe_fwd.ExpertTable`; stacked instead while torch.compile traces, or when

@@ -774,18 +774,21 @@ MX_FP8_DOT = False
 # tiles read them once or twice.
 MX_F16_DOT = True
 MX_F16_DOT_MAX_ROWS = 8
-# Which fp16 loop that is: 2 the activations scaled per 32-block in every program (`mx_act_split`), or 3 (an A/B
-# candidate) scaled per row into fp16 once per call (`row_f16`: x before the gate/up GEMM, h before the down
-# GEMM), the K loop then scaling each block's product by the weight scales only.
-MX_F16_MODE = 2
+# Which fp16 loop that is: 2 the activations scaled per 32-block in every program (`mx_act_split`), or 3 (the
+# default) scaled per row into fp16 once per call (`row_f16`: x before the gate/up GEMM, h before the down
+# GEMM), the K loop then scaling each block's product by the weight scales only. Measured on the H200
+# (docs/benchmarks.md, run 15; qwen3, CUDA graphs), ms: T=64 (4 routes per expert) 0.2901 against mode 2's
+# 0.3337 (gate/up 2.36 against 1.93 TB/s of weights, down 2.67 against 2.26; the two row_f16 passes 0.010),
+# T=256 (16 routes, past MX_F16_DOT_MAX_ROWS) 0.3795 against 0.4480: the per-program activation split was
+# the larger part of mode 2's overhead.
+MX_F16_MODE = 3
 
 
 def use_mx_dot(act_dtype: torch.dtype, M, E: int, *ops) -> int:
     """How a GEMM of `act_dtype` activations over M sorted rows of E experts with these weight operands runs
     its K loop by 32-blocks on the tensor cores (`mx_dot`): 0 not (the dequantizing loop), 1 fp8, 2 or 3 fp16
-    (MX_F16_MODE). Only
-    with every operand MXFP8 (read in the K loop) and bf16/fp16 activations (float32's 1e-4 needs the exact
-    dequantized weights in a float32 dot)."""
+    (MX_F16_MODE). Only with every operand MXFP8 (read in the K loop) and bf16/fp16 activations (float32's
+    1e-4 needs the exact dequantized weights in a float32 dot)."""
     if not (act_dtype in (torch.bfloat16, torch.float16) and all(op is not None and op.quantized for op in ops)):
         return 0
     if MX_F16_DOT and not _launch.at_least(M, MX_F16_DOT_MAX_ROWS * max(E, 1) + 1, True):
