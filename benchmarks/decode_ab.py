@@ -4,7 +4,8 @@ each GEMM reads and the bandwidth that makes, the gaps between kernels); then th
 a wider list of tile configs than the package's (smaller tiles, longer K steps, more stages), each graph
 timed again, in the same process; --mxfp8 adds MXFP8 routed weights through the fp8 tensor cores
 (moe_fwd.MX_FP8_DOT), the fp16 ones (moe_fwd.MX_F16_DOT; also over a wider config list), its variant on
-activation rows scaled once per call (moe_fwd.MX_F16_MODE 3, labelled rows3) and the dequantizing K loop. --tokens runs the shape at another token count: up to kernels.MX_DEQUANTIZE_MIN_ROWS
+activation rows scaled once per call (moe_fwd.MX_F16_MODE 3; rows3 with a byte load per scale, words with
+32-bit loads of 4 scales, moe_fwd.SCALE_WORDS) and the dequantizing K loop. --tokens runs the shape at another token count: up to kernels.MX_DEQUANTIZE_MIN_ROWS
 routes per expert MXFP8 stays in the K loop, so this times the K-loop choices between decode and prefill.
 
     python benchmarks/decode_ab.py [--shape qwen3-decode] [--tokens T] [--mxfp8] [--only LABELS] [--out DIR]
@@ -82,7 +83,7 @@ def main():
     base = tuple(getattr(moe_fwd, n) for n in names)
     wide = lambda k: extended(k, [cfg(*c) for c in _WIDE])  # noqa: E731
     # label: (graph, gate/up kernel, down kernel, the K loop by 32-blocks (moe_fwd.use_mx_dot: 0 off, 1 fp8,
-    # 2 fp16, 3 fp16 on rows scaled once), weight bytes per element)
+    # 2 fp16, 3 fp16 on rows scaled once, 4 that with scale words), weight bytes per element)
     variants = {"package configs": (GraphedMok, {}, 0, 2),
                 "wider configs, both GEMMs": (GraphedMok, dict(zip(names, map(wide, base))), 0, 2)}
     if a.mxfp8:
@@ -96,17 +97,22 @@ def main():
         variants["MXFP8, fp16 on rows scaled once (rows3)"] = (GraphedMokMxfp8, {}, 3, 1 + 1 / 32)
         variants["MXFP8, fp16 on rows scaled once, wider configs (rows3)"] = (GraphedMokMxfp8, rows_wide, 3,
                                                                                1 + 1 / 32)
+        variants["MXFP8, rows scaled once, scales by 32-bit words (words)"] = (GraphedMokMxfp8, {}, 4, 1 + 1 / 32)
+        variants["MXFP8, rows scaled once, scale words, wider configs (words)"] = (GraphedMokMxfp8, rows_wide, 4,
+                                                                                1 + 1 / 32)
         variants["MXFP8, dequantizing K loop"] = (GraphedMokMxfp8, {}, 0, 1 + 1 / 32)
     if a.only:
         variants = {k: v for k, v in variants.items() if any(w in k for w in a.only.split(","))}
     default_kernels = {n: getattr(moe_fwd, n) for n in names + mx_names} if a.mxfp8 else dict(zip(names, base))
-    default_dot = moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT, moe_fwd.MX_F16_DOT_MAX_ROWS, moe_fwd.MX_F16_MODE
+    default_dot = (moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT, moe_fwd.MX_F16_DOT_MAX_ROWS, moe_fwd.MX_F16_MODE,
+                   moe_fwd.SCALE_WORDS)
     for label, (graphed, kernels, mx_dot, elem_bytes) in variants.items():
         for n, k in kernels.items():
             setattr(moe_fwd, n, k)
         # (a variant's K loop at every row count: the package takes the fp16 one at decode sizes only)
         moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT, moe_fwd.MX_F16_DOT_MAX_ROWS = mx_dot == 1, mx_dot >= 2, 1 << 40
-        moe_fwd.MX_F16_MODE = max(mx_dot, 2)
+        moe_fwd.MX_F16_MODE = min(max(mx_dot, 2), 3)
+        moe_fwd.SCALE_WORDS = mx_dot == 4
         gk, dk = (getattr(moe_fwd, n) for n in (mx_names if mx_dot else names))
         gb, db = gu_bytes * elem_bytes / 2, d_bytes * elem_bytes / 2
         v_floor = (gb + db) / bw * 1e3
@@ -132,7 +138,8 @@ def main():
         finally:
             for n, k in default_kernels.items():
                 setattr(moe_fwd, n, k)
-            moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT, moe_fwd.MX_F16_DOT_MAX_ROWS, moe_fwd.MX_F16_MODE = default_dot
+            (moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT, moe_fwd.MX_F16_DOT_MAX_ROWS, moe_fwd.MX_F16_MODE,
+             moe_fwd.SCALE_WORDS) = default_dot
     with open(os.path.join(a.out, f"decode_ab_{a.shape}_T{T}.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -711,6 +711,62 @@ def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
     assert torch.isfinite(out).all() and rel_err(out, want) <= TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.parametrize("block_k", [128, 256])
+def test_scale_words_match_the_byte_loads(monkeypatch, block_k):
+    # MX_DOT 4 (moe_fwd.scale_words): the fp16 loop on rows scaled once reads each column's scales of 4 blocks
+    # by one 32-bit word (rows of a multiple of 4 blocks). Blocks 40 octaves apart; H = 384 (3 K steps of 128, or
+    # one of 256 and 4 tail blocks), I = 256: the layer is bit for bit what the byte loads give (MX_DOT 3:
+    # SCALE_WORDS off, and scale rows whose stride is not a multiple of 4), and within bf16's tolerance of the
+    # float64 computation
+    from mok_inductor.kernels import moe_fwd
+
+    _backend(monkeypatch, "triton")
+    _mx_dot_on(monkeypatch, 3)
+    seen, real = [], _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: seen.append((k, kw.get("MX_DOT"))) or real(k, *a, **kw))
+    one = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": block_k}, num_warps=2)]
+    monkeypatch.setattr(moe_fwd, "_gate_up_mx_dot_kernel", triton.autotune(one, key=["M", "H", "I", "E"])(
+        moe_fwd._gate_up_body))
+    monkeypatch.setattr(moe_fwd, "_grouped_rows_mx_dot_kernel", triton.autotune(one, key=["M", "NCOL", "KD", "E"])(
+        moe_fwd._grouped_rows_body))
+    g = torch.Generator().manual_seed(31)
+    t, h, i, e, k = 10, 384, 256, 3, 2
+
+    def spread_weight(n, kd):
+        spread = torch.exp2(torch.randint(-40, 1, (e, n, kd // 32, 1), generator=g).float())
+        return (torch.randn(e, n, kd // 32, 32, generator=g) * spread).reshape(e, n, kd).bfloat16()
+
+    q1, q2 = mxfp8.quantize(spread_weight(2 * i, h)), mxfp8.quantize(spread_weight(h, i))
+    x = torch.randn(t, h, generator=g).bfloat16()
+    rw = torch.rand(t, k, generator=g) + 0.1
+    te = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    dev = _TRITON_DEV
+
+    def padded(q):  # the same scales, each row one byte longer: a row stride no word load may take (made on
+        nb = q.scale.shape[-1]  # the device: a copy there would be contiguous)
+        buf = torch.full((*q.scale.shape[:-1], nb + 1), 255, dtype=torch.uint8, device=q.scale.device)
+        buf[..., :nb] = q.scale
+        return q._replace(scale=buf[..., :nb])
+
+    def run(a, b, words):
+        monkeypatch.setattr(moe_fwd, "SCALE_WORDS", words)
+        seen.clear()
+        with torch.no_grad():
+            y = mok_inductor.moe(x.to(dev), rw.to(dev), te.to(dev), a, b).cpu()
+        return y, [mode for kern, mode in seen if kern in (moe_fwd._gate_up_mx_dot_kernel,
+                                                           moe_fwd._grouped_rows_mx_dot_kernel)]
+
+    q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
+    y_words, modes_words = run(q1, q2, True)
+    y_bytes, modes_bytes = run(q1, q2, False)
+    y_padded, modes_padded = run(padded(q1), padded(q2), True)
+    assert modes_words == [4, 4] and modes_bytes == [3, 3] and modes_padded == [3, 3]
+    assert torch.equal(y_words, y_bytes) and torch.equal(y_words, y_padded)
+    w1, w2 = (mxfp8.dequantize(q, dtype=torch.float64).cpu() for q in (q1, q2))
+    want = _oracle(x.double(), rw.double(), te, w1, w1, w2, w2)
+    assert rel_err(y_words, want) <= TOLERANCE[torch.bfloat16]
+
+
 @pytest.mark.parametrize("where", ["x", pytest.param("weight", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: the interpreter decodes the e4m3 NaN (0x7F) as 480"))])
 @pytest.mark.parametrize("mode", [1, 2, 3])

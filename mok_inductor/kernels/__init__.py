@@ -26,7 +26,9 @@ on the fp8 tensor cores (bf16/fp16 activations split into two e4m3 terms, `moe_f
 candidate, off: slower on the H200 (docs/benchmarks.md, run 9). The same loop on the fp16 tensor cores (one
 exact fp16 activation term, `moe_fwd.MX_F16_DOT`) runs at decode sizes (at most `moe_fwd.MX_F16_DOT_MAX_ROWS`
 routes per expert on average), on activation rows scaled into fp16 once per call (`moe_fwd.row_f16`,
-`MX_F16_MODE` 3): 1.13x bf16 at qwen3 decode (run 15), and slower than the dequantizing loop above (run 14).
+`MX_F16_MODE` 3), the weight scales read by 32-bit words of 4 blocks where their rows allow
+(`moe_fwd.SCALE_WORDS`): 1.24x bf16 at qwen3 decode (run 16), and slower than the dequantizing loop above
+(run 14).
 
 Split per-expert weights (sequences of E 2-D tensors, bf16 or MXFP8) are read in place through a device
 table of the experts' addresses (`moe_fwd.ExpertTable`; stacked instead while torch.compile traces, or when

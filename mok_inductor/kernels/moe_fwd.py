@@ -190,10 +190,11 @@ def e8m0_factor(sc):
 # see there): the same blocks on the fp16 tensor cores instead, one activation term, exact: the block scaled
 # by a power of two into fp16's range, where bf16's 8 significant bits fit in fp16's 11, and each weight
 # e4m3 -> fp16 by one conversion per two elements (e4m3's values are all fp16 normals), without the
-# dequantizing loop's float32 round trip and per-element scale multiply. MX_DOT == 3 (MX_F16_MODE 3, an A/B
-# candidate): the fp16 loop of 2 with the activations scaled per row, not per block, into fp16 once per call
+# dequantizing loop's float32 round trip and per-element scale multiply. MX_DOT == 3 (MX_F16_MODE 3, the
+# default): the fp16 loop of 2 with the activations scaled per row, not per block, into fp16 once per call
 # (`row_f16`), so that no program splits blocks; each block's product is scaled by the weight scales only, the
 # row scales applied after the K loop (exact but for activations under 2**-24 of their row's largest).
+# MX_DOT == 4: 3 with the weight scales read by 32-bit words of 4 blocks (SCALE_WORDS, `scale_words`).
 
 
 @triton.jit
@@ -244,7 +245,7 @@ def mx_act_block(a_row, stride_ak, a_k0, kb, rmask, MODE: tl.constexpr, DOT_PREC
     (`row_f16`): (the block, the block, an unused scale)."""
     kk = kb * 32 + tl.arange(0, 32)
     a = tl.load(a_row + (a_k0 + kk[None, :]) * stride_ak, mask=rmask[:, None], other=0.0)
-    if MODE == 3:
+    if MODE >= 3:
         out = a, a, rmask.to(tl.float32)
     else:
         out = mx_act_split(a, MODE, DOT_PREC)
@@ -252,13 +253,29 @@ def mx_act_block(a_row, stride_ak, a_k0, kb, rmask, MODE: tl.constexpr, DOT_PREC
 
 
 @triton.jit
-def w_tile_e4m3(w_ptr, s_ptr, kb, cols, cmask, s_n, s_k, ss_n, ss_k):
-    """The e4m3 tile [32, BLOCK_N] W[e][cols, 32 kb + [0, 32)] of scale block kb (a whole block) as stored,
-    and its [BLOCK_N] float32 scale factors."""
+def w_tile_e4m3(w_ptr, kb, cols, cmask, s_n, s_k):
+    """The e4m3 tile [32, BLOCK_N] W[e][cols, 32 kb + [0, 32)] of scale block kb (a whole block) as stored."""
     kk = kb * 32 + tl.arange(0, 32)
-    w = tl.load(w_ptr + kk[:, None] * s_k + cols[None, :] * s_n, mask=cmask[None, :], other=0.0)
-    sc = tl.load(s_ptr + kb * ss_k + cols * ss_n, mask=cmask, other=0)
-    return w, e8m0_factor(sc)
+    return tl.load(w_ptr + kk[:, None] * s_k + cols[None, :] * s_n, mask=cmask[None, :], other=0.0)
+
+
+@triton.jit
+def w_block_scales(s_ptr, kb, cols, cmask, ss_n, ss_k):
+    """The [BLOCK_N] float32 factors of W[e][cols]'s scale block kb, one byte load per column."""
+    return e8m0_factor(tl.load(s_ptr + kb * ss_k + cols * ss_n, mask=cmask, other=0))
+
+
+@triton.jit
+def w_scale_word(s_ptr, kb0, cols, cmask, ss_n):
+    """The scale bytes of blocks kb0 .. kb0 + 3 of W[e][cols] as one int32 word per column, block kb0 + j in
+    bits [8j, 8j + 8) (MX_DOT 4: the scales' rows contiguous and 4-byte aligned, kb0 a multiple of 4)."""
+    return tl.load((s_ptr + kb0 + cols * ss_n).to(tl.pointer_type(tl.int32)), mask=cmask, other=0)
+
+
+@triton.jit
+def word_scales(word, j: tl.constexpr):
+    """The float32 factors of byte j of `w_scale_word`'s words."""
+    return e8m0_factor((word >> (8 * j)) & 0xFF)
 
 
 @triton.jit
@@ -280,7 +297,7 @@ def mx_dot(hi, lo, sa, w, sw, acc, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
     else:
         p = tl.dot(hi, w)
         p = tl.dot(lo, w, p)
-    if MODE == 3:
+    if MODE >= 3:
         acc = acc + p * sw[None, :]
     else:
         acc = acc + p * (sa[:, None] * sw[None, :])
@@ -288,21 +305,22 @@ def mx_dot(hi, lo, sa, w, sw, acc, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def _mx_block(acc, a_row, stride_ak, a_k0, kb, rmask, w_ptr, s_ptr, cols, cmask, s_n, s_k, ss_n, ss_k,
+def _mx_block(acc, a_row, stride_ak, a_k0, kb, rmask, w_ptr, sw, cols, cmask, s_n, s_k,
               MODE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """acc + scale block kb of A[rows, a_k0 + k] @ W[e][cols, k]^T through `mx_dot`."""
+    """acc + scale block kb of A[rows, a_k0 + k] @ W[e][cols, k]^T through `mx_dot`, sw the block's weight scale
+    factors."""
     hi, lo, sa = mx_act_block(a_row, stride_ak, a_k0, kb, rmask, MODE, DOT_PREC)
-    w, sw = w_tile_e4m3(w_ptr, s_ptr, kb, cols, cmask, s_n, s_k, ss_n, ss_k)
-    return mx_dot(hi, lo, sa, w, sw, acc, MODE, DOT_PREC)
+    return mx_dot(hi, lo, sa, w_tile_e4m3(w_ptr, kb, cols, cmask, s_n, s_k), sw, acc, MODE, DOT_PREC)
 
 
 @triton.jit
-def _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb, rmask, wg, gs, wu, us, cols, cmask, g_n, g_k, gs_n, gs_k,
-                      u_n, u_k, us_n, us_k, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Scale block kb of the gate and up GEMMs through `mx_dot`, the activation block split once for both."""
+def _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb, rmask, wg, sg, wu, su, cols, cmask, g_n, g_k, u_n, u_k,
+                      MODE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Scale block kb of the gate and up GEMMs through `mx_dot` (sg, su: the block's weight scale factors),
+    the activation block split once for both."""
     hi, lo, sa = mx_act_block(a_row, stride_xh, 0, kb, rmask, MODE, DOT_PREC)
-    bg, sg = w_tile_e4m3(wg, gs, kb, cols, cmask, g_n, g_k, gs_n, gs_k)
-    bu, su = w_tile_e4m3(wu, us, kb, cols, cmask, u_n, u_k, us_n, us_k)
+    bg = w_tile_e4m3(wg, kb, cols, cmask, g_n, g_k)
+    bu = w_tile_e4m3(wu, kb, cols, cmask, u_n, u_k)
     return mx_dot(hi, lo, sa, bg, sg, acc_g, MODE, DOT_PREC), mx_dot(hi, lo, sa, bu, su, acc_u, MODE, DOT_PREC)
 
 
@@ -609,15 +627,30 @@ def _gate_up_tile(
         k_end = H
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = k_end - k_end % BLOCK_K
-        for k0 in range(0, k_full, BLOCK_K):
-            for j in tl.static_range(BLOCK_K // 32):
-                acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, k0 // 32 + j, rmask, wg, gs, wu,
-                                                 us, cols, cmask, g_n, g_k, gs_n, gs_k, u_n, u_k, us_n, us_k,
-                                                 MX_DOT, DOT_PREC)
+        if MX_DOT >= 4 and BLOCK_K % 128 == 0:  # the scales of 4 blocks per column in one 32-bit load
+            for k0 in range(0, k_full, BLOCK_K):
+                for q in tl.static_range(BLOCK_K // 128):
+                    kb0 = k0 // 32 + 4 * q
+                    wsg = w_scale_word(gs, kb0, cols, cmask, gs_n)
+                    wsu = w_scale_word(us, kb0, cols, cmask, us_n)
+                    for j in tl.static_range(4):
+                        acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb0 + j, rmask, wg,
+                                                         word_scales(wsg, j), wu, word_scales(wsu, j), cols, cmask,
+                                                         g_n, g_k, u_n, u_k, MX_DOT, DOT_PREC)
+        else:
+            for k0 in range(0, k_full, BLOCK_K):
+                for j in tl.static_range(BLOCK_K // 32):
+                    kb = k0 // 32 + j
+                    acc_g, acc_u = _gate_up_mx_block(
+                        acc_g, acc_u, a_row, stride_xh, kb, rmask, wg, w_block_scales(gs, kb, cols, cmask, gs_n, gs_k),
+                        wu, w_block_scales(us, kb, cols, cmask, us_n, us_k), cols, cmask, g_n, g_k, u_n, u_k, MX_DOT,
+                        DOT_PREC)
         for kb in range(k_full // 32, k_end // 32):
-            acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb, rmask, wg, gs, wu, us, cols, cmask,
-                                             g_n, g_k, gs_n, gs_k, u_n, u_k, us_n, us_k, MX_DOT, DOT_PREC)
-        if MX_DOT == 3:  # x's row scales
+            acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb, rmask, wg,
+                                             w_block_scales(gs, kb, cols, cmask, gs_n, gs_k), wu,
+                                             w_block_scales(us, kb, cols, cmask, us_n, us_k), cols, cmask, g_n, g_k,
+                                             u_n, u_k, MX_DOT, DOT_PREC)
+        if MX_DOT >= 3:  # x's row scales
             r_s = tl.load(xr_ptr + tok, mask=rmask, other=1.0)[:, None]
             acc_g *= r_s
             acc_u *= r_s
@@ -771,17 +804,40 @@ MX_FP8_DOT = False
 # expert (decode, T=64) 0.3368 against 0.3596 (down 2.25 against 1.79 TB/s of weights, gate/up 1.91 against
 # 1.85), 8 routes 0.3422 against 0.3604; but 16 routes 0.4486 against 0.3641, 64 routes 1.206 against 0.493:
 # its 16-row tiles read each expert's weights again every 16 rows, where the dequantizing loop's 64-128-row
-# tiles read them once or twice.
+# tiles read them once or twice. Since run 16 (MX_DOT 4, rows scaled once, scales by words): 16 routes 0.3500
+# against the dequantizing loop's 0.3658, 32 routes 0.4947 against 0.3695; so up to 16.
 MX_F16_DOT = True
-MX_F16_DOT_MAX_ROWS = 8
+MX_F16_DOT_MAX_ROWS = 16
 # Which fp16 loop that is: 2 the activations scaled per 32-block in every program (`mx_act_split`), or 3 (the
 # default) scaled per row into fp16 once per call (`row_f16`: x before the gate/up GEMM, h before the down
 # GEMM), the K loop then scaling each block's product by the weight scales only. Measured on the H200
 # (docs/benchmarks.md, run 15; qwen3, CUDA graphs), ms: T=64 (4 routes per expert) 0.2901 against mode 2's
 # 0.3337 (gate/up 2.36 against 1.93 TB/s of weights, down 2.67 against 2.26; the two row_f16 passes 0.010),
-# T=256 (16 routes, past MX_F16_DOT_MAX_ROWS) 0.3795 against 0.4480: the per-program activation split was
+# T=256 (16 routes) 0.3795 against 0.4480: the per-program activation split was
 # the larger part of mode 2's overhead.
 MX_F16_MODE = 3
+
+
+# MX_DOT 4: MX_DOT 3 with each column's scales of 4 blocks (128 of k) read by one 32-bit load where the scale
+# rows allow (`scale_words`), not by a byte load per block: 4x fewer L2 requests for the scales, whose byte
+# loads (L1 misses) were about as many sector requests as the weights' own. Measured on the H200
+# (docs/benchmarks.md, run 16; qwen3, CUDA graphs): T=64 0.2646 against 0.2905 ms (the gate/up kernel under
+# ncu 153 against 179 us, DRAM 56% against 48% of peak), T=256 0.3490 against 0.3794. The words loaded a K
+# step ahead measured slower (0.3536 at T=256), as did the bytes a step ahead (0.2944 at T=64)
+SCALE_WORDS = True
+
+
+def scale_words(*ops) -> bool:
+    """Whether these MXFP8 operands' scales can be read by 32-bit words of 4 blocks (MX_DOT 4): plain tensors
+    (not `ExpertTable`s) with real data (not traced: the address must be known), contiguous rows, and the
+    start, the expert and the row strides multiples of 4 bytes."""
+    for op in ops:
+        s = op.scale
+        if not isinstance(s, torch.Tensor) or _launch.without_pointers((s,)):
+            return False
+        if s.stride(2) != 1 or s.stride(1) % 4 or s.stride(0) % 4 or s.data_ptr() % 4:
+            return False
+    return True
 
 
 def use_mx_dot(act_dtype: torch.dtype, M, E: int, *ops) -> int:
@@ -820,6 +876,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
     xr = None
     if mx_dot == 3:
         x_TH, xr = row_f16(x_TH)
+        mx_dot = 4 if SCALE_WORDS and scale_words(gate, up) else 3
     keep_clip = limit is not None and gu_out.dtype in (torch.bfloat16, torch.float16)
     above, below = (float(v) for v in reference.clip_bounds(limit, gu_out.dtype)) if keep_clip else (0.0, 0.0)
     _launch.launch(
@@ -854,13 +911,24 @@ def _grouped_rows_k_loop(acc, a_row, stride_ak, a_k0, k_start, rmask, w_ptr, s_p
     """acc + A[rows, a_k0 + k] @ W[e][cols, k]^T over k in [k_start, KD) (w_ptr, s_ptr: expert e's starts)."""
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = KD - KD % BLOCK_K
-        for k0 in range(0, k_full, BLOCK_K):
-            for j in tl.static_range(BLOCK_K // 32):
-                acc = _mx_block(acc, a_row, stride_ak, a_k0, k0 // 32 + j, rmask, w_ptr, s_ptr, cols, cmask, s_n,
-                                s_k, ss_n, ss_k, MX_DOT, DOT_PREC)
+        if MX_DOT >= 4 and BLOCK_K % 128 == 0:  # the scales of 4 blocks per column in one 32-bit load
+            for k0 in range(0, k_full, BLOCK_K):
+                for q in tl.static_range(BLOCK_K // 128):
+                    kb0 = k0 // 32 + 4 * q
+                    ws = w_scale_word(s_ptr, kb0, cols, cmask, ss_n)
+                    for j in tl.static_range(4):
+                        acc = _mx_block(acc, a_row, stride_ak, a_k0, kb0 + j, rmask, w_ptr, word_scales(ws, j), cols,
+                                        cmask, s_n, s_k, MX_DOT, DOT_PREC)
+        else:
+            for k0 in range(0, k_full, BLOCK_K):
+                for j in tl.static_range(BLOCK_K // 32):
+                    kb = k0 // 32 + j
+                    acc = _mx_block(acc, a_row, stride_ak, a_k0, kb, rmask, w_ptr,
+                                    w_block_scales(s_ptr, kb, cols, cmask, ss_n, ss_k), cols, cmask, s_n, s_k, MX_DOT,
+                                    DOT_PREC)
         for kb in range(k_full // 32, KD // 32):
-            acc = _mx_block(acc, a_row, stride_ak, a_k0, kb, rmask, w_ptr, s_ptr, cols, cmask, s_n, s_k, ss_n, ss_k,
-                            MX_DOT, DOT_PREC)
+            acc = _mx_block(acc, a_row, stride_ak, a_k0, kb, rmask, w_ptr, w_block_scales(s_ptr, kb, cols, cmask, ss_n,
+                            ss_k), cols, cmask, s_n, s_k, MX_DOT, DOT_PREC)
     else:
         ks = tl.arange(0, BLOCK_K)
         for k0 in range(k_start, KD, BLOCK_K):
@@ -926,7 +994,7 @@ def _grouped_rows_kernel(
                               W_KMAJOR, DOT_PREC, BLOCK_K)
         acc = _grouped_rows_k_loop(acc, a_row, stride_ak, KD, k_start, rmask, w2, q2, s2_n, s2_k, q2_n, q2_k, cols,
                                    cmask, KD, out_ptr, MX2, MX_DOT, DOT_PREC, BLOCK_K)
-    if MX_DOT == 3:  # A's row scales
+    if MX_DOT >= 3:  # A's row scales
         acc *= tl.load(ar_ptr + rows, mask=rmask, other=1.0)[:, None]
     if SCATTER:
         dest = tl.load(routes_ptr + rows, mask=rmask, other=0)
@@ -1019,6 +1087,7 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, 
     ar = None
     if mx_dot == 3:
         a_MK, ar = row_f16(a_MK)
+        mx_dot = 4 if SCALE_WORDS and scale_words(w1, w2) else 3
     _launch.launch(
         _grouped_rows_mx_dot_kernel if mx_dot else _grouped_rows_kernel, grid,
         a_MK, a_MK.stride(0), a_MK.stride(1), ar, routes_N, offsets_E1,
