@@ -273,9 +273,25 @@ def w_scale_word(s_ptr, kb0, cols, cmask, ss_n):
 
 
 @triton.jit
-def word_scales(word, j: tl.constexpr):
-    """The float32 factors of byte j of `w_scale_word`'s words."""
-    return e8m0_factor((word >> (8 * j)) & 0xFF)
+def scale_group(s_ptr, kb0, cols, cmask, ss_n, WORDS: tl.constexpr):
+    """What one scale load of a K loop reads from block kb0 on: `w_scale_word`'s words (WORDS), or nothing (a
+    byte load per block then, in `group_scales`)."""
+    if WORDS:
+        out = w_scale_word(s_ptr, kb0, cols, cmask, ss_n)
+    else:
+        out = 0
+    return out
+
+
+@triton.jit
+def group_scales(group, j: tl.constexpr, s_ptr, kb0, cols, cmask, ss_n, ss_k, WORDS: tl.constexpr):
+    """The float32 factors of block kb0 + j: byte j of `scale_group`'s words (WORDS), or block kb0 + j's byte
+    loads (`w_block_scales`)."""
+    if WORDS:
+        out = e8m0_factor((group >> (8 * j)) & 0xFF)
+    else:
+        out = w_block_scales(s_ptr, kb0 + j, cols, cmask, ss_n, ss_k)
+    return out
 
 
 @triton.jit
@@ -627,24 +643,18 @@ def _gate_up_tile(
         k_end = H
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = k_end - k_end % BLOCK_K
-        if MX_DOT >= 4 and BLOCK_K % 128 == 0:  # the scales of 4 blocks per column in one 32-bit load
-            for k0 in range(0, k_full, BLOCK_K):
-                for q in tl.static_range(BLOCK_K // 128):
-                    kb0 = k0 // 32 + 4 * q
-                    wsg = w_scale_word(gs, kb0, cols, cmask, gs_n)
-                    wsu = w_scale_word(us, kb0, cols, cmask, us_n)
-                    for j in tl.static_range(4):
-                        acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb0 + j, rmask, wg,
-                                                         word_scales(wsg, j), wu, word_scales(wsu, j), cols, cmask,
-                                                         g_n, g_k, u_n, u_k, MX_DOT, DOT_PREC)
-        else:
-            for k0 in range(0, k_full, BLOCK_K):
-                for j in tl.static_range(BLOCK_K // 32):
-                    kb = k0 // 32 + j
+        G: tl.constexpr = 4 if MX_DOT >= 4 and BLOCK_K % 128 == 0 else 1  # blocks per scale load (words: 4)
+        for k0 in range(0, k_full, BLOCK_K):
+            for q in tl.static_range(BLOCK_K // (32 * G)):
+                kb0 = k0 // 32 + G * q
+                wsg = scale_group(gs, kb0, cols, cmask, gs_n, G == 4)
+                wsu = scale_group(us, kb0, cols, cmask, us_n, G == 4)
+                for j in tl.static_range(G):
                     acc_g, acc_u = _gate_up_mx_block(
-                        acc_g, acc_u, a_row, stride_xh, kb, rmask, wg, w_block_scales(gs, kb, cols, cmask, gs_n, gs_k),
-                        wu, w_block_scales(us, kb, cols, cmask, us_n, us_k), cols, cmask, g_n, g_k, u_n, u_k, MX_DOT,
-                        DOT_PREC)
+                        acc_g, acc_u, a_row, stride_xh, kb0 + j, rmask,
+                        wg, group_scales(wsg, j, gs, kb0, cols, cmask, gs_n, gs_k, G == 4),
+                        wu, group_scales(wsu, j, us, kb0, cols, cmask, us_n, us_k, G == 4),
+                        cols, cmask, g_n, g_k, u_n, u_k, MX_DOT, DOT_PREC)
         for kb in range(k_full // 32, k_end // 32):
             acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb, rmask, wg,
                                              w_block_scales(gs, kb, cols, cmask, gs_n, gs_k), wu,
@@ -840,6 +850,16 @@ def scale_words(*ops) -> bool:
     return True
 
 
+def mx_rows(a_RK, mx_dot: int, *ops):
+    """The activations and mode a K loop by 32-blocks launches with: for MX_F16_MODE 3, a's rows scaled into
+    fp16 (`row_f16`) and their scales, MX_DOT 4 where the operands' scales can be read by words; otherwise a
+    as is, no scales, mx_dot."""
+    if mx_dot != 3:
+        return a_RK, None, mx_dot
+    a16, r_s = row_f16(a_RK)
+    return a16, r_s, 4 if SCALE_WORDS and scale_words(*ops) else 3
+
+
 def use_mx_dot(act_dtype: torch.dtype, M, E: int, *ops) -> int:
     """How a GEMM of `act_dtype` activations over M sorted rows of E experts with these weight operands runs
     its K loop by 32-blocks on the tensor cores (`mx_dot`): 0 not (the dequantizing loop), 1 fp8, 2 or 3 fp16
@@ -873,10 +893,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         grid = lambda meta: (tiles(meta),)  # noqa: E731
     tma = None if PERSISTENT_GATE_UP or mx_dot or not tma_eligible(x_TH, M, E) else tma_weights((gate, up))
     h = h_out if h_out is not None else gu_out
-    xr = None
-    if mx_dot == 3:
-        x_TH, xr = row_f16(x_TH)
-        mx_dot = 4 if SCALE_WORDS and scale_words(gate, up) else 3
+    x_TH, xr, mx_dot = mx_rows(x_TH, mx_dot, gate, up)
     keep_clip = limit is not None and gu_out.dtype in (torch.bfloat16, torch.float16)
     above, below = (float(v) for v in reference.clip_bounds(limit, gu_out.dtype)) if keep_clip else (0.0, 0.0)
     _launch.launch(
@@ -911,21 +928,15 @@ def _grouped_rows_k_loop(acc, a_row, stride_ak, a_k0, k_start, rmask, w_ptr, s_p
     """acc + A[rows, a_k0 + k] @ W[e][cols, k]^T over k in [k_start, KD) (w_ptr, s_ptr: expert e's starts)."""
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = KD - KD % BLOCK_K
-        if MX_DOT >= 4 and BLOCK_K % 128 == 0:  # the scales of 4 blocks per column in one 32-bit load
-            for k0 in range(0, k_full, BLOCK_K):
-                for q in tl.static_range(BLOCK_K // 128):
-                    kb0 = k0 // 32 + 4 * q
-                    ws = w_scale_word(s_ptr, kb0, cols, cmask, ss_n)
-                    for j in tl.static_range(4):
-                        acc = _mx_block(acc, a_row, stride_ak, a_k0, kb0 + j, rmask, w_ptr, word_scales(ws, j), cols,
-                                        cmask, s_n, s_k, MX_DOT, DOT_PREC)
-        else:
-            for k0 in range(0, k_full, BLOCK_K):
-                for j in tl.static_range(BLOCK_K // 32):
-                    kb = k0 // 32 + j
-                    acc = _mx_block(acc, a_row, stride_ak, a_k0, kb, rmask, w_ptr,
-                                    w_block_scales(s_ptr, kb, cols, cmask, ss_n, ss_k), cols, cmask, s_n, s_k, MX_DOT,
-                                    DOT_PREC)
+        G: tl.constexpr = 4 if MX_DOT >= 4 and BLOCK_K % 128 == 0 else 1  # blocks per scale load (words: 4)
+        for k0 in range(0, k_full, BLOCK_K):
+            for q in tl.static_range(BLOCK_K // (32 * G)):
+                kb0 = k0 // 32 + G * q
+                ws = scale_group(s_ptr, kb0, cols, cmask, ss_n, G == 4)
+                for j in tl.static_range(G):
+                    acc = _mx_block(acc, a_row, stride_ak, a_k0, kb0 + j, rmask, w_ptr,
+                                    group_scales(ws, j, s_ptr, kb0, cols, cmask, ss_n, ss_k, G == 4), cols, cmask,
+                                    s_n, s_k, MX_DOT, DOT_PREC)
         for kb in range(k_full // 32, KD // 32):
             acc = _mx_block(acc, a_row, stride_ak, a_k0, kb, rmask, w_ptr, w_block_scales(s_ptr, kb, cols, cmask, ss_n,
                             ss_k), cols, cmask, s_n, s_k, MX_DOT, DOT_PREC)
@@ -1084,10 +1095,7 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, 
     mx_dot = use_mx_dot(a_MK.dtype, M, E, w1, w2)
     tma, tma_meta = _tma_args(a_MK, w1, w2, two, mx_dot)
     dot_prec = _launch.dot_precision(a_MK.dtype)
-    ar = None
-    if mx_dot == 3:
-        a_MK, ar = row_f16(a_MK)
-        mx_dot = 4 if SCALE_WORDS and scale_words(w1, w2) else 3
+    a_MK, ar, mx_dot = mx_rows(a_MK, mx_dot, w1, w2)
     _launch.launch(
         _grouped_rows_mx_dot_kernel if mx_dot else _grouped_rows_kernel, grid,
         a_MK, a_MK.stride(0), a_MK.stride(1), ar, routes_N, offsets_E1,
