@@ -5,7 +5,8 @@ a wider list of tile configs than the package's (smaller tiles, longer K steps, 
 timed again, in the same process; --mxfp8 adds MXFP8 routed weights through the fp8 tensor cores
 (moe_fwd.MX_FP8_DOT), the fp16 ones (moe_fwd.MX_F16_DOT; also over a wider config list), its variant on
 activation rows scaled once per call (moe_fwd.MX_F16_MODE 3; rows3 with a byte load per scale, words with
-32-bit loads of 4 scales, moe_fwd.SCALE_WORDS) and the dequantizing K loop. --tokens runs the shape at another token count: up to kernels.MX_DEQUANTIZE_MIN_ROWS
+32-bit loads of 4 scales, moe_fwd.SCALE_WORDS; trans and fixed: 8-row tiles alone, moe_fwd.mx_dot_t) and
+the dequantizing K loop. --tokens runs the shape at another token count: up to kernels.MX_DEQUANTIZE_MIN_ROWS
 routes per expert MXFP8 stays in the K loop, so this times the K-loop choices between decode and prefill.
 
     python benchmarks/decode_ab.py [--shape qwen3-decode] [--tokens T] [--mxfp8] [--only LABELS] [--out DIR]
@@ -22,6 +23,7 @@ import os
 import sys
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -41,6 +43,21 @@ _MX_WIDE = [(16, 64, 64, 4, 6), (16, 128, 64, 4, 5), (16, 256, 64, 8, 4), (16, 1
 # and for the variant on rows scaled once: taller row tiles too (no activation split per block to repeat)
 _ROWS_WIDE = _MX_WIDE + [(64, 64, 64, 4, 6), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4), (32, 64, 128, 4, 5),
                          (16, 64, 128, 4, 6)]
+
+# and 8-row tiles, the products transposed (moe_fwd.mx_dot_t: the weights on the MMA's 16-row side; with scale
+# words, loaded a K step ahead), alone
+_TRANS = [(8, 32, 128, 2, 4), (8, 32, 128, 1, 4), (8, 64, 128, 2, 4), (8, 64, 128, 4, 4), (8, 32, 128, 2, 6),
+          (8, 128, 128, 4, 3), (8, 32, 256, 2, 3), (8, 64, 256, 4, 3), (8, 16, 128, 1, 6), (8, 64, 128, 2, 6),
+          (8, 32, 128, 1, 8), (8, 16, 256, 1, 4)]
+# (gate/up, down) configs timed alone
+_TRANS_PAIRS = [((8, 32, 256, 2, 3), (8, 64, 128, 4, 4)), ((8, 32, 128, 2, 4), (8, 64, 128, 4, 4)),
+                ((8, 64, 256, 4, 3), (8, 128, 128, 4, 3))]
+
+
+def only(kernel, configs):
+    """The autotuner `kernel` (of `_launch.autotune`) over `configs` alone, with the same key."""
+    return triton.autotune(configs=[cfg(*c) for c in configs], key=list(kernel.keys),
+                           restore_value=list(kernel.restore_value) or None)(kernel.fn)
 
 
 def kernel_profile(graph, reps=20):
@@ -100,6 +117,12 @@ def main():
         variants["MXFP8, rows scaled once, scales by 32-bit words (words)"] = (GraphedMokMxfp8, {}, 4, 1 + 1 / 32)
         variants["MXFP8, rows scaled once, scale words, wider configs (words)"] = (GraphedMokMxfp8, rows_wide, 4,
                                                                                 1 + 1 / 32)
+        trans = {n: only(k, _TRANS) for n, k in zip(mx_names, mx_base)}
+        variants["MXFP8, scale words, transposed 8-row tiles (trans)"] = (GraphedMokMxfp8, trans, 4, 1 + 1 / 32)
+        for cg, cd in _TRANS_PAIRS:
+            variants[f"MXFP8, scale words, transposed {'x'.join(map(str, cg))}, "
+                     f"{'x'.join(map(str, cd))} (fixed)"] = (
+                GraphedMokMxfp8, {n: only(k, [c]) for n, k, c in zip(mx_names, mx_base, (cg, cd))}, 4, 1 + 1 / 32)
         variants["MXFP8, dequantizing K loop"] = (GraphedMokMxfp8, {}, 0, 1 + 1 / 32)
     if a.only:
         variants = {k: v for k, v in variants.items() if any(w in k for w in a.only.split(","))}

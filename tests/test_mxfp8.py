@@ -711,6 +711,22 @@ def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
     assert torch.isfinite(out).all() and rel_err(out, want) <= TOLERANCE[torch.bfloat16]
 
 
+def _spread_problem(seed, *, t, h, i, e, k):
+    """(gate_up, down quantized, x, router weights, expert ids, dy) of a bf16 layer whose weight blocks are up to
+    40 octaves apart (block scales far from each other)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def spread_weight(n, kd):
+        spread = torch.exp2(torch.randint(-40, 1, (e, n, kd // 32, 1), generator=g).float())
+        return (torch.randn(e, n, kd // 32, 32, generator=g) * spread).reshape(e, n, kd).bfloat16()
+
+    q1, q2 = mxfp8.quantize(spread_weight(2 * i, h)), mxfp8.quantize(spread_weight(h, i))
+    x = torch.randn(t, h, generator=g).bfloat16()
+    rw = torch.rand(t, k, generator=g) + 0.1
+    te = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    return q1, q2, x, rw, te, torch.randn(t, h, generator=g).bfloat16()
+
+
 @pytest.mark.parametrize("block_k", [128, 256])
 def test_scale_words_match_the_byte_loads(monkeypatch, block_k):
     # MX_DOT 4 (moe_fwd.scale_words): the fp16 loop on rows scaled once reads each column's scales of 4 blocks
@@ -729,17 +745,7 @@ def test_scale_words_match_the_byte_loads(monkeypatch, block_k):
         moe_fwd._gate_up_body))
     monkeypatch.setattr(moe_fwd, "_grouped_rows_mx_dot_kernel", triton.autotune(one, key=["M", "NCOL", "KD", "E"])(
         moe_fwd._grouped_rows_body))
-    g = torch.Generator().manual_seed(31)
-    t, h, i, e, k = 10, 384, 256, 3, 2
-
-    def spread_weight(n, kd):
-        spread = torch.exp2(torch.randint(-40, 1, (e, n, kd // 32, 1), generator=g).float())
-        return (torch.randn(e, n, kd // 32, 32, generator=g) * spread).reshape(e, n, kd).bfloat16()
-
-    q1, q2 = mxfp8.quantize(spread_weight(2 * i, h)), mxfp8.quantize(spread_weight(h, i))
-    x = torch.randn(t, h, generator=g).bfloat16()
-    rw = torch.rand(t, k, generator=g) + 0.1
-    te = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    q1, q2, x, rw, te, _ = _spread_problem(31, t=10, h=384, i=256, e=3, k=2)
     dev = _TRITON_DEV
 
     def padded(q):  # the same scales, each row one byte longer: a row stride no word load may take (made on
@@ -765,6 +771,53 @@ def test_scale_words_match_the_byte_loads(monkeypatch, block_k):
     w1, w2 = (mxfp8.dequantize(q, dtype=torch.float64).cpu() for q in (q1, q2))
     want = _oracle(x.double(), rw.double(), te, w1, w1, w2, w2)
     assert rel_err(y_words, want) <= TOLERANCE[torch.bfloat16]
+
+
+def test_transposed_row_tiles(monkeypatch):
+    # row tiles of 8 (moe_fwd.mx_dot_t: each block's product computed as W @ A^T, the weights on the MMA's
+    # 16-row side): forward (gate/up, down) and backward (dx, both halves) equal the float64 computation on
+    # the dequantized weights within bf16's tolerance, and the 16-row tiles' result within a few roundings.
+    # H = 384 (3 whole K steps, scales by words, each step's loaded a step ahead: bit for bit the byte loads'
+    # result), I = 160 (one step and a tail block, scale rows of 5 blocks: byte loads), blocks 40 octaves
+    # apart, experts with more routes than a tile holds
+    from mok_inductor.kernels import moe_fwd
+
+    _backend(monkeypatch, "triton")
+    launched = _mx_dot_on(monkeypatch, 3)
+    q1, q2, x, rw, te, dy = _spread_problem(37, t=12, h=384, i=160, e=3, k=2)
+    dev = _TRITON_DEV
+    q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
+
+    seen, real = [], _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: seen.append(kw.get("MX_DOT")) or real(k, *a, **kw))
+
+    def run(block_m, words=True):
+        monkeypatch.setattr(moe_fwd, "SCALE_WORDS", words)
+        one = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128}, num_warps=2)]
+        monkeypatch.setattr(moe_fwd, "_gate_up_mx_dot_kernel", triton.autotune(one, key=["M", "H", "I", "E"])(
+            moe_fwd._gate_up_body))
+        monkeypatch.setattr(moe_fwd, "_grouped_rows_mx_dot_kernel", triton.autotune(
+            one, key=["M", "NCOL", "KD", "E"])(moe_fwd._grouped_rows_body))
+        launched.clear()
+        seen.clear()
+        xl = x.to(dev, copy=True).requires_grad_(True)
+        y = mok_inductor.moe(xl, rw.to(dev), te.to(dev), q1, q2)
+        y.backward(dy.to(dev))
+        assert launched.count(moe_fwd._gate_up_mx_dot_kernel) == 1
+        assert launched.count(moe_fwd._grouped_rows_mx_dot_kernel) == 2  # the forward's down, the backward's dx
+        assert [m for m in seen if m] == ([4, 3, 3] if words else [3, 3, 3])  # gate/up, down, dx
+        return y.detach().cpu(), xl.grad.cpu()
+
+    y8, dx8 = run(8)
+    y8_bytes, _ = run(8, words=False)  # the gate/up scale words, loaded a K step ahead, against byte loads
+    assert torch.equal(y8, y8_bytes)
+    y16, dx16 = run(16)
+    (w1, w1c), (w2, w2c) = _dual(None, q1), _dual(None, q2)
+    x64 = x.double().requires_grad_(True)
+    y64 = _oracle(x64, rw.double(), te, w1, w1c, w2, w2c)
+    y64.backward(dy.double())
+    assert rel_err(y8, y64) <= TOLERANCE[torch.bfloat16] and rel_err(dx8, x64.grad) <= TOLERANCE[torch.bfloat16]
+    assert rel_err(y8, y16) <= 4e-3 and rel_err(dx8, dx16) <= 4e-3
 
 
 @pytest.mark.parametrize("where", ["x", pytest.param("weight", marks=pytest.mark.skipif(

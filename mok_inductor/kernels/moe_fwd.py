@@ -195,6 +195,8 @@ def e8m0_factor(sc):
 # (`row_f16`), so that no program splits blocks; each block's product is scaled by the weight scales only, the
 # row scales applied after the K loop (exact but for activations under 2**-24 of their row's largest).
 # MX_DOT == 4: 3 with the weight scales read by 32-bit words of 4 blocks (SCALE_WORDS, `scale_words`).
+# In modes 3 and 4 a row tile of 8 (BLOCK_M < 16: configs of _MX_DOT_CONFIGS) computes each block transposed
+# (`mx_dot_t`); with words it loads each K step's words one step ahead.
 
 
 @triton.jit
@@ -284,6 +286,24 @@ def scale_group(s_ptr, kb0, cols, cmask, ss_n, WORDS: tl.constexpr):
 
 
 @triton.jit
+def scale_step(s_ptr, k0, k_full, cols, cmask, ss_n, AHEAD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """AHEAD: the scale words (`w_scale_word`) of the K step at k0, a pair (the second the first's for
+    BLOCK_K 128), zeros where k0 is past the whole steps (the loop loads a step ahead: never past a row's
+    blocks); otherwise a pair of zeros, nothing loaded."""
+    if AHEAD:
+        ok = cmask & (k0 < k_full)
+        w0 = w_scale_word(s_ptr, k0 // 32, cols, ok, ss_n)
+        if BLOCK_K == 256:
+            w1 = w_scale_word(s_ptr, k0 // 32 + 4, cols, ok, ss_n)
+        else:
+            w1 = w0
+        out = w0, w1
+    else:
+        out = 0, 0
+    return out
+
+
+@triton.jit
 def group_scales(group, j: tl.constexpr, s_ptr, kb0, cols, cmask, ss_n, ss_k, WORDS: tl.constexpr):
     """The float32 factors of block kb0 + j: byte j of `scale_group`'s words (WORDS), or block kb0 + j's byte
     loads (`w_block_scales`)."""
@@ -318,6 +338,32 @@ def mx_dot(hi, lo, sa, w, sw, acc, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
     else:
         acc = acc + p * (sa[:, None] * sw[None, :])
     return acc
+
+
+@triton.jit
+def mx_dot_t(a_row_t, stride_ak, a_k0, kb, rmask, w_ptr, cols, cmask, s_n, s_k, sw, acc_t,
+             DOT_PREC: tl.constexpr):
+    """acc_t + (fp16(W[e][cols, 32 kb + k]) @ A[rows, a_k0 + 32 kb + k]^T) * sw[:, None]: `mx_dot`'s MODE 3 block
+    transposed (acc_t [BLOCK_N, BLOCK_M]), the weights on the MMA's 16-row side and A's few rows (BLOCK_M 8) on
+    its 8-column side; a_row_t [1, BLOCK_M] the rows' starts. Against 16-row tiles, in the sm_90 SASS of the
+    qwen3 decode configs: half the MMAs (m16n8k16: the 16-row tile's rows were 4 real routes in 16), half the
+    float32 rescaling of the accumulator, no register copies of the A fragments (the activations' fragments,
+    loaded by LDS.64 in the permuted k order of the fp8 operand, were moved into place for every MMA): the
+    gate/up K step 471 -> 298 instructions a warp, 128 -> 72 registers; down 447 -> 270. Only in the fp16 loops
+    on rows scaled once (modes 3, 4). Measured on the H200 (docs/benchmarks.md, run 17; qwen3, CUDA graphs):
+    T=64 (4 routes per expert on average) 0.2656 against 0.2717 ms for 16-row tiles; with the scale words
+    loaded a K step ahead (the loop's plain loads are not pipelined by Triton, which stages the dots' operands
+    only; cheap here with the registers freed) 0.2611. At 8 routes (T=128) 0.3180 against 0.2784: an expert
+    past 8 routes has its weights read again, so the autotuner picks them at decode sizes only. The kernel is
+    bound by L2 (ncu: L2 76.8% of peak, DRAM 56%, occupancy 15.6% by shared memory), not by issue."""
+    kk = kb * 32 + tl.arange(0, 32)
+    a_t = tl.load(a_row_t + (a_k0 + kk[:, None]) * stride_ak, mask=rmask[None, :], other=0.0)
+    w = tl.load(w_ptr + cols[:, None] * s_n + kk[None, :] * s_k, mask=cmask[:, None], other=0.0)
+    if DOT_PREC == "interp":
+        p = tl.dot(w.to(tl.float32), a_t.to(tl.float32))
+    else:
+        p = tl.dot(w.to(tl.float16), a_t)
+    return acc_t + p * sw[:, None]
 
 
 @triton.jit
@@ -644,22 +690,50 @@ def _gate_up_tile(
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = k_end - k_end % BLOCK_K
         G: tl.constexpr = 4 if MX_DOT >= 4 and BLOCK_K % 128 == 0 else 1  # blocks per scale load (words: 4)
+        TRANS: tl.constexpr = MX_DOT >= 3 and BLOCK_M < 16  # the products transposed (`mx_dot_t`)
+        AHEAD: tl.constexpr = TRANS and G == 4 and BLOCK_K <= 256  # scale words a K step ahead (`mx_dot_t`)
+        a_row_t = x_ptr + tok[None, :].to(tl.int64) * stride_xt
+        acc_gt = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_ut = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        nxt_g = scale_step(gs, 0, k_full, cols, cmask, gs_n, AHEAD, BLOCK_K)
+        nxt_u = scale_step(us, 0, k_full, cols, cmask, us_n, AHEAD, BLOCK_K)
         for k0 in range(0, k_full, BLOCK_K):
+            cur_g = nxt_g
+            cur_u = nxt_u
+            if AHEAD:
+                nxt_g = scale_step(gs, k0 + BLOCK_K, k_full, cols, cmask, gs_n, AHEAD, BLOCK_K)
+                nxt_u = scale_step(us, k0 + BLOCK_K, k_full, cols, cmask, us_n, AHEAD, BLOCK_K)
             for q in tl.static_range(BLOCK_K // (32 * G)):
                 kb0 = k0 // 32 + G * q
-                wsg = scale_group(gs, kb0, cols, cmask, gs_n, G == 4)
-                wsu = scale_group(us, kb0, cols, cmask, us_n, G == 4)
+                if AHEAD:
+                    wsg = cur_g[q]
+                    wsu = cur_u[q]
+                else:
+                    wsg = scale_group(gs, kb0, cols, cmask, gs_n, G == 4)
+                    wsu = scale_group(us, kb0, cols, cmask, us_n, G == 4)
                 for j in tl.static_range(G):
-                    acc_g, acc_u = _gate_up_mx_block(
-                        acc_g, acc_u, a_row, stride_xh, kb0 + j, rmask,
-                        wg, group_scales(wsg, j, gs, kb0, cols, cmask, gs_n, gs_k, G == 4),
-                        wu, group_scales(wsu, j, us, kb0, cols, cmask, us_n, us_k, G == 4),
-                        cols, cmask, g_n, g_k, u_n, u_k, MX_DOT, DOT_PREC)
+                    sg = group_scales(wsg, j, gs, kb0, cols, cmask, gs_n, gs_k, G == 4)
+                    su = group_scales(wsu, j, us, kb0, cols, cmask, us_n, us_k, G == 4)
+                    if TRANS:
+                        acc_gt = mx_dot_t(a_row_t, stride_xh, 0, kb0 + j, rmask, wg, cols, cmask, g_n, g_k, sg,
+                                          acc_gt, DOT_PREC)
+                        acc_ut = mx_dot_t(a_row_t, stride_xh, 0, kb0 + j, rmask, wu, cols, cmask, u_n, u_k, su,
+                                          acc_ut, DOT_PREC)
+                    else:
+                        acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb0 + j, rmask, wg, sg, wu,
+                                                         su, cols, cmask, g_n, g_k, u_n, u_k, MX_DOT, DOT_PREC)
         for kb in range(k_full // 32, k_end // 32):
-            acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb, rmask, wg,
-                                             w_block_scales(gs, kb, cols, cmask, gs_n, gs_k), wu,
-                                             w_block_scales(us, kb, cols, cmask, us_n, us_k), cols, cmask, g_n, g_k,
-                                             u_n, u_k, MX_DOT, DOT_PREC)
+            sg = w_block_scales(gs, kb, cols, cmask, gs_n, gs_k)
+            su = w_block_scales(us, kb, cols, cmask, us_n, us_k)
+            if TRANS:
+                acc_gt = mx_dot_t(a_row_t, stride_xh, 0, kb, rmask, wg, cols, cmask, g_n, g_k, sg, acc_gt, DOT_PREC)
+                acc_ut = mx_dot_t(a_row_t, stride_xh, 0, kb, rmask, wu, cols, cmask, u_n, u_k, su, acc_ut, DOT_PREC)
+            else:
+                acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb, rmask, wg, sg, wu, su, cols,
+                                                 cmask, g_n, g_k, u_n, u_k, MX_DOT, DOT_PREC)
+        if TRANS:
+            acc_g = tl.trans(acc_gt)
+            acc_u = tl.trans(acc_ut)
         if MX_DOT >= 3:  # x's row scales
             r_s = tl.load(xr_ptr + tok, mask=rmask, other=1.0)[:, None]
             acc_g *= r_s
@@ -748,8 +822,10 @@ _gate_up_kernel = _launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=
                                    eager_pre_hook=tma_pre_hook((), ("g_desc", "u_desc")))(_gate_up_body)
 # MX_DOT (decode sizes): row tiles of 16 (the fp8 tensor cores' mma.sync shape, not wgmma's 64: few rows per
 # expert, and the per-block scaling is BLOCK_M x BLOCK_N float32 work per 32 k) and long K steps
+# (the 8-row tiles: `mx_dot_t`; the eager autotuner's picks at qwen3 decode, gate/up and down, H200 run 17)
 _MX_DOT_CONFIGS = [cfg(16, 64, 128, 4, 4), cfg(16, 128, 128, 4, 3), cfg(16, 64, 256, 4, 3), cfg(16, 32, 128, 2, 4),
-                   cfg(16, 64, 64, 4, 6), cfg(32, 64, 128, 4, 4), cfg(64, 64, 128, 4, 3), cfg(128, 128, 64, 8, 3)]
+                   cfg(16, 64, 64, 4, 6), cfg(32, 64, 128, 4, 4), cfg(64, 64, 128, 4, 3), cfg(128, 128, 64, 8, 3),
+                   cfg(8, 32, 256, 2, 3), cfg(8, 64, 128, 4, 4)]
 _gate_up_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1),
                                           key=_GATE_UP_KEY + ["MX_DOT"])(_gate_up_body)
 
@@ -922,24 +998,41 @@ _GROUPED_ROWS_CONFIGS = [cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 8, 3), cfg(6
 
 
 @triton.jit
-def _grouped_rows_k_loop(acc, a_row, stride_ak, a_k0, k_start, rmask, w_ptr, s_ptr, s_n, s_k, ss_n, ss_k, cols,
-                         cmask, KD, like_ptr, MX: tl.constexpr, MX_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-    """acc + A[rows, a_k0 + k] @ W[e][cols, k]^T over k in [k_start, KD) (w_ptr, s_ptr: expert e's starts)."""
+def _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, a_k0, k_start, rmask, w_ptr, s_ptr, s_n, s_k, ss_n, ss_k,
+                         cols, cmask, KD, like_ptr, MX: tl.constexpr, MX_DOT: tl.constexpr, TRANS: tl.constexpr,
+                         DOT_PREC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + A[rows, a_k0 + k] @ W[e][cols, k]^T over k in [k_start, KD) (w_ptr, s_ptr: expert e's starts);
+    TRANS: acc and the sum transposed (`mx_dot_t`), a_row_t the rows' starts as a [1, BLOCK_M] tile."""
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = KD - KD % BLOCK_K
         G: tl.constexpr = 4 if MX_DOT >= 4 and BLOCK_K % 128 == 0 else 1  # blocks per scale load (words: 4)
+        AHEAD: tl.constexpr = TRANS and G == 4 and BLOCK_K <= 256  # scale words a K step ahead (`mx_dot_t`)
+        nxt = scale_step(s_ptr, 0, k_full, cols, cmask, ss_n, AHEAD, BLOCK_K)
         for k0 in range(0, k_full, BLOCK_K):
+            cur = nxt
+            if AHEAD:
+                nxt = scale_step(s_ptr, k0 + BLOCK_K, k_full, cols, cmask, ss_n, AHEAD, BLOCK_K)
             for q in tl.static_range(BLOCK_K // (32 * G)):
                 kb0 = k0 // 32 + G * q
-                ws = scale_group(s_ptr, kb0, cols, cmask, ss_n, G == 4)
+                if AHEAD:
+                    ws = cur[q]
+                else:
+                    ws = scale_group(s_ptr, kb0, cols, cmask, ss_n, G == 4)
                 for j in tl.static_range(G):
-                    acc = _mx_block(acc, a_row, stride_ak, a_k0, kb0 + j, rmask, w_ptr,
-                                    group_scales(ws, j, s_ptr, kb0, cols, cmask, ss_n, ss_k, G == 4), cols, cmask,
-                                    s_n, s_k, MX_DOT, DOT_PREC)
+                    sw = group_scales(ws, j, s_ptr, kb0, cols, cmask, ss_n, ss_k, G == 4)
+                    if TRANS:
+                        acc = mx_dot_t(a_row_t, stride_ak, a_k0, kb0 + j, rmask, w_ptr, cols, cmask, s_n, s_k, sw,
+                                       acc, DOT_PREC)
+                    else:
+                        acc = _mx_block(acc, a_row, stride_ak, a_k0, kb0 + j, rmask, w_ptr, sw, cols, cmask, s_n,
+                                        s_k, MX_DOT, DOT_PREC)
         for kb in range(k_full // 32, KD // 32):
-            acc = _mx_block(acc, a_row, stride_ak, a_k0, kb, rmask, w_ptr, w_block_scales(s_ptr, kb, cols, cmask, ss_n,
-                            ss_k), cols, cmask, s_n, s_k, MX_DOT, DOT_PREC)
+            sw = w_block_scales(s_ptr, kb, cols, cmask, ss_n, ss_k)
+            if TRANS:
+                acc = mx_dot_t(a_row_t, stride_ak, a_k0, kb, rmask, w_ptr, cols, cmask, s_n, s_k, sw, acc, DOT_PREC)
+            else:
+                acc = _mx_block(acc, a_row, stride_ak, a_k0, kb, rmask, w_ptr, sw, cols, cmask, s_n, s_k, MX_DOT,
+                                DOT_PREC)
     else:
         ks = tl.arange(0, BLOCK_K)
         for k0 in range(k_start, KD, BLOCK_K):
@@ -989,22 +1082,29 @@ def _grouped_rows_kernel(
     cmask = cols < NCOL
     e64 = group.to(tl.int64)
     w1, q1 = w_bases(w1_ptr, q1_ptr, e64, s1_e, q1_e, E, W_TABLE, MX1)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    TRANS: tl.constexpr = MX_DOT >= 3 and BLOCK_M < 16  # the products transposed (`mx_dot_t`)
+    if TRANS:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a_row = a_ptr + rows[:, None].to(tl.int64) * stride_am
+    a_row_t = a_ptr + rows[None, :].to(tl.int64) * stride_am
     k_start = 0
     if TMA:
         k_start = KD - KD % BLOCK_K
         acc = _tma_k_loop(acc, a_desc, 0, row_start, w1_desc, group * w_rows, pid_n * BLOCK_N, k_start, W_KMAJOR,
                           DOT_PREC, BLOCK_K)
-    acc = _grouped_rows_k_loop(acc, a_row, stride_ak, 0, k_start, rmask, w1, q1, s1_n, s1_k, q1_n, q1_k, cols,
-                               cmask, KD, out_ptr, MX1, MX_DOT, DOT_PREC, BLOCK_K)
+    acc = _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, 0, k_start, rmask, w1, q1, s1_n, s1_k, q1_n, q1_k,
+                               cols, cmask, KD, out_ptr, MX1, MX_DOT, TRANS, DOT_PREC, BLOCK_K)
     if TWO:
         w2, q2 = w_bases(w2_ptr, q2_ptr, e64, s2_e, q2_e, E, W_TABLE, MX2)
         if TMA:
             acc = _tma_k_loop(acc, a_desc, KD, row_start, w2_desc, group * w_rows, pid_n * BLOCK_N, k_start,
                               W_KMAJOR, DOT_PREC, BLOCK_K)
-        acc = _grouped_rows_k_loop(acc, a_row, stride_ak, KD, k_start, rmask, w2, q2, s2_n, s2_k, q2_n, q2_k, cols,
-                                   cmask, KD, out_ptr, MX2, MX_DOT, DOT_PREC, BLOCK_K)
+        acc = _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, KD, k_start, rmask, w2, q2, s2_n, s2_k, q2_n,
+                                   q2_k, cols, cmask, KD, out_ptr, MX2, MX_DOT, TRANS, DOT_PREC, BLOCK_K)
+    if TRANS:
+        acc = tl.trans(acc)
     if MX_DOT >= 3:  # A's row scales
         acc *= tl.load(ar_ptr + rows, mask=rmask, other=1.0)[:, None]
     if SCATTER:
