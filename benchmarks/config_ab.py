@@ -30,12 +30,16 @@ CANDIDATES = {(moe_fwd, "_gate_up_kernel"): [cfg(128, 128, 64, 8, 4), cfg(64, 25
 KERNELS = "fwd gate_up (+gather),fwd down,two-pass,wgrad down,gate+up (one launch),dx (gate+up"
 
 
-def extended(kernel, extra):
-    """The autotuner `kernel` (an eager one of `_launch.autotune`) over its configs plus `extra`, with the same
-    key, restored arguments and pre-hook (the TMA block shapes)."""
-    configs = list(kernel.configs) + with_pre_hook(extra, kernel.configs[0].pre_hook)
-    return triton.autotune(configs=configs, key=list(kernel.keys),
+def retuned(kernel, configs):
+    """The autotuner `kernel` (an eager one of `_launch.autotune`) over `configs` in place of its own, with the
+    same key, restored arguments and pre-hook (the TMA block shapes)."""
+    return triton.autotune(configs=with_pre_hook(configs, kernel.configs[0].pre_hook), key=list(kernel.keys),
                            restore_value=list(kernel.restore_value) or None)(kernel.fn)
+
+
+def extended(kernel, extra):
+    """`kernel` over its configs plus `extra` (`retuned`)."""
+    return retuned(kernel, list(kernel.configs) + list(extra))
 
 
 def main():

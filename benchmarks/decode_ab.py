@@ -23,13 +23,12 @@ import os
 import sys
 
 import torch
-import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_moe import SHAPES, GraphedMok, GraphedMokMxfp8, bench, copy_bandwidth, make_inputs  # noqa: E402
-from config_ab import extended  # noqa: E402
+from config_ab import extended, retuned  # noqa: E402
 
 from mok_inductor.kernels._launch import cfg  # noqa: E402
 
@@ -53,11 +52,6 @@ _TRANS = [(8, 32, 128, 2, 4), (8, 32, 128, 1, 4), (8, 64, 128, 2, 4), (8, 64, 12
 _TRANS_PAIRS = [((8, 32, 256, 2, 3), (8, 64, 128, 4, 4)), ((8, 32, 128, 2, 4), (8, 64, 128, 4, 4)),
                 ((8, 64, 256, 4, 3), (8, 128, 128, 4, 3))]
 
-
-def only(kernel, configs):
-    """The autotuner `kernel` (of `_launch.autotune`) over `configs` alone, with the same key."""
-    return triton.autotune(configs=[cfg(*c) for c in configs], key=list(kernel.keys),
-                           restore_value=list(kernel.restore_value) or None)(kernel.fn)
 
 
 def kernel_profile(graph, reps=20):
@@ -117,12 +111,13 @@ def main():
         variants["MXFP8, rows scaled once, scales by 32-bit words (words)"] = (GraphedMokMxfp8, {}, 4, 1 + 1 / 32)
         variants["MXFP8, rows scaled once, scale words, wider configs (words)"] = (GraphedMokMxfp8, rows_wide, 4,
                                                                                 1 + 1 / 32)
-        trans = {n: only(k, _TRANS) for n, k in zip(mx_names, mx_base)}
+        trans = {n: retuned(k, [cfg(*c) for c in _TRANS]) for n, k in zip(mx_names, mx_base)}
         variants["MXFP8, scale words, transposed 8-row tiles (trans)"] = (GraphedMokMxfp8, trans, 4, 1 + 1 / 32)
         for cg, cd in _TRANS_PAIRS:
             variants[f"MXFP8, scale words, transposed {'x'.join(map(str, cg))}, "
                      f"{'x'.join(map(str, cd))} (fixed)"] = (
-                GraphedMokMxfp8, {n: only(k, [c]) for n, k, c in zip(mx_names, mx_base, (cg, cd))}, 4, 1 + 1 / 32)
+                GraphedMokMxfp8, {n: retuned(k, [cfg(*c)]) for n, k, c in zip(mx_names, mx_base, (cg, cd))}, 4,
+                1 + 1 / 32)
         variants["MXFP8, dequantizing K loop"] = (GraphedMokMxfp8, {}, 0, 1 + 1 / 32)
     if a.only:
         variants = {k: v for k, v in variants.items() if any(w in k for w in a.only.split(","))}

@@ -711,6 +711,29 @@ def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
     assert torch.isfinite(out).all() and rel_err(out, want) <= TOLERANCE[torch.bfloat16]
 
 
+def _record_modes(monkeypatch) -> list:
+    """(kernel, MX_DOT) of each launch of the two K-loop-by-32-blocks kernels from here on (a list filled as they
+    run; every launch still runs)."""
+    seen, real = [], _launch.launch
+
+    def launch(kernel, *args, **kwargs):
+        if kernel in (_moe_fwd._gate_up_mx_dot_kernel, _moe_fwd._grouped_rows_mx_dot_kernel):
+            seen.append((kernel, kwargs.get("MX_DOT")))
+        return real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(_launch, "launch", launch)
+    return seen
+
+
+def _one_mx_config(monkeypatch, block_m, block_k):
+    """Both K-loop-by-32-blocks kernels (gate/up, grouped rows) on one tile config: BLOCK_N 32, 2 warps."""
+    one = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": block_k}, num_warps=2)]
+    monkeypatch.setattr(_moe_fwd, "_gate_up_mx_dot_kernel", triton.autotune(one, key=["M", "H", "I", "E"])(
+        _moe_fwd._gate_up_body))
+    monkeypatch.setattr(_moe_fwd, "_grouped_rows_mx_dot_kernel", triton.autotune(
+        one, key=["M", "NCOL", "KD", "E"])(_moe_fwd._grouped_rows_body))
+
+
 def _spread_problem(seed, *, t, h, i, e, k):
     """(gate_up, down quantized, x, router weights, expert ids, dy) of a bf16 layer whose weight blocks are up to
     40 octaves apart (block scales far from each other)."""
@@ -738,13 +761,8 @@ def test_scale_words_match_the_byte_loads(monkeypatch, block_k):
 
     _backend(monkeypatch, "triton")
     _mx_dot_on(monkeypatch, 3)
-    seen, real = [], _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: seen.append((k, kw.get("MX_DOT"))) or real(k, *a, **kw))
-    one = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": block_k}, num_warps=2)]
-    monkeypatch.setattr(moe_fwd, "_gate_up_mx_dot_kernel", triton.autotune(one, key=["M", "H", "I", "E"])(
-        moe_fwd._gate_up_body))
-    monkeypatch.setattr(moe_fwd, "_grouped_rows_mx_dot_kernel", triton.autotune(one, key=["M", "NCOL", "KD", "E"])(
-        moe_fwd._grouped_rows_body))
+    seen = _record_modes(monkeypatch)
+    _one_mx_config(monkeypatch, 16, block_k)
     q1, q2, x, rw, te, _ = _spread_problem(31, t=10, h=384, i=256, e=3, k=2)
     dev = _TRITON_DEV
 
@@ -759,8 +777,7 @@ def test_scale_words_match_the_byte_loads(monkeypatch, block_k):
         seen.clear()
         with torch.no_grad():
             y = mok_inductor.moe(x.to(dev), rw.to(dev), te.to(dev), a, b).cpu()
-        return y, [mode for kern, mode in seen if kern in (moe_fwd._gate_up_mx_dot_kernel,
-                                                           moe_fwd._grouped_rows_mx_dot_kernel)]
+        return y, [mode for _, mode in seen]
 
     q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
     y_words, modes_words = run(q1, q2, True)
@@ -783,29 +800,22 @@ def test_transposed_row_tiles(monkeypatch):
     from mok_inductor.kernels import moe_fwd
 
     _backend(monkeypatch, "triton")
-    launched = _mx_dot_on(monkeypatch, 3)
+    _mx_dot_on(monkeypatch, 3)
+    seen = _record_modes(monkeypatch)
     q1, q2, x, rw, te, dy = _spread_problem(37, t=12, h=384, i=160, e=3, k=2)
     dev = _TRITON_DEV
     q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
 
-    seen, real = [], _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: seen.append(kw.get("MX_DOT")) or real(k, *a, **kw))
-
     def run(block_m, words=True):
         monkeypatch.setattr(moe_fwd, "SCALE_WORDS", words)
-        one = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128}, num_warps=2)]
-        monkeypatch.setattr(moe_fwd, "_gate_up_mx_dot_kernel", triton.autotune(one, key=["M", "H", "I", "E"])(
-            moe_fwd._gate_up_body))
-        monkeypatch.setattr(moe_fwd, "_grouped_rows_mx_dot_kernel", triton.autotune(
-            one, key=["M", "NCOL", "KD", "E"])(moe_fwd._grouped_rows_body))
-        launched.clear()
+        _one_mx_config(monkeypatch, block_m, 128)
         seen.clear()
         xl = x.to(dev, copy=True).requires_grad_(True)
         y = mok_inductor.moe(xl, rw.to(dev), te.to(dev), q1, q2)
         y.backward(dy.to(dev))
-        assert launched.count(moe_fwd._gate_up_mx_dot_kernel) == 1
-        assert launched.count(moe_fwd._grouped_rows_mx_dot_kernel) == 2  # the forward's down, the backward's dx
-        assert [m for m in seen if m] == ([4, 3, 3] if words else [3, 3, 3])  # gate/up, down, dx
+        # the forward's gate/up and down, the backward's dx
+        gate_up, rows = moe_fwd._gate_up_mx_dot_kernel, moe_fwd._grouped_rows_mx_dot_kernel
+        assert seen == [(gate_up, 4 if words else 3), (rows, 3), (rows, 3)]
         return y.detach().cpu(), xl.grad.cpu()
 
     y8, dx8 = run(8)

@@ -275,22 +275,11 @@ def w_scale_word(s_ptr, kb0, cols, cmask, ss_n):
 
 
 @triton.jit
-def scale_group(s_ptr, kb0, cols, cmask, ss_n, WORDS: tl.constexpr):
-    """What one scale load of a K loop reads from block kb0 on: `w_scale_word`'s words (WORDS), or nothing (a
-    byte load per block then, in `group_scales`)."""
+def scale_step(s_ptr, k0, k_full, cols, cmask, ss_n, WORDS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """WORDS: the scale words (`w_scale_word`) of the K step at k0 (BLOCK_K 128 or 256), a pair (the second the
+    first's for 128), zeros where k0 is past the whole steps (a loop loading a step ahead never reads past a
+    row's blocks); otherwise a pair of zeros, nothing loaded (a byte load per block then, in `group_scales`)."""
     if WORDS:
-        out = w_scale_word(s_ptr, kb0, cols, cmask, ss_n)
-    else:
-        out = 0
-    return out
-
-
-@triton.jit
-def scale_step(s_ptr, k0, k_full, cols, cmask, ss_n, AHEAD: tl.constexpr, BLOCK_K: tl.constexpr):
-    """AHEAD: the scale words (`w_scale_word`) of the K step at k0, a pair (the second the first's for
-    BLOCK_K 128), zeros where k0 is past the whole steps (the loop loads a step ahead: never past a row's
-    blocks); otherwise a pair of zeros, nothing loaded."""
-    if AHEAD:
         ok = cmask & (k0 < k_full)
         w0 = w_scale_word(s_ptr, k0 // 32, cols, ok, ss_n)
         if BLOCK_K == 256:
@@ -304,11 +293,11 @@ def scale_step(s_ptr, k0, k_full, cols, cmask, ss_n, AHEAD: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def group_scales(group, j: tl.constexpr, s_ptr, kb0, cols, cmask, ss_n, ss_k, WORDS: tl.constexpr):
-    """The float32 factors of block kb0 + j: byte j of `scale_group`'s words (WORDS), or block kb0 + j's byte
-    loads (`w_block_scales`)."""
+def group_scales(words, q: tl.constexpr, j: tl.constexpr, s_ptr, kb0, cols, cmask, ss_n, ss_k, WORDS: tl.constexpr):
+    """The float32 factors of block kb0 + j: byte j of word q of `scale_step`'s pair (WORDS), or block kb0 + j's
+    byte loads (`w_block_scales`)."""
     if WORDS:
-        out = e8m0_factor((group >> (8 * j)) & 0xFF)
+        out = e8m0_factor((words[q] >> (8 * j)) & 0xFF)
     else:
         out = w_block_scales(s_ptr, kb0 + j, cols, cmask, ss_n, ss_k)
     return out
@@ -367,23 +356,35 @@ def mx_dot_t(a_row_t, stride_ak, a_k0, kb, rmask, w_ptr, cols, cmask, s_n, s_k, 
 
 
 @triton.jit
-def _mx_block(acc, a_row, stride_ak, a_k0, kb, rmask, w_ptr, sw, cols, cmask, s_n, s_k,
-              MODE: tl.constexpr, DOT_PREC: tl.constexpr):
+def _mx_block(acc, a_row, a_row_t, stride_ak, a_k0, kb, rmask, w_ptr, sw, cols, cmask, s_n, s_k,
+              MODE: tl.constexpr, TRANS: tl.constexpr, DOT_PREC: tl.constexpr):
     """acc + scale block kb of A[rows, a_k0 + k] @ W[e][cols, k]^T through `mx_dot`, sw the block's weight scale
-    factors."""
-    hi, lo, sa = mx_act_block(a_row, stride_ak, a_k0, kb, rmask, MODE, DOT_PREC)
-    return mx_dot(hi, lo, sa, w_tile_e4m3(w_ptr, kb, cols, cmask, s_n, s_k), sw, acc, MODE, DOT_PREC)
+    factors; TRANS: through `mx_dot_t` (acc transposed; a_row_t the rows' starts as a [1, BLOCK_M] tile)."""
+    if TRANS:
+        out = mx_dot_t(a_row_t, stride_ak, a_k0, kb, rmask, w_ptr, cols, cmask, s_n, s_k, sw, acc, DOT_PREC)
+    else:
+        hi, lo, sa = mx_act_block(a_row, stride_ak, a_k0, kb, rmask, MODE, DOT_PREC)
+        out = mx_dot(hi, lo, sa, w_tile_e4m3(w_ptr, kb, cols, cmask, s_n, s_k), sw, acc, MODE, DOT_PREC)
+    return out
 
 
 @triton.jit
-def _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb, rmask, wg, sg, wu, su, cols, cmask, g_n, g_k, u_n, u_k,
-                      MODE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Scale block kb of the gate and up GEMMs through `mx_dot` (sg, su: the block's weight scale factors),
-    the activation block split once for both."""
-    hi, lo, sa = mx_act_block(a_row, stride_xh, 0, kb, rmask, MODE, DOT_PREC)
-    bg = w_tile_e4m3(wg, kb, cols, cmask, g_n, g_k)
-    bu = w_tile_e4m3(wu, kb, cols, cmask, u_n, u_k)
-    return mx_dot(hi, lo, sa, bg, sg, acc_g, MODE, DOT_PREC), mx_dot(hi, lo, sa, bu, su, acc_u, MODE, DOT_PREC)
+def _gate_up_mx_block(acc_g, acc_u, a_row, a_row_t, stride_xh, kb, rmask, wg, sg, wu, su, cols, cmask, g_n, g_k,
+                      u_n, u_k, MODE: tl.constexpr, TRANS: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Scale block kb of the gate and up GEMMs (sg, su: the block's weight scale factors) through `_mx_block`;
+    not TRANS, the activation block split once for both."""
+    if TRANS:
+        acc_g = _mx_block(acc_g, a_row, a_row_t, stride_xh, 0, kb, rmask, wg, sg, cols, cmask, g_n, g_k, MODE, TRANS,
+                          DOT_PREC)
+        acc_u = _mx_block(acc_u, a_row, a_row_t, stride_xh, 0, kb, rmask, wu, su, cols, cmask, u_n, u_k, MODE, TRANS,
+                          DOT_PREC)
+    else:
+        hi, lo, sa = mx_act_block(a_row, stride_xh, 0, kb, rmask, MODE, DOT_PREC)
+        bg = w_tile_e4m3(wg, kb, cols, cmask, g_n, g_k)
+        bu = w_tile_e4m3(wu, kb, cols, cmask, u_n, u_k)
+        acc_g = mx_dot(hi, lo, sa, bg, sg, acc_g, MODE, DOT_PREC)
+        acc_u = mx_dot(hi, lo, sa, bu, su, acc_u, MODE, DOT_PREC)
+    return acc_g, acc_u
 
 
 @triton.jit
@@ -689,51 +690,39 @@ def _gate_up_tile(
         k_end = H
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = k_end - k_end % BLOCK_K
-        G: tl.constexpr = 4 if MX_DOT >= 4 and BLOCK_K % 128 == 0 else 1  # blocks per scale load (words: 4)
+        G: tl.constexpr = 4 if MX_DOT >= 4 and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks per scale load
         TRANS: tl.constexpr = MX_DOT >= 3 and BLOCK_M < 16  # the products transposed (`mx_dot_t`)
-        AHEAD: tl.constexpr = TRANS and G == 4 and BLOCK_K <= 256  # scale words a K step ahead (`mx_dot_t`)
+        AHEAD: tl.constexpr = TRANS and G == 4  # scale words a K step ahead (`mx_dot_t`)
         a_row_t = x_ptr + tok[None, :].to(tl.int64) * stride_xt
-        acc_gt = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_ut = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if TRANS:
+            acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         nxt_g = scale_step(gs, 0, k_full, cols, cmask, gs_n, AHEAD, BLOCK_K)
         nxt_u = scale_step(us, 0, k_full, cols, cmask, us_n, AHEAD, BLOCK_K)
         for k0 in range(0, k_full, BLOCK_K):
-            cur_g = nxt_g
-            cur_u = nxt_u
             if AHEAD:
+                cur_g, cur_u = nxt_g, nxt_u
                 nxt_g = scale_step(gs, k0 + BLOCK_K, k_full, cols, cmask, gs_n, AHEAD, BLOCK_K)
                 nxt_u = scale_step(us, k0 + BLOCK_K, k_full, cols, cmask, us_n, AHEAD, BLOCK_K)
+            else:
+                cur_g = scale_step(gs, k0, k_full, cols, cmask, gs_n, G == 4, BLOCK_K)
+                cur_u = scale_step(us, k0, k_full, cols, cmask, us_n, G == 4, BLOCK_K)
             for q in tl.static_range(BLOCK_K // (32 * G)):
                 kb0 = k0 // 32 + G * q
-                if AHEAD:
-                    wsg = cur_g[q]
-                    wsu = cur_u[q]
-                else:
-                    wsg = scale_group(gs, kb0, cols, cmask, gs_n, G == 4)
-                    wsu = scale_group(us, kb0, cols, cmask, us_n, G == 4)
                 for j in tl.static_range(G):
-                    sg = group_scales(wsg, j, gs, kb0, cols, cmask, gs_n, gs_k, G == 4)
-                    su = group_scales(wsu, j, us, kb0, cols, cmask, us_n, us_k, G == 4)
-                    if TRANS:
-                        acc_gt = mx_dot_t(a_row_t, stride_xh, 0, kb0 + j, rmask, wg, cols, cmask, g_n, g_k, sg,
-                                          acc_gt, DOT_PREC)
-                        acc_ut = mx_dot_t(a_row_t, stride_xh, 0, kb0 + j, rmask, wu, cols, cmask, u_n, u_k, su,
-                                          acc_ut, DOT_PREC)
-                    else:
-                        acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb0 + j, rmask, wg, sg, wu,
-                                                         su, cols, cmask, g_n, g_k, u_n, u_k, MX_DOT, DOT_PREC)
+                    acc_g, acc_u = _gate_up_mx_block(
+                        acc_g, acc_u, a_row, a_row_t, stride_xh, kb0 + j, rmask,
+                        wg, group_scales(cur_g, q, j, gs, kb0, cols, cmask, gs_n, gs_k, G == 4),
+                        wu, group_scales(cur_u, q, j, us, kb0, cols, cmask, us_n, us_k, G == 4),
+                        cols, cmask, g_n, g_k, u_n, u_k, MX_DOT, TRANS, DOT_PREC)
         for kb in range(k_full // 32, k_end // 32):
-            sg = w_block_scales(gs, kb, cols, cmask, gs_n, gs_k)
-            su = w_block_scales(us, kb, cols, cmask, us_n, us_k)
-            if TRANS:
-                acc_gt = mx_dot_t(a_row_t, stride_xh, 0, kb, rmask, wg, cols, cmask, g_n, g_k, sg, acc_gt, DOT_PREC)
-                acc_ut = mx_dot_t(a_row_t, stride_xh, 0, kb, rmask, wu, cols, cmask, u_n, u_k, su, acc_ut, DOT_PREC)
-            else:
-                acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, stride_xh, kb, rmask, wg, sg, wu, su, cols,
-                                                 cmask, g_n, g_k, u_n, u_k, MX_DOT, DOT_PREC)
+            acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, a_row_t, stride_xh, kb, rmask,
+                                             wg, w_block_scales(gs, kb, cols, cmask, gs_n, gs_k),
+                                             wu, w_block_scales(us, kb, cols, cmask, us_n, us_k),
+                                             cols, cmask, g_n, g_k, u_n, u_k, MX_DOT, TRANS, DOT_PREC)
         if TRANS:
-            acc_g = tl.trans(acc_gt)
-            acc_u = tl.trans(acc_ut)
+            acc_g = tl.trans(acc_g)
+            acc_u = tl.trans(acc_u)
         if MX_DOT >= 3:  # x's row scales
             r_s = tl.load(xr_ptr + tok, mask=rmask, other=1.0)[:, None]
             acc_g *= r_s
@@ -1005,34 +994,25 @@ def _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, a_k0, k_start, rmask, w
     TRANS: acc and the sum transposed (`mx_dot_t`), a_row_t the rows' starts as a [1, BLOCK_M] tile."""
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = KD - KD % BLOCK_K
-        G: tl.constexpr = 4 if MX_DOT >= 4 and BLOCK_K % 128 == 0 else 1  # blocks per scale load (words: 4)
-        AHEAD: tl.constexpr = TRANS and G == 4 and BLOCK_K <= 256  # scale words a K step ahead (`mx_dot_t`)
+        G: tl.constexpr = 4 if MX_DOT >= 4 and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks per scale load
+        AHEAD: tl.constexpr = TRANS and G == 4  # scale words a K step ahead (`mx_dot_t`)
         nxt = scale_step(s_ptr, 0, k_full, cols, cmask, ss_n, AHEAD, BLOCK_K)
         for k0 in range(0, k_full, BLOCK_K):
-            cur = nxt
             if AHEAD:
+                cur = nxt
                 nxt = scale_step(s_ptr, k0 + BLOCK_K, k_full, cols, cmask, ss_n, AHEAD, BLOCK_K)
+            else:
+                cur = scale_step(s_ptr, k0, k_full, cols, cmask, ss_n, G == 4, BLOCK_K)
             for q in tl.static_range(BLOCK_K // (32 * G)):
                 kb0 = k0 // 32 + G * q
-                if AHEAD:
-                    ws = cur[q]
-                else:
-                    ws = scale_group(s_ptr, kb0, cols, cmask, ss_n, G == 4)
                 for j in tl.static_range(G):
-                    sw = group_scales(ws, j, s_ptr, kb0, cols, cmask, ss_n, ss_k, G == 4)
-                    if TRANS:
-                        acc = mx_dot_t(a_row_t, stride_ak, a_k0, kb0 + j, rmask, w_ptr, cols, cmask, s_n, s_k, sw,
-                                       acc, DOT_PREC)
-                    else:
-                        acc = _mx_block(acc, a_row, stride_ak, a_k0, kb0 + j, rmask, w_ptr, sw, cols, cmask, s_n,
-                                        s_k, MX_DOT, DOT_PREC)
+                    acc = _mx_block(acc, a_row, a_row_t, stride_ak, a_k0, kb0 + j, rmask, w_ptr,
+                                    group_scales(cur, q, j, s_ptr, kb0, cols, cmask, ss_n, ss_k, G == 4), cols, cmask,
+                                    s_n, s_k, MX_DOT, TRANS, DOT_PREC)
         for kb in range(k_full // 32, KD // 32):
-            sw = w_block_scales(s_ptr, kb, cols, cmask, ss_n, ss_k)
-            if TRANS:
-                acc = mx_dot_t(a_row_t, stride_ak, a_k0, kb, rmask, w_ptr, cols, cmask, s_n, s_k, sw, acc, DOT_PREC)
-            else:
-                acc = _mx_block(acc, a_row, stride_ak, a_k0, kb, rmask, w_ptr, sw, cols, cmask, s_n, s_k, MX_DOT,
-                                DOT_PREC)
+            acc = _mx_block(acc, a_row, a_row_t, stride_ak, a_k0, kb, rmask, w_ptr,
+                            w_block_scales(s_ptr, kb, cols, cmask, ss_n, ss_k), cols, cmask, s_n, s_k, MX_DOT, TRANS,
+                            DOT_PREC)
     else:
         ks = tl.arange(0, BLOCK_K)
         for k0 in range(k_start, KD, BLOCK_K):
