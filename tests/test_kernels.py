@@ -133,13 +133,22 @@ def _check_all(case, *, factor=2.0, seed=7, oracle_device="cpu"):
     (9, 3, 6, "none"),  # all routes -1
     (300, 8, 130, "repeat"),  # several chunks, E + 1 above a power of two
 ])
-def test_schedule_bit_exact(T, K, E, kind):
+@pytest.mark.parametrize("fused", [True, False])
+def test_schedule_bit_exact(monkeypatch, T, K, E, kind, fused):
+    # fused: two launches (the scatter sums the counts itself: every case here is small enough); else three
+    from mok_inductor.kernels import schedule
+
+    if not fused:
+        monkeypatch.setattr(schedule, "FUSED_PREFIX_MAX_TILE", 0)
+    launched = record_launches(monkeypatch)
     gen = torch.Generator().manual_seed(T * 31 + E)
     from _helpers import routing
 
     for index_dtype in (torch.int64, torch.int32):
         te = routing(T, K, E, kind, generator=gen, index_dtype=index_dtype).to(DEV)
+        launched.clear()
         got = kernels.build_schedule(te, E)
+        assert (schedule._schedule_prefix_kernel in launched) != fused and len(launched) == (2 if fused else 3)
         want = reference.build_schedule(te.cpu(), E)
         for name, a, b in zip(("sorted_routes", "expert_offsets", "route_slots"), got, want):
             assert a.dtype == torch.int32 and a.device == te.device, name
@@ -159,6 +168,14 @@ def test_schedule_rejects_bad_ids():
     if DEV == "cpu":
         with pytest.raises(RuntimeError):
             kernels.build_schedule(torch.tensor([[0, -2]]), 3)
+        # two launches (the scatter folds the chunks' counts of bad ids): 128 routes a chunk, the bad id in the
+        # second of 3 (2 filled, 1 empty)
+        g = torch.Generator().manual_seed(5)
+        te = torch.randint(-1, 120, (96, 2), generator=g)
+        kernels.build_schedule(te, 120)
+        te[70, 0] = 120
+        with pytest.raises(RuntimeError):
+            kernels.build_schedule(te, 120)
         # E = 255: 64 routes per chunk, 71 chunks, more than the 64 the prefix kernel folds per step; the bad
         # id sits in the last filled chunk, the rest pass
         g = torch.Generator().manual_seed(7)

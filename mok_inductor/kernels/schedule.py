@@ -5,6 +5,9 @@
     top_experts_TK, base_CG, totals_G --_schedule_scatter_kernel--> sorted_routes_N, route_slots_N,
         expert_offsets_E1 (the exclusive prefix of totals_G over the keys, computed in every program)
 
+With few chunks (decode: FUSED_PREFIX_MAX_TILE), in two: each scatter program sums the whole counts_CG itself
+(its chunk's base and the totals) and program 0 folds bad_C, so the prefix launch goes.
+
 Keys: the expert id, with `-1` routes as key E (so they sort last, in route order). Stable because
 chunk c's routes of key g take the slots after those of chunks < c, in route order inside a chunk
 (a one-hot prefix sum). Integer arithmetic only: deterministic. Static shapes, no host
@@ -90,28 +93,47 @@ def _schedule_prefix_kernel(
 @triton.jit
 def _schedule_scatter_kernel(
     te_ptr,  # top_experts [N]
-    base_ptr,  # int32 [C, G]: routes of key g in chunks < c
-    totals_ptr,  # int32 [G]: routes of key g
+    base_ptr,  # int32 [C, G]: routes of key g in chunks < c (FUSED: counts_CG, routes of key g in chunk c)
+    totals_ptr,  # int32 [G]: routes of key g (FUSED: bad_C, ids outside [-1, E) per chunk)
     sorted_ptr,  # int32 [N] out: route held by each slot
     slots_ptr,  # int32 [N] out: slot of each route
     offsets_ptr,  # int32 [G] out (program 0): first slot of each key = expert_offsets_E1
-    N, E,
-    G_POW2: tl.constexpr, BLOCK: tl.constexpr,
+    ok_ptr,  # int32 [] out (FUSED, program 0): 1 if no chunk has a bad id, else 0
+    N, E, C,
+    G_POW2: tl.constexpr, BLOCK: tl.constexpr, FUSED: tl.constexpr, C_POW2: tl.constexpr,
 ):
     c = tl.program_id(0)
     g = tl.arange(0, G_POW2)
-    totals = tl.load(totals_ptr + g, mask=g <= E, other=0)
+    if FUSED:  # the prefix kernel's sums, over the whole [C, G] counts (C_POW2 * G_POW2 small)
+        cc = tl.arange(0, C_POW2)
+        counts = tl.load(base_ptr + cc[:, None] * (E + 1) + g[None, :], mask=(cc[:, None] < C) & (g[None, :] <= E),
+                         other=0)
+        totals = tl.sum(counts, axis=0)
+        before = tl.sum(tl.where(cc[:, None] < c, counts, 0), axis=0)  # routes of key g in chunks < c
+        nbad = tl.sum(tl.load(totals_ptr + cc, mask=cc < C, other=0), axis=0)
+        tl.store(ok_ptr, (nbad == 0).to(tl.int32), mask=c == 0)
+    else:
+        totals = tl.load(totals_ptr + g, mask=g <= E, other=0)
     start = tl.cumsum(totals, axis=0) - totals  # first slot of each key
     tl.store(offsets_ptr + g, start, mask=(g <= E) & (c == 0))  # program 0 writes the offsets
     routes = c * BLOCK + tl.arange(0, BLOCK)
     keys, mask, _ = _keys(te_ptr, routes, N, E)
     onehot = ((keys[:, None] == g[None, :]) & mask[:, None]).to(tl.int32)
     rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # earlier routes of the same key
-    key_start = tl.sum(onehot * start[None, :], axis=1)  # start[keys], without a gather
-    base = tl.load(base_ptr + c * (E + 1) + keys, mask=mask, other=0)
-    slot = key_start + base + rank
+    if FUSED:
+        key_start = tl.sum(onehot * (start + before)[None, :], axis=1)  # start[keys] + before[keys]
+        slot = key_start + rank
+    else:
+        key_start = tl.sum(onehot * start[None, :], axis=1)  # start[keys], without a gather
+        base = tl.load(base_ptr + c * (E + 1) + keys, mask=mask, other=0)
+        slot = key_start + base + rank
     tl.store(sorted_ptr + slot, routes, mask=mask)
     tl.store(slots_ptr + routes, slot, mask=mask)
+
+
+# the scatter programs sum the counts themselves (no prefix launch) while the [C, G] tile of counts is at most
+# this many entries: C <= 64 at E = 128 (64 routes a chunk: up to 4032 routes, qwen3 decode to T = 504)
+FUSED_PREFIX_MAX_TILE = 16384
 
 
 def _block(num_keys_pow2: int) -> int:
@@ -140,16 +162,22 @@ def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
     counts_CG = torch.empty(C, G, dtype=torch.int32, device=dev)
     bad_C = torch.empty(C, dtype=torch.int32, device=dev)
     _launch.launch(_schedule_count_kernel, (C,), te_N, counts_CG, bad_C, N, E, G_POW2=g_pow2, BLOCK=block)
+    ok = torch.empty((), dtype=torch.int32, device=dev)
+    sorted_N = torch.empty(N, dtype=torch.int32, device=dev)
+    slots_N = torch.empty(N, dtype=torch.int32, device=dev)
+    start_G = torch.empty(G, dtype=torch.int32, device=dev)
+    fused = not isinstance(C, torch.SymInt) and C * g_pow2 <= FUSED_PREFIX_MAX_TILE  # (symbolic: three, no guard)
+    if fused:
+        _launch.launch(_schedule_scatter_kernel, (C,), te_N, counts_CG, bad_C, sorted_N, slots_N, start_G, ok, N, E,
+                       C, G_POW2=g_pow2, BLOCK=block, FUSED=True, C_POW2=_launch.next_pow2(C))
+        torch._assert_async(ok, f"top_experts: expected expert indices in [-1, {E})")
+        return Schedule(sorted_N, start_G, slots_N)
     base_CG = torch.empty(C, G, dtype=torch.int32, device=dev)
     totals_G = torch.empty(G, dtype=torch.int32, device=dev)
-    ok = torch.empty((), dtype=torch.int32, device=dev)
     block_g = 16 if not _launch.INTERPRET else min(16, g_pow2)
     _launch.launch(_schedule_prefix_kernel, (_launch.cdiv(G, block_g),), counts_CG, base_CG, totals_G, bad_C, ok,
                    C, G, BLOCK_C=64, BLOCK_G=block_g)
     torch._assert_async(ok, f"top_experts: expected expert indices in [-1, {E})")
-    sorted_N = torch.empty(N, dtype=torch.int32, device=dev)
-    slots_N = torch.empty(N, dtype=torch.int32, device=dev)
-    start_G = torch.empty(G, dtype=torch.int32, device=dev)
-    _launch.launch(_schedule_scatter_kernel, (C,), te_N, base_CG, totals_G, sorted_N, slots_N, start_G, N, E,
-                   G_POW2=g_pow2, BLOCK=block)
+    _launch.launch(_schedule_scatter_kernel, (C,), te_N, base_CG, totals_G, sorted_N, slots_N, start_G, ok, N, E, C,
+                   G_POW2=g_pow2, BLOCK=block, FUSED=False, C_POW2=1)
     return Schedule(sorted_N, start_G, slots_N)
