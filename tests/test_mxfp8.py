@@ -505,11 +505,16 @@ def test_activation_fp16_term_is_exact(dtype):
         assert ((hi[r] * s - a64[r]).abs() <= s * 2.0 ** -25).all(), r
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_row_scaled_fp16_activations(dtype):
+def test_row_scaled_fp16_activations(monkeypatch, dtype, one_pass):
     # moe_fwd.row_f16 (mode 3): each row times one power of two into fp16's largest octave, read through
     # strides; exact but far below the row's largest element (fp16's subnormals); a NaN or an Inf poisons
-    # its row's scale
+    # its row's scale. Both kernel forms: a row read once (ONE_PASS), or twice in steps of columns.
+    if not one_pass:
+        monkeypatch.setattr(_moe_fwd, "ROW_F16_ONE_PASS_MAX", 64)
+    launched, real = [], _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: launched.append(kw["ONE_PASS"]) or real(k, *a, **kw))
     g = torch.Generator().manual_seed(6)
     octaves = 20 if dtype == torch.bfloat16 else 6
     base = torch.randn(200, 9, generator=g) * torch.exp2(torch.randint(-octaves, octaves, (1, 9), generator=g).float())
@@ -521,6 +526,7 @@ def test_row_scaled_fp16_activations(dtype):
     a = a.to(dtype)
     a16, r_s = _moe_fwd.row_f16(a.to(_TRITON_DEV))
     a16, r_s = a16.cpu(), r_s.cpu().double()
+    assert launched == [one_pass]
     assert a16.dtype == torch.float16 and a16.shape == a.shape and a16.is_contiguous()
     assert torch.isnan(r_s[5]) and torch.isnan(r_s[6])
     a64 = a.double()

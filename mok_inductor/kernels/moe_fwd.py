@@ -389,45 +389,76 @@ def _gate_up_mx_block(acc_g, acc_u, a_row, a_row_t, stride_xh, kb, rmask, wg, sg
 
 @triton.jit
 def _row_f16_kernel(a_ptr, stride_am, stride_ak, o_ptr, r_ptr, R, KA, BLOCK_R: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
     """o[r] = a[r] / r_s[r] in fp16 (o [R, KA] contiguous), r_s[r] float32 the power of two that puts the row's
     largest finite magnitude in [2**14, 2**15) (fp16's largest octave), NaN for a row holding a NaN or an
-    Inf (non-finite values propagate, as `mx_act_split`'s blocks)."""
+    Inf (non-finite values propagate, as `mx_act_split`'s blocks). ONE_PASS (BLOCK_K >= KA): each row loaded
+    once, kept in registers between its maximum and its scaling; else two passes over BLOCK_K columns."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     a_row = a_ptr + rows[:, None].to(tl.int64) * stride_am
+    o_row = o_ptr + rows[:, None].to(tl.int64) * KA
     amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
     bad = tl.zeros((BLOCK_R,), dtype=tl.int32)
-    for k0 in range(0, KA, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_row + kk[None, :] * stride_ak, mask=rmask[:, None] & (kk < KA)[None, :], other=0.0)
-        mag = tl.abs(a.to(tl.float32))
-        finite = mag < float("inf")  # (false for NaN)
-        amax = tl.maximum(amax, tl.max(tl.where(finite, mag, 0.0), axis=1))
-        bad += tl.sum(tl.where(finite, 0, 1), axis=1)
+    if ONE_PASS:
+        kk = tl.arange(0, BLOCK_K)
+        m = rmask[:, None] & (kk < KA)[None, :]
+        a = tl.load(a_row + kk[None, :] * stride_ak, mask=m, other=0.0).to(tl.float32)
+        amax, bad = _row_amax(a, amax, bad)
+        mul, r_s = _row_f16_scale(amax, bad)
+        tl.store(o_row + kk[None, :], (a * mul[:, None]).to(tl.float16), mask=m)
+    else:
+        for k0 in range(0, KA, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_row + kk[None, :] * stride_ak, mask=rmask[:, None] & (kk < KA)[None, :], other=0.0)
+            amax, bad = _row_amax(a.to(tl.float32), amax, bad)
+        mul, r_s = _row_f16_scale(amax, bad)
+        for k0 in range(0, KA, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            m = rmask[:, None] & (kk < KA)[None, :]
+            a = tl.load(a_row + kk[None, :] * stride_ak, mask=m, other=0.0)
+            tl.store(o_row + kk[None, :], (a.to(tl.float32) * mul[:, None]).to(tl.float16), mask=m)
+    tl.store(r_ptr + rows, r_s, mask=rmask)
+
+
+@triton.jit
+def _row_amax(a, amax, bad):
+    """(running largest finite magnitude, running count of non-finite elements) per row of the float32 tile a."""
+    mag = tl.abs(a)
+    finite = mag < float("inf")  # (false for NaN)
+    amax = tl.maximum(amax, tl.max(tl.where(finite, mag, 0.0), axis=1))
+    return amax, bad + tl.sum(tl.where(finite, 0, 1), axis=1)
+
+
+@triton.jit
+def _row_f16_scale(amax, bad):
+    """(the factor 1 / r_s that puts amax in fp16's largest octave, r_s: a power of two, NaN where bad > 0)."""
     b = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)  # amax's exponent
     mul = ((268 - b) << 23).to(tl.float32, bitcast=True)  # 2**(141 - b)
-    tl.store(r_ptr + rows, tl.where(bad > 0, float("nan"), ((b - 14) << 23).to(tl.float32, bitcast=True)),
-             mask=rmask)
-    o_row = o_ptr + rows[:, None].to(tl.int64) * KA
-    for k0 in range(0, KA, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        m = rmask[:, None] & (kk < KA)[None, :]
-        a = tl.load(a_row + kk[None, :] * stride_ak, mask=m, other=0.0)
-        tl.store(o_row + kk[None, :], (a.to(tl.float32) * mul[:, None]).to(tl.float16), mask=m)
+    return mul, tl.where(bad > 0, float("nan"), ((b - 14) << 23).to(tl.float32, bitcast=True))
+
+
+# rows of at most this many columns are scaled in one pass (`_row_f16_kernel`'s ONE_PASS), one row a program: the
+# two-pass form (4 rows a program, 512 columns a step) took 0.005 ms a launch at qwen3 decode (x: 64 rows of
+# 2048; h: 512 rows of 768; H200 run 17), latency of its serial steps for a few hundred KB
+ROW_F16_ONE_PASS_MAX = 8192
 
 
 def row_f16(a_RK: torch.Tensor):
     """(a16 [R, KA] fp16, r_s [R] float32) with a = a16 * r_s[:, None] (`_row_f16_kernel`): the activations of a
-    fp16 K loop of MX_DOT 3, one pass over a (read twice, the second time mostly from L2)."""
+    fp16 K loop of MX_DOT 3; a row of at most ROW_F16_ONE_PASS_MAX columns read once, a longer one twice (the
+    second time mostly from L2)."""
     R, KA = a_RK.shape
     a16 = torch.empty(R, KA, dtype=torch.float16, device=a_RK.device)
     r_s = torch.empty(R, dtype=torch.float32, device=a_RK.device)
     if R == 0:
         return a16, r_s
-    br, bk = (4, 32) if _launch.INTERPRET else (4, 512)
+    if not _launch.at_least(KA, ROW_F16_ONE_PASS_MAX + 1, True):  # (a symbolic width: two passes, no guard)
+        br, bk, one, warps = 1, _launch.next_pow2(KA), True, 4 if KA <= 4096 else 8
+    else:
+        br, bk, one, warps = 4, 32 if _launch.INTERPRET else 512, False, 4
     _launch.launch(_row_f16_kernel, (_launch.cdiv(R, br),), a_RK, a_RK.stride(0), a_RK.stride(1), a16, r_s, R, KA,
-                   BLOCK_R=br, BLOCK_K=bk, num_warps=4)
+                   BLOCK_R=br, BLOCK_K=bk, ONE_PASS=one, num_warps=warps)
     return a16, r_s
 
 
