@@ -7,7 +7,8 @@ configs for both GEMMs, for Nsight Compute. Run 17 (docs/benchmarks.md) used it 
 
 or with `--metrics lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,
 dram__bytes_read.sum,...` for where the L2 traffic comes from. A config is BLOCK_M x BLOCK_N x BLOCK_K x warps
-x stages; --no-words keeps the scales' byte loads (moe_fwd.SCALE_WORDS off).
+x stages; --no-words keeps the scales' byte loads (moe_fwd.SCALE_WORDS off), --wide reads a K step's two words by
+one 64-bit load (moe_fwd.SCALE_WIDE, BLOCK_K 256).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def main():
     p.add_argument("--gate-up", default="8x32x256x2x3")
     p.add_argument("--down", default="8x64x128x4x4")
     p.add_argument("--words", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--wide", action="store_true")
     a = p.parse_args()
-    moe_fwd.SCALE_WORDS = a.words
+    moe_fwd.SCALE_WORDS, moe_fwd.SCALE_WIDE = a.words, a.wide
     gu, dn = (cfg(*(int(v) for v in c.split("x"))) for c in (a.gate_up, a.down))
     moe_fwd._gate_up_mx_dot_kernel = _launch.autotune([gu], gu, key=moe_fwd._GATE_UP_KEY + ["MX_DOT"])(
         moe_fwd._gate_up_body)

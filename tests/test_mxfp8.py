@@ -756,10 +756,20 @@ def _spread_problem(seed, *, t, h, i, e, k):
     return q1, q2, x, rw, te, torch.randn(t, h, generator=g).bfloat16()
 
 
+def _padded_scales(q, to):
+    """q with the same scales, each row padded with 255s to a stride of a multiple of `to` bytes, or (to=1) one byte
+    longer: a stride no word load may take. Made on q's device (a copy there would be contiguous)."""
+    nb = q.scale.shape[-1]
+    stride = -(-nb // to) * to + (1 if to == 1 else 0)
+    buf = torch.full((*q.scale.shape[:-1], stride), 255, dtype=torch.uint8, device=q.scale.device)
+    buf[..., :nb] = q.scale
+    return q._replace(scale=buf[..., :nb])
+
+
 @pytest.mark.parametrize("block_k", [128, 256])
 def test_scale_words_match_the_byte_loads(monkeypatch, block_k):
     # MX_DOT 4 (moe_fwd.scale_words): the fp16 loop on rows scaled once reads each column's scales of 4 blocks
-    # by one 32-bit word (rows of a multiple of 4 blocks). Blocks 40 octaves apart; H = 384 (3 K steps of 128, or
+    # by one 32-bit word (rows of a multiple of 4 blocks); MX_DOT 5 two words by one 64-bit load. Blocks 40 octaves apart; H = 384 (3 K steps of 128, or
     # one of 256 and 4 tail blocks), I = 256: the layer is bit for bit what the byte loads give (MX_DOT 3:
     # SCALE_WORDS off, and scale rows whose stride is not a multiple of 4), and within bf16's tolerance of the
     # float64 computation
@@ -772,14 +782,9 @@ def test_scale_words_match_the_byte_loads(monkeypatch, block_k):
     q1, q2, x, rw, te, _ = _spread_problem(31, t=10, h=384, i=256, e=3, k=2)
     dev = _TRITON_DEV
 
-    def padded(q):  # the same scales, each row one byte longer: a row stride no word load may take (made on
-        nb = q.scale.shape[-1]  # the device: a copy there would be contiguous)
-        buf = torch.full((*q.scale.shape[:-1], nb + 1), 255, dtype=torch.uint8, device=q.scale.device)
-        buf[..., :nb] = q.scale
-        return q._replace(scale=buf[..., :nb])
-
-    def run(a, b, words):
+    def run(a, b, words, wide=False):
         monkeypatch.setattr(moe_fwd, "SCALE_WORDS", words)
+        monkeypatch.setattr(moe_fwd, "SCALE_WIDE", wide)
         seen.clear()
         with torch.no_grad():
             y = mok_inductor.moe(x.to(dev), rw.to(dev), te.to(dev), a, b).cpu()
@@ -788,9 +793,15 @@ def test_scale_words_match_the_byte_loads(monkeypatch, block_k):
     q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
     y_words, modes_words = run(q1, q2, True)
     y_bytes, modes_bytes = run(q1, q2, False)
-    y_padded, modes_padded = run(padded(q1), padded(q2), True)
+    y_padded, modes_padded = run(_padded_scales(q1, 1), _padded_scales(q2, 1), True)
+    # MX_DOT 5 (SCALE_WIDE): a K step's two words (BLOCK_K 256) by one 64-bit load; the gate/up scale rows (12
+    # bytes) padded to 16 for it, down's (8) as they are; with 12-byte rows gate/up stays on the words
+    y_wide, modes_wide = run(_padded_scales(q1, 8), q2, True, wide=True)
+    y_narrow, modes_narrow = run(q1, q2, True, wide=True)
     assert modes_words == [4, 4] and modes_bytes == [3, 3] and modes_padded == [3, 3]
+    assert modes_wide == [5, 5] and modes_narrow == [4, 5]
     assert torch.equal(y_words, y_bytes) and torch.equal(y_words, y_padded)
+    assert torch.equal(y_words, y_wide) and torch.equal(y_words, y_narrow)
     w1, w2 = (mxfp8.dequantize(q, dtype=torch.float64).cpu() for q in (q1, q2))
     want = _oracle(x.double(), rw.double(), te, w1, w1, w2, w2)
     assert rel_err(y_words, want) <= TOLERANCE[torch.bfloat16]
@@ -812,21 +823,27 @@ def test_transposed_row_tiles(monkeypatch):
     dev = _TRITON_DEV
     q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
 
-    def run(block_m, words=True):
+    def run(block_m, words=True, block_k=128, wide=False, a=q1):
         monkeypatch.setattr(moe_fwd, "SCALE_WORDS", words)
-        _one_mx_config(monkeypatch, block_m, 128)
+        monkeypatch.setattr(moe_fwd, "SCALE_WIDE", wide)
+        _one_mx_config(monkeypatch, block_m, block_k)
         seen.clear()
         xl = x.to(dev, copy=True).requires_grad_(True)
-        y = mok_inductor.moe(xl, rw.to(dev), te.to(dev), q1, q2)
+        y = mok_inductor.moe(xl, rw.to(dev), te.to(dev), a, q2)
         y.backward(dy.to(dev))
         # the forward's gate/up and down, the backward's dx
         gate_up, rows = moe_fwd._gate_up_mx_dot_kernel, moe_fwd._grouped_rows_mx_dot_kernel
-        assert seen == [(gate_up, 4 if words else 3), (rows, 3), (rows, 3)]
+        assert seen == [(gate_up, 5 if wide else 4 if words else 3), (rows, 3), (rows, 3)]
         return y.detach().cpu(), xl.grad.cpu()
 
     y8, dx8 = run(8)
     y8_bytes, _ = run(8, words=False)  # the gate/up scale words, loaded a K step ahead, against byte loads
     assert torch.equal(y8, y8_bytes)
+    # steps of 256 (one whole, 4 tail blocks): the words by 64-bit pairs (MX_DOT 5, scale rows padded to 16 bytes)
+    # a step ahead, against the byte loads
+    y8_wide, _ = run(8, block_k=256, wide=True, a=_padded_scales(q1, 8))
+    y8_wide_bytes, _ = run(8, words=False, block_k=256)
+    assert torch.equal(y8_wide, y8_wide_bytes)
     y16, dx16 = run(16)
     (w1, w1c), (w2, w2c) = _dual(None, q1), _dual(None, q2)
     x64 = x.double().requires_grad_(True)

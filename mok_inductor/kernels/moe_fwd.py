@@ -194,7 +194,8 @@ def e8m0_factor(sc):
 # default): the fp16 loop of 2 with the activations scaled per row, not per block, into fp16 once per call
 # (`row_f16`), so that no program splits blocks; each block's product is scaled by the weight scales only, the
 # row scales applied after the K loop (exact but for activations under 2**-24 of their row's largest).
-# MX_DOT == 4: 3 with the weight scales read by 32-bit words of 4 blocks (SCALE_WORDS, `scale_words`).
+# MX_DOT == 4: 3 with the weight scales read by 32-bit words of 4 blocks (SCALE_WORDS, `scale_words`); 5: with
+# a K step's two words read by one 64-bit load (SCALE_WIDE).
 # In modes 3 and 4 a row tile of 8 (BLOCK_M < 16: configs of _MX_DOT_CONFIGS) computes each block transposed
 # (`mx_dot_t`); with words it loads each K step's words one step ahead.
 
@@ -275,17 +276,30 @@ def w_scale_word(s_ptr, kb0, cols, cmask, ss_n):
 
 
 @triton.jit
-def scale_step(s_ptr, k0, k_full, cols, cmask, ss_n, WORDS: tl.constexpr, BLOCK_K: tl.constexpr):
+def w_scale_pair(s_ptr, kb0, cols, cmask, ss_n):
+    """`w_scale_word`'s words of blocks kb0 .. kb0 + 3 and kb0 + 4 .. kb0 + 7 by one 64-bit load per column
+    (MX_DOT 5: the scales' rows 8-byte aligned, kb0 a multiple of 8), the low word first (little-endian)."""
+    v = tl.load((s_ptr + kb0 + cols * ss_n).to(tl.pointer_type(tl.int64)), mask=cmask, other=0)
+    return v.to(tl.int32), (v >> 32).to(tl.int32)
+
+
+@triton.jit
+def scale_step(s_ptr, k0, k_full, cols, cmask, ss_n, WORDS: tl.constexpr, WIDE: tl.constexpr,
+               BLOCK_K: tl.constexpr):
     """WORDS: the scale words (`w_scale_word`) of the K step at k0 (BLOCK_K 128 or 256), a pair (the second the
     first's for 128), zeros where k0 is past the whole steps (a loop loading a step ahead never reads past a
-    row's blocks); otherwise a pair of zeros, nothing loaded (a byte load per block then, in `group_scales`)."""
+    row's blocks); WIDE (BLOCK_K 256): the pair by one 64-bit load (`w_scale_pair`); otherwise a pair of zeros,
+    nothing loaded (a byte load per block then, in `group_scales`)."""
     if WORDS:
         ok = cmask & (k0 < k_full)
-        w0 = w_scale_word(s_ptr, k0 // 32, cols, ok, ss_n)
-        if BLOCK_K == 256:
-            w1 = w_scale_word(s_ptr, k0 // 32 + 4, cols, ok, ss_n)
+        if WIDE:
+            w0, w1 = w_scale_pair(s_ptr, k0 // 32, cols, ok, ss_n)
         else:
-            w1 = w0
+            w0 = w_scale_word(s_ptr, k0 // 32, cols, ok, ss_n)
+            if BLOCK_K == 256:
+                w1 = w_scale_word(s_ptr, k0 // 32 + 4, cols, ok, ss_n)
+            else:
+                w1 = w0
         out = w0, w1
     else:
         out = 0, 0
@@ -724,20 +738,21 @@ def _gate_up_tile(
         G: tl.constexpr = 4 if MX_DOT >= 4 and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks per scale load
         TRANS: tl.constexpr = MX_DOT >= 3 and BLOCK_M < 16  # the products transposed (`mx_dot_t`)
         AHEAD: tl.constexpr = TRANS and G == 4  # scale words a K step ahead (`mx_dot_t`)
+        WIDE: tl.constexpr = MX_DOT == 5 and BLOCK_K == 256  # a step's two words by one load (`w_scale_pair`)
         a_row_t = x_ptr + tok[None, :].to(tl.int64) * stride_xt
         if TRANS:
             acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        nxt_g = scale_step(gs, 0, k_full, cols, cmask, gs_n, AHEAD, BLOCK_K)
-        nxt_u = scale_step(us, 0, k_full, cols, cmask, us_n, AHEAD, BLOCK_K)
+        nxt_g = scale_step(gs, 0, k_full, cols, cmask, gs_n, AHEAD, WIDE, BLOCK_K)
+        nxt_u = scale_step(us, 0, k_full, cols, cmask, us_n, AHEAD, WIDE, BLOCK_K)
         for k0 in range(0, k_full, BLOCK_K):
             if AHEAD:
                 cur_g, cur_u = nxt_g, nxt_u
-                nxt_g = scale_step(gs, k0 + BLOCK_K, k_full, cols, cmask, gs_n, AHEAD, BLOCK_K)
-                nxt_u = scale_step(us, k0 + BLOCK_K, k_full, cols, cmask, us_n, AHEAD, BLOCK_K)
+                nxt_g = scale_step(gs, k0 + BLOCK_K, k_full, cols, cmask, gs_n, AHEAD, WIDE, BLOCK_K)
+                nxt_u = scale_step(us, k0 + BLOCK_K, k_full, cols, cmask, us_n, AHEAD, WIDE, BLOCK_K)
             else:
-                cur_g = scale_step(gs, k0, k_full, cols, cmask, gs_n, G == 4, BLOCK_K)
-                cur_u = scale_step(us, k0, k_full, cols, cmask, us_n, G == 4, BLOCK_K)
+                cur_g = scale_step(gs, k0, k_full, cols, cmask, gs_n, G == 4, WIDE, BLOCK_K)
+                cur_u = scale_step(us, k0, k_full, cols, cmask, us_n, G == 4, WIDE, BLOCK_K)
             for q in tl.static_range(BLOCK_K // (32 * G)):
                 kb0 = k0 // 32 + G * q
                 for j in tl.static_range(G):
@@ -933,27 +948,38 @@ MX_F16_MODE = 3
 SCALE_WORDS = True
 
 
-def scale_words(*ops) -> bool:
-    """Whether these MXFP8 operands' scales can be read by 32-bit words of 4 blocks (MX_DOT 4): plain tensors
-    (not `ExpertTable`s) with real data (not traced: the address must be known), contiguous rows, and the
-    start, the expert and the row strides multiples of 4 bytes."""
+# MX_DOT 5: MX_DOT 4 with a K step's two words (BLOCK_K 256) read by one 64-bit load per column where the scale
+# rows are 8-byte aligned (`scale_words(..., 8)`). The 8-row transposed tiles' gate/up loop (8x32x256) loads 8 words
+# a warp per step, each request 8 sectors (a thread holds 2 columns, a quad shares them): 128 sector requests a
+# program per step besides the weights' 512; 64 with the pairs. Expected from run 16 (4x fewer scale requests:
+# gate/up 179 -> 153 us) about 4 us of the gate/up kernel's 150 at qwen3 decode T=64. Not yet measured: off
+SCALE_WIDE = False
+
+
+def scale_words(*ops, width: int = 4) -> bool:
+    """Whether these MXFP8 operands' scales can be read by loads of `width` bytes (4: 32-bit words of 4 blocks,
+    MX_DOT 4; 8: pairs of them, MX_DOT 5): plain tensors (not `ExpertTable`s) with real data (not traced: the
+    address must be known), contiguous rows, and the start, the expert and the row strides multiples of
+    `width` bytes."""
     for op in ops:
         s = op.scale
         if not isinstance(s, torch.Tensor) or _launch.without_pointers((s,)):
             return False
-        if s.stride(2) != 1 or s.stride(1) % 4 or s.stride(0) % 4 or s.data_ptr() % 4:
+        if s.stride(2) != 1 or s.stride(1) % width or s.stride(0) % width or s.data_ptr() % width:
             return False
     return True
 
 
 def mx_rows(a_RK, mx_dot: int, *ops):
     """The activations and mode a K loop by 32-blocks launches with: for MX_F16_MODE 3, a's rows scaled into
-    fp16 (`row_f16`) and their scales, MX_DOT 4 where the operands' scales can be read by words; otherwise a
-    as is, no scales, mx_dot."""
+    fp16 (`row_f16`) and their scales, MX_DOT 4 where the operands' scales can be read by words (5 by pairs
+    of words); otherwise a as is, no scales, mx_dot."""
     if mx_dot != 3:
         return a_RK, None, mx_dot
     a16, r_s = row_f16(a_RK)
-    return a16, r_s, 4 if SCALE_WORDS and scale_words(*ops) else 3
+    if SCALE_WORDS and scale_words(*ops):
+        return a16, r_s, 5 if SCALE_WIDE and scale_words(*ops, width=8) else 4
+    return a16, r_s, 3
 
 
 def use_mx_dot(act_dtype: torch.dtype, M, E: int, *ops) -> int:
@@ -1027,13 +1053,14 @@ def _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, a_k0, k_start, rmask, w
         k_full = KD - KD % BLOCK_K
         G: tl.constexpr = 4 if MX_DOT >= 4 and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks per scale load
         AHEAD: tl.constexpr = TRANS and G == 4  # scale words a K step ahead (`mx_dot_t`)
-        nxt = scale_step(s_ptr, 0, k_full, cols, cmask, ss_n, AHEAD, BLOCK_K)
+        WIDE: tl.constexpr = MX_DOT == 5 and BLOCK_K == 256  # a step's two words by one load (`w_scale_pair`)
+        nxt = scale_step(s_ptr, 0, k_full, cols, cmask, ss_n, AHEAD, WIDE, BLOCK_K)
         for k0 in range(0, k_full, BLOCK_K):
             if AHEAD:
                 cur = nxt
-                nxt = scale_step(s_ptr, k0 + BLOCK_K, k_full, cols, cmask, ss_n, AHEAD, BLOCK_K)
+                nxt = scale_step(s_ptr, k0 + BLOCK_K, k_full, cols, cmask, ss_n, AHEAD, WIDE, BLOCK_K)
             else:
-                cur = scale_step(s_ptr, k0, k_full, cols, cmask, ss_n, G == 4, BLOCK_K)
+                cur = scale_step(s_ptr, k0, k_full, cols, cmask, ss_n, G == 4, WIDE, BLOCK_K)
             for q in tl.static_range(BLOCK_K // (32 * G)):
                 kb0 = k0 // 32 + G * q
                 for j in tl.static_range(G):
