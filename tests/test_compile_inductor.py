@@ -152,6 +152,38 @@ def test_cuda_stride0_gradient_and_max_autotune():
     assert_same(got, fwd_bwd(layer, inputs, None, sum_loss=True))
 
 
+@needs_cuda
+@pytest.mark.parametrize("offset", [0, 4])
+def test_cuda_mxfp8_decode_graphs_replay_equals_eager(offset):
+    # MXFP8 routed weights at decode sizes (4 routes per expert): traced, the K loops read the scales by words on
+    # the 8-row tiles (what tests/test_compile_reinplace.py checks of the traced graph); replayed in CUDA graphs
+    # with fresh inputs, equal to eager. offset 4: the gate/up scales a view 4 bytes into its storage (words
+    # still, Inductor does not take it as 16-byte aligned)
+    from mok_inductor import mxfp8
+
+    torch._dynamo.reset()
+    T, H, I, E, K = 32, 512, 256, 16, 2
+    g = torch.Generator().manual_seed(offset)
+    gq = mxfp8.quantize((torch.randn(E, 2 * I, H, generator=g) * H**-0.5).bfloat16().cuda())
+    dq = mxfp8.quantize((torch.randn(E, H, I, generator=g) * I**-0.5).bfloat16().cuda())
+    if offset:
+        buf = torch.empty(gq.scale.numel() + offset, dtype=torch.uint8, device="cuda")
+        buf[offset:] = gq.scale.reshape(-1)
+        gq = gq._replace(scale=buf[offset:].view(gq.scale.shape))
+
+    def f(x, rw, te):
+        return mok_inductor.moe(x, rw, te, gq, dq)
+
+    compiled = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    for step in range(20):
+        gs = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(T, H, generator=gs).bfloat16().cuda()
+        rw, te = torch.topk(torch.randn(T, E, generator=gs).softmax(-1), K)
+        with torch.no_grad():
+            got = compiled(x, rw.cuda(), te.int().cuda()).clone()
+            assert_same([got], [f(x, rw.cuda(), te.int().cuda())])
+
+
 def test_dynamic_shape_fixup_strips_only_our_symbolic_launches():
     """torch 2.11 asserts while decomposing functional Triton nodes that carry `eager_input_vals` under symbolic
     shapes (kernels/_inductor_compat.py): the fix-up drops that entry from OUR kernels' symbolic nodes only."""

@@ -26,7 +26,8 @@ ALLOWED = {("_schedule_scatter_kernel", "te_ptr")}
 
 
 def _probe(variant: str) -> dict:
-    shared, mx = variant in ("shared", "mxfp8"), variant == "mxfp8"
+    shared, mx = variant in ("shared", "mxfp8", "mxfp8-decode"), variant.startswith("mxfp8")
+    T, H, I = (8, 128, 128) if variant == "mxfp8-decode" else (globals()["T"], globals()["H"], globals()["I"])
     import copy
     import inspect
 
@@ -115,21 +116,43 @@ def _probe(variant: str) -> dict:
 
     clones = [[name(n), a] for n in gm.graph.nodes if n.target is hop for a in n.kwargs.get("tensors_to_clone", [])]
     scatters = [str(n.target) for n in gm.graph.nodes if "scatter" in str(n.target) or "copy_" in str(n.target)]
-    return dict(kernels=kernels, clones=clones, scatters=scatters)
+    mx_launches = []  # the MXFP8 K loops' launches: kernel, mode, the tile configs handed to Inductor
+    for n in gm.graph.nodes:
+        if n.target is hop:
+            consts = n.kwargs["kwargs"]  # (the launch's arguments; the constexprs among them as values)
+            if consts.get("MX_DOT"):
+                k = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+                mx_launches.append([name(n), consts["MX_DOT"], [[c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
+                                    c.kwargs["BLOCK_K"], c.num_warps, c.num_stages] for c in k.configs]])
+    return dict(kernels=kernels, clones=clones, scatters=scatters, mx=mx_launches)
+
+
+def _run_probe(variant: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, __file__, "--probe", variant], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("variant", ["routed", "shared", "mxfp8"])
 def test_compiled_backward_writes_its_gradients_in_place(variant):
     # routed experts alone; with the shared expert, its output gate and the clamp; MXFP8 routed weights
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, __file__, "--probe", variant], env=env, capture_output=True,
-                         text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = _run_probe(variant)
     assert got["kernels"] >= 8, got  # the schedule, forward and backward launches were traced
     left = [tuple(c) for c in got["clones"] if tuple(c) not in ALLOWED]
     assert left == [], f"outputs Inductor would copy after reinplacing: {left}"
     assert got["scatters"] == [], f"copies back into a base tensor: {got['scatters']}"
+
+
+def test_compiled_mxfp8_decode_reads_scale_words_on_8_row_tiles():
+    # MXFP8 at decode sizes (4 routes per expert, rows scaled once): traced, the forward's K loops read the
+    # scales by words (their offsets aligned: moe_fwd.scale_words) on the 8-row configs (moe_fwd.MX_FEW_ROWS),
+    # the backward's dx GEMM likewise; the graph still reinplaces as the other variants
+    got = _run_probe("mxfp8-decode")
+    assert got["mx"] == [["_gate_up_kernel", 4, [[8, 32, 256, 2, 3]]], ["_grouped_rows_kernel", 4, [[8, 64, 128, 4, 4]]],
+                         ["_grouped_rows_kernel", 4, [[8, 64, 128, 4, 4]]]], got["mx"]
+    assert [tuple(c) for c in got["clones"] if tuple(c) not in ALLOWED] == [] and got["scatters"] == []
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--probe"]:

@@ -17,7 +17,11 @@ KERNELS = {
     "bwd_gemm": (moe_bwd._bwd_gemm_kernel, moe_bwd._BWD_GEMM_CONFIGS),
     "bwd_act_sub": (moe_bwd._bwd_act_sub_kernel, moe_bwd._BWD_ACT_SUB_CONFIGS),
     "wgrad": (moe_bwd._wgrad_kernel, moe_bwd._WGRAD_CONFIGS),
+    "gate_up_mx_dot": (moe_fwd._gate_up_mx_dot_kernel, moe_fwd._MX_DOT_CONFIGS),
+    "grouped_rows_mx_dot": (moe_fwd._grouped_rows_mx_dot_kernel, moe_fwd._MX_DOT_CONFIGS),
 }
+# the MXFP8 K loops' config for traced launches at few rows per expert (decode): the 8-row eager picks
+FEW_ROWS = {"gate_up_mx_dot": (8, 32, 256, 2, 3), "grouped_rows_mx_dot": (8, 64, 128, 4, 4)}
 
 
 def _blocks(c):
@@ -37,10 +41,52 @@ def test_traced_launch_configs(name):
     assert [_blocks(c) for c in default.configs] == [_blocks(configs[0])]
     assert [_blocks(c) for c in tuned.configs] == [_blocks(c) for c in configs]
     assert tuned_gemm is tuned
+    with config.patch(max_autotune=False, max_autotune_gemm=False):
+        few = _launch.traced_variant(kernel, few_rows=True)
+    with config.patch(max_autotune=True):
+        assert _launch.traced_variant(kernel, few_rows=True) is tuned  # max-autotune benchmarks them all
+    if name in FEW_ROWS:
+        assert [_blocks(c) for c in few.configs] == [FEW_ROWS[name]] and few.fn is kernel.fn
+        assert FEW_ROWS[name] in [_blocks(c) for c in configs]  # one of the eager autotuner's candidates
+    else:
+        assert few is default  # a kernel without one keeps its first config
     # the same Python function and autotune key behind every variant (one kernel, different config lists)
     for v in (default, tuned):
         assert v.fn is kernel.fn and v.keys == kernel.keys
     assert default.restore_value == kernel.restore_value
+
+
+def test_few_rows_per_expert_choice():
+    # at most MX_FEW_ROWS sorted rows per expert on average; a symbolic row count: not, without a guard
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    E = 128
+    assert moe_fwd.few_rows_per_expert(moe_fwd.MX_FEW_ROWS * E, E)
+    assert not moe_fwd.few_rows_per_expert(moe_fwd.MX_FEW_ROWS * E + 1, E)
+    env = ShapeEnv()
+    assert not moe_fwd.few_rows_per_expert(env.create_unbacked_symint(), E) and not env.guards
+
+
+def test_scale_words_of_traced_scales_by_their_offset():
+    # traced scales (no address) take words where the view's storage offset and strides are multiples of the
+    # load's width (Inductor copies a misaligned graph input it takes as aligned); real ones by their address
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mok_inductor.mxfp8 import Operand
+
+    def words(scale, width=4):
+        return moe_fwd.scale_words(Operand(torch.empty(0), scale), width=width)
+
+    with FakeTensorMode():
+        base = torch.empty(4, 64, 64, dtype=torch.uint8)
+        assert words(base) and words(base, 8)
+        assert words(base[:, :, 4:]) and not words(base[:, :, 4:], 8)  # offset 4
+        assert not words(base[:, :, 2:])  # offset 2
+        assert not words(base[:, :, :63].contiguous())  # rows of 63 bytes
+        assert not words(base.transpose(1, 2))  # column-major rows
+    real = torch.empty(4, 64, 64, dtype=torch.uint8)
+    assert words(real) and words(real[:, :, 4:]) == (real[:, :, 4:].data_ptr() % 4 == 0)
+    assert not words(real[:, :, 1:])
 
 
 def test_untuned_kernel_is_handed_over_as_is():

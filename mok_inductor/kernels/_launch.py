@@ -40,12 +40,13 @@ def with_pre_hook(configs: list, pre_hook) -> list:
             for c in configs]
 
 
-def autotune(configs: list, interpret_config, key: list, restore_value=None, eager_pre_hook=None):
-    """`@triton.autotune` over `pick_configs(configs, interpret_config)` for eager launches, with two
-    variants kept for launches traced by torch.compile (see `traced_variant`): the first config alone
-    (Inductor's default mode, which re-benchmarks every config it is given: one config keeps the compile
-    cheap) and all `configs` (mode="max-autotune"). The first config of each list is the one measured
-    best at the large shapes of shared/BENCH.md (benchmarks/tuned_configs.py lists the eager picks).
+def autotune(configs: list, interpret_config, key: list, restore_value=None, eager_pre_hook=None, few_rows=None):
+    """`@triton.autotune` over `pick_configs(configs, interpret_config)` for eager launches, with variants kept
+    for launches traced by torch.compile (see `traced_variant`): the first config alone (Inductor's default
+    mode, which re-benchmarks every config it is given: one config keeps the compile cheap), all `configs`
+    (mode="max-autotune"), and `few_rows` alone where given (the default mode's config for launches at few rows
+    per expert: `launch(..., few_rows=True)`). The first config of each list is the one measured best at the
+    large shapes of shared/BENCH.md (benchmarks/tuned_configs.py lists the eager picks).
     `eager_pre_hook(nargs)` runs before each eager launch with the config's meta-parameters (host TMA
     descriptors take their block shapes from it); Inductor accepts no pre-hooks, so traced launches have none."""
     extra = {"restore_value": restore_value} if restore_value else {}
@@ -56,20 +57,25 @@ def autotune(configs: list, interpret_config, key: list, restore_value=None, eag
             picked = with_pre_hook(picked, eager_pre_hook)
         eager = triton.autotune(configs=picked, key=key, **extra)(fn)
         eager.mok_traced_variants = (triton.autotune(configs=configs[:1], key=key, **extra)(fn),
-                                     triton.autotune(configs=configs, key=key, **extra)(fn))
+                                     triton.autotune(configs=configs, key=key, **extra)(fn),
+                                     None if few_rows is None else triton.autotune(configs=[few_rows], key=key,
+                                                                                   **extra)(fn))
         return eager
 
     return deco
 
 
-def traced_variant(kernel):
-    """The kernel a traced launch hands to Inductor: all tile configs under max-autotune, else the first."""
+def traced_variant(kernel, few_rows: bool = False):
+    """The kernel a traced launch hands to Inductor: all tile configs under max-autotune, else the first, or
+    the few-rows config where the launch asks for it and the kernel has one."""
     variants = getattr(kernel, "mok_traced_variants", None)
     if variants is None:
         return kernel
     from torch._inductor import config
 
-    return variants[1] if (config.max_autotune or config.max_autotune_gemm) else variants[0]
+    if config.max_autotune or config.max_autotune_gemm:
+        return variants[1]
+    return variants[2] if few_rows and variants[2] is not None else variants[0]
 
 
 def traced(args) -> bool:
@@ -88,10 +94,10 @@ def without_pointers(tensors) -> bool:
     return torch.compiler.is_compiling() or traced(tensors)
 
 
-def launch(kernel, grid, *args, **kwargs) -> None:
-    """kernel[grid](*args, **kwargs), through wrap_triton when traced."""
+def launch(kernel, grid, *args, few_rows: bool = False, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), through wrap_triton when traced (`few_rows`: see `traced_variant`)."""
     if not INTERPRET and traced(args):
-        torch.library.wrap_triton(traced_variant(kernel))[grid](*args, **kwargs)
+        torch.library.wrap_triton(traced_variant(kernel, few_rows))[grid](*args, **kwargs)
     else:
         kernel[grid](*args, **kwargs)
 
@@ -109,6 +115,15 @@ def at_least(n, bound: int, symbolic: bool) -> bool:
             return False
         return symbolic
     return n >= bound
+
+
+def known_multiple(n, m: int) -> bool:
+    """n % m == 0 for an int or SymInt, without a guard: a symbolic n only where that is statically known."""
+    if isinstance(n, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return statically_known_true(n % m == 0)
+    return n % m == 0
 
 
 def dot_precision(dtype: torch.dtype) -> str:

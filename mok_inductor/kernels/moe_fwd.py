@@ -861,8 +861,18 @@ _gate_up_kernel = _launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=
 _MX_DOT_CONFIGS = [cfg(16, 64, 128, 4, 4), cfg(16, 128, 128, 4, 3), cfg(16, 64, 256, 4, 3), cfg(16, 32, 128, 2, 4),
                    cfg(16, 64, 64, 4, 6), cfg(32, 64, 128, 4, 4), cfg(64, 64, 128, 4, 3), cfg(128, 128, 64, 8, 3),
                    cfg(8, 32, 256, 2, 3), cfg(8, 64, 128, 4, 4)]
-_gate_up_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1),
-                                          key=_GATE_UP_KEY + ["MX_DOT"])(_gate_up_body)
+# compiled graphs (Inductor's default mode: one config) at up to MX_FEW_ROWS routes per expert on average: the
+# eager picks at qwen3 decode T=64 (4 routes), 0.2638 ms with both fixed against 0.2708 for the best 16-row
+# pair (H200 run 17); the 16-row first config otherwise, and where the row count is symbolic (no guard)
+MX_FEW_ROWS = 4
+_gate_up_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY + ["MX_DOT"],
+                                          few_rows=cfg(8, 32, 256, 2, 3))(_gate_up_body)
+
+
+def few_rows_per_expert(M, E: int) -> bool:
+    """Whether a launch over M sorted rows of E experts has at most MX_FEW_ROWS rows per expert on average
+    (False where M is symbolic and that is not statically known)."""
+    return not _launch.at_least(M, MX_FEW_ROWS * max(E, 1) + 1, True)
 
 
 @_launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY)
@@ -958,14 +968,17 @@ SCALE_WIDE = False
 
 def scale_words(*ops, width: int = 4) -> bool:
     """Whether these MXFP8 operands' scales can be read by loads of `width` bytes (4: 32-bit words of 4 blocks,
-    MX_DOT 4; 8: pairs of them, MX_DOT 5): plain tensors (not `ExpertTable`s) with real data (not traced: the
-    address must be known), contiguous rows, and the start, the expert and the row strides multiples of
-    `width` bytes."""
+    MX_DOT 4; 8: pairs of them, MX_DOT 5): plain tensors (not `ExpertTable`s) with contiguous rows, and the
+    start, the expert and the row strides multiples of `width` bytes. Traced (torch.compile, no address), the
+    start is the view's offset into its storage, the storage's own start taken as aligned: CUDA allocations
+    are, and Inductor checks a compiled graph's inputs that it takes as aligned (an offset of a multiple of 16
+    bytes) on each call, copying any that is not (`copy_misaligned_inputs`)."""
     for op in ops:
         s = op.scale
-        if not isinstance(s, torch.Tensor) or _launch.without_pointers((s,)):
+        if not isinstance(s, torch.Tensor) or s.stride(2) != 1:
             return False
-        if s.stride(2) != 1 or s.stride(1) % width or s.stride(0) % width or s.data_ptr() % width:
+        start = s.storage_offset() if _launch.without_pointers((s,)) else s.data_ptr()
+        if not all(_launch.known_multiple(v, width) for v in (s.stride(1), s.stride(0), start)):
             return False
     return True
 
@@ -1029,6 +1042,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip, DOT_PREC=_launch.dot_precision(x_TH.dtype),
         MX_DOT=mx_dot, TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
         GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(gate, up),
+        few_rows=bool(mx_dot) and few_rows_per_expert(M, E),
     )
     return gu_out
 
@@ -1159,7 +1173,8 @@ _grouped_rows_body = _grouped_rows_kernel
 _grouped_rows_kernel = _launch.autotune(_GROUPED_ROWS_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GROUPED_ROWS_KEY,
                                         eager_pre_hook=tma_pre_hook(("a_desc",), ("w1_desc", "w2_desc")))(_grouped_rows_body)
 _grouped_rows_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1),
-                                               key=_GROUPED_ROWS_KEY + ["MX_DOT"])(_grouped_rows_body)
+                                               key=_GROUPED_ROWS_KEY + ["MX_DOT"],
+                                               few_rows=cfg(8, 64, 128, 4, 4))(_grouped_rows_body)
 
 
 def host_desc(t: torch.Tensor):
@@ -1242,7 +1257,7 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, 
         M, NCOL, KD, E,
         SINGLE=single, SCATTER=scatter, TWO=two, MX1=w1.quantized, MX2=w2.quantized,
         DOT_PREC=dot_prec, MX_DOT=mx_dot, GROUPS_POW2=_launch.next_pow2(E + 1),
-        GROUP_M=GROUP_M, **tma_meta, **w_meta(w1, w2),
+        GROUP_M=GROUP_M, **tma_meta, **w_meta(w1, w2), few_rows=bool(mx_dot) and few_rows_per_expert(M, E),
     )
     return out
 
