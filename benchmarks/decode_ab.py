@@ -69,8 +69,22 @@ def kernel_profile(graph, reps=20):
     return out
 
 
+class GraphedCompiledMxfp8(GraphedMokMxfp8):
+    """GraphedMokMxfp8 with the forward compiled by torch.compile (default mode, static shapes, one graph; a
+    fresh compile per instance): Inductor's code for the traced kernels, captured in the same CUDA graph."""
+
+    def __init__(self):
+        super().__init__()
+        import mok_inductor
+
+        torch._dynamo.reset()
+        compiled = torch.compile(mok_inductor.moe, fullgraph=True, dynamic=False)
+        mx = self.mx
+        self.mx = lambda x, rw, te, w_gu, w_d: compiled(x, rw, te, mx.quantized(w_gu), mx.quantized(w_d))
+
+
 def main():
-    from mok_inductor.kernels import moe_fwd
+    from mok_inductor.kernels import moe_fwd, schedule
 
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-decode")
@@ -94,7 +108,8 @@ def main():
     base = tuple(getattr(moe_fwd, n) for n in names)
     wide = lambda k: extended(k, [cfg(*c) for c in _WIDE])  # noqa: E731
     # label: (graph, gate/up kernel, down kernel, the K loop by 32-blocks (moe_fwd.use_mx_dot: 0 off, 1 fp8,
-    # 2 fp16, 3 fp16 on rows scaled once, 4 that with scale words), weight bytes per element)
+    # 2 fp16, 3 fp16 on rows scaled once, 4 that with scale words), weight bytes per element[, {(module,
+    # attribute): value} set for the variant])
     variants = {"package configs": (GraphedMok, {}, 0, 2),
                 "wider configs, both GEMMs": (GraphedMok, dict(zip(names, map(wide, base))), 0, 2)}
     if a.mxfp8:
@@ -119,18 +134,41 @@ def main():
                 GraphedMokMxfp8, {n: retuned(k, [cfg(*c)]) for n, k, c in zip(mx_names, mx_base, (cg, cd))}, 4,
                 1 + 1 / 32)
         variants["MXFP8, dequantizing K loop"] = (GraphedMokMxfp8, {}, 0, 1 + 1 / 32)
+        # session 17 (not yet measured when written): the 64-bit scale pairs (moe_fwd.SCALE_WIDE), each against
+        # the package; the one-pass row pre-pass and the two-launch schedule, each against its former form
+        variants["MXFP8, package (pkg)"] = (GraphedMokMxfp8, {}, 4, 1 + 1 / 32)
+        variants["MXFP8, scale words by 64-bit pairs (wide)"] = (GraphedMokMxfp8, {}, 4, 1 + 1 / 32,
+                                                                 {(moe_fwd, "SCALE_WIDE"): True})
+        for cg, cd in (((8, 32, 256, 2, 3), (8, 64, 256, 4, 3)), ((8, 32, 256, 2, 3), (8, 64, 128, 4, 4))):
+            variants[f"MXFP8, 64-bit pairs, {'x'.join(map(str, cg))}, {'x'.join(map(str, cd))} (wide fixed)"] = (
+                GraphedMokMxfp8, {n: retuned(k, [cfg(*c)]) for n, k, c in zip(mx_names, mx_base, (cg, cd))}, 4,
+                1 + 1 / 32, {(moe_fwd, "SCALE_WIDE"): True})
+        variants["MXFP8, rows scaled in two passes (two-pass rows)"] = (GraphedMokMxfp8, {}, 4, 1 + 1 / 32,
+                                                                       {(moe_fwd, "ROW_F16_ONE_PASS_MAX"): 0})
+        variants["MXFP8, schedule in three launches (three-launch schedule)"] = (
+            GraphedMokMxfp8, {}, 4, 1 + 1 / 32, {(schedule, "FUSED_PREFIX_MAX_TILE"): 0})
+        # torch.compile (default mode, static shapes) captured in the same CUDA graph: the traced launches'
+        # choices (moe_fwd.scale_words by offsets, moe_fwd.MX_FEW_ROWS configs) against session 16's (byte
+        # loads, the first 16-row config)
+        variants["MXFP8 compiled (compiled)"] = (GraphedCompiledMxfp8, {}, 4, 1 + 1 / 32)
+        variants["MXFP8 compiled, session 16's traced choices (compiled old)"] = (
+            GraphedCompiledMxfp8, {}, 4, 1 + 1 / 32, {(moe_fwd, "SCALE_WORDS"): False, (moe_fwd, "MX_FEW_ROWS"): 0})
     if a.only:
         variants = {k: v for k, v in variants.items() if any(w in k for w in a.only.split(","))}
     default_kernels = {n: getattr(moe_fwd, n) for n in names + mx_names} if a.mxfp8 else dict(zip(names, base))
     default_dot = (moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT, moe_fwd.MX_F16_DOT_MAX_ROWS, moe_fwd.MX_F16_MODE,
                    moe_fwd.SCALE_WORDS)
-    for label, (graphed, kernels, mx_dot, elem_bytes) in variants.items():
+    for label, (graphed, kernels, mx_dot, elem_bytes, *flags) in variants.items():
         for n, k in kernels.items():
             setattr(moe_fwd, n, k)
+        flags = flags[0] if flags else {}
+        saved = {key: getattr(*key) for key in flags}
         # (a variant's K loop at every row count: the package takes the fp16 one at decode sizes only)
         moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT, moe_fwd.MX_F16_DOT_MAX_ROWS = mx_dot == 1, mx_dot >= 2, 1 << 40
         moe_fwd.MX_F16_MODE = min(max(mx_dot, 2), 3)
         moe_fwd.SCALE_WORDS = mx_dot == 4
+        for (module, attr), value in flags.items():
+            setattr(module, attr, value)
         gk, dk = (getattr(moe_fwd, n) for n in (mx_names if mx_dot else names))
         gb, db = gu_bytes * elem_bytes / 2, d_bytes * elem_bytes / 2
         v_floor = (gb + db) / bw * 1e3
@@ -158,6 +196,8 @@ def main():
                 setattr(moe_fwd, n, k)
             (moe_fwd.MX_FP8_DOT, moe_fwd.MX_F16_DOT, moe_fwd.MX_F16_DOT_MAX_ROWS, moe_fwd.MX_F16_MODE,
              moe_fwd.SCALE_WORDS) = default_dot
+            for (module, attr), value in saved.items():
+                setattr(module, attr, value)
     with open(os.path.join(a.out, f"decode_ab_{a.shape}_T{T}.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -1,0 +1,62 @@
+#!/bin/bash
+# The MXFP8 decode checks of one device call (written in session 17, when no device was lent): PART picks what
+# runs, each about 300 s so that two calls cover it all. Usage with the device tool:
+#
+#   PART=tests,ab bash benchmarks/mx_decode_suite.sh        # call 1
+#   PART=compiled,ncu bash benchmarks/mx_decode_suite.sh    # call 2
+#
+#   tests     the MXFP8, schedule, launch and compile tests on CUDA (failures in $OUT/tests.log)
+#   ab        benchmarks/decode_ab.py at T=64: the package against the 64-bit scale pairs, the two-pass
+#             row pre-pass and the three-launch schedule; the package at T=128 and 256
+#   compiled  decode_ab's torch.compile variants at T=64 (the traced choices, against session 16's)
+#   ncu       the gate/up and down kernels' L2 sectors by source, hits, DRAM bytes, and warp stall reasons
+#             (benchmarks/mx_profile.py), words against 64-bit pairs
+set -o pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TORCHINDUCTOR_CACHE_DIR=/tmp/mok-ind TRITON_CACHE_DIR=/tmp/mok-tri
+PART=${PART:-tests,ab}
+date -u | tee $OUT/env.txt
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" | tee -a $OUT/env.txt
+git log --oneline -1 2>/dev/null | tee -a $OUT/env.txt
+ab() {  # decode_ab at T=$1 over the labels $2 (log: decode_T$1_$3.log)
+  timeout ${4:-150} python3 benchmarks/decode_ab.py --mxfp8 --tokens $1 --only "$2" --out $OUT 2>&1 | grep -v Warn \
+    > $OUT/decode_T$1_$3.log
+  mv $OUT/decode_ab_qwen3-decode_T$1.json $OUT/decode_ab_T$1_$3.json 2>/dev/null
+  grep -E "^  |^qwen3" $OUT/decode_T$1_$3.log | grep -v "^      "
+}
+if [[ $PART == *tests* ]]; then
+  echo "=== tests"
+  MOK_AUTOTUNE=0 timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_mxfp8.py tests/test_kernels.py \
+    tests/test_launch.py tests/test_compile_reinplace.py -k "not cpu" 2>&1 | grep -v Warn > $OUT/tests.log
+  tail -2 $OUT/tests.log; grep -E "FAILED|ERROR" $OUT/tests.log | head -20
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_compile_inductor.py -k "mxfp8" 2>&1 | grep -v Warn \
+    > $OUT/tests_compile.log
+  tail -2 $OUT/tests_compile.log; grep -E "FAILED|ERROR" $OUT/tests_compile.log | head
+fi
+if [[ $PART == *ab* ]]; then
+  echo "=== decode A/B"
+  ab 64 "(pkg),(wide),(wide fixed),(two-pass rows),(three-launch schedule)" ab 200
+  ab 128 "(pkg),(wide)" t128 80
+  ab 256 "(pkg)" t256 60
+fi
+if [[ $PART == *compiled* ]]; then
+  echo "=== compiled decode"
+  ab 64 "(pkg),(compiled),(compiled old)" compiled 240
+fi
+if [[ $PART == *ncu* ]]; then
+  echo "=== ncu"
+  M=lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,lts__t_requests_srcunit_tex_op_read.sum
+  M=$M,lts__t_sectors_srcunit_ltcfabric.sum,dram__bytes_read.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum
+  M=$M,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,smsp__inst_executed_op_ldgsts.sum,gpu__time_duration.sum
+  M=$M,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_barrier.ratio
+  M=$M,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_wait.ratio
+  M=$M,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,smsp__average_warp_latency_issue_stalled_lg_throttle.ratio
+  M=$M,smsp__average_warp_latency_issue_stalled_mio_throttle.ratio,smsp__average_warp_latency_issue_stalled_not_selected.ratio
+  for c in "8x32x256x2x3 8x64x128x4x4" "8x32x256x2x3 8x64x256x4x3 --wide" "16x32x128x2x4 16x128x128x4x3"; do
+    set -- $c
+    f="$OUT/ncu_${c// /_}.txt"
+    timeout 90 ncu --clock-control none --profile-from-start off -k regex:"_gate_up|_grouped_rows" --metrics $M \
+      python3 benchmarks/mx_profile.py --gate-up $1 --down $2 $3 > "$f" 2>&1
+    grep -E "_kernel|sum|ratio" "$f" | head -40
+  done
+fi
