@@ -961,8 +961,11 @@ SCALE_WORDS = True
 # MX_DOT 5: MX_DOT 4 with a K step's two words (BLOCK_K 256) read by one 64-bit load per column where the scale
 # rows are 8-byte aligned (`scale_words(..., 8)`). The 8-row transposed tiles' gate/up loop (8x32x256) loads 8 words
 # a warp per step, each request 8 sectors (a thread holds 2 columns, a quad shares them): 128 sector requests a
-# program per step besides the weights' 512; 64 with the pairs. Expected from run 16 (4x fewer scale requests:
-# gate/up 179 -> 153 us) about 4 us of the gate/up kernel's 150 at qwen3 decode T=64. Not yet measured: off
+# program per step besides the weights' 512; 64 with the pairs. Expected at qwen3 decode T=64 from run 16's
+# rate (the words cut the 16-row loop's scale loads from 32 to 8 a thread per K step of 128, each request 4 to 8
+# sectors by the MMA layout, over 16 steps and 3072 programs: 9.4M to 18.9M requests for 26 us of the gate/up
+# kernel): 64 x 8 steps x 3072 = 1.6M fewer, 2 to 4 us of the kernel's 150 (the sector counts are read from the
+# layouts, not measured: mx_decode_suite.sh's ncu part counts them). Not yet measured: off
 SCALE_WIDE = False
 
 
