@@ -135,7 +135,8 @@ def main():
                 1 + 1 / 32)
         variants["MXFP8, dequantizing K loop"] = (GraphedMokMxfp8, {}, 0, 1 + 1 / 32)
         # session 17 (not yet measured when written): the 64-bit scale pairs (moe_fwd.SCALE_WIDE), each against
-        # the package; the one-pass row pre-pass and the two-launch schedule, each against its former form
+        # the package; the one-pass row pre-pass, the two-launch schedule and the unrolled combine, each against
+        # its former form
         variants["MXFP8, package (pkg)"] = (GraphedMokMxfp8, {}, 4, 1 + 1 / 32)
         variants["MXFP8, scale words by 64-bit pairs (wide)"] = (GraphedMokMxfp8, {}, 4, 1 + 1 / 32,
                                                                  {(moe_fwd, "SCALE_WIDE"): True})
@@ -147,6 +148,8 @@ def main():
                                                                        {(moe_fwd, "ROW_F16_ONE_PASS_MAX"): 0})
         variants["MXFP8, schedule in three launches (three-launch schedule)"] = (
             GraphedMokMxfp8, {}, 4, 1 + 1 / 32, {(schedule, "FUSED_PREFIX_MAX_TILE"): 0})
+        variants["MXFP8, combine by a loop over the routes (looped combine)"] = (
+            GraphedMokMxfp8, {}, 4, 1 + 1 / 32, {(moe_fwd, "COMBINE_UNROLL_MAX"): 0})
         # torch.compile (default mode, static shapes) captured in the same CUDA graph: the traced launches'
         # choices (moe_fwd.scale_words by offsets, moe_fwd.MX_FEW_ROWS configs) against session 16's (byte
         # loads, the first 16-row config)

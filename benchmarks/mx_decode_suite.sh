@@ -7,7 +7,7 @@
 #
 #   tests     the MXFP8, schedule, launch and compile tests on CUDA (failures in $OUT/tests.log)
 #   ab        benchmarks/decode_ab.py at T=64: the package against the 64-bit scale pairs, the two-pass
-#             row pre-pass and the three-launch schedule; the package at T=128 and 256
+#             row pre-pass, the three-launch schedule and the looped combine; the package at T=128 and 256
 #   compiled  decode_ab's torch.compile variants at T=64 (the traced choices, against session 16's)
 #   ncu       the gate/up and down kernels' L2 sectors by source, hits, DRAM bytes, and warp stall reasons
 #             (benchmarks/mx_profile.py), words against 64-bit pairs
@@ -35,7 +35,7 @@ if [[ $PART == *tests* ]]; then
 fi
 if [[ $PART == *ab* ]]; then
   echo "=== decode A/B"
-  ab 64 "(pkg),(wide),(wide fixed),(two-pass rows),(three-launch schedule)" ab 200
+  ab 64 "(pkg),(wide),(wide fixed),(two-pass rows),(three-launch schedule),(looped combine)" ab 220
   ab 128 "(pkg),(wide)" t128 80
   ab 256 "(pkg)" t256 60
 fi

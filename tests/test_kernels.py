@@ -20,6 +20,7 @@ from _helpers import TOLERANCE, make_case, random_like, record_launches, rel_err
 from oracle import oracle_moe
 
 from mok_inductor import kernels, reference
+from mok_inductor.kernels import _launch
 from mok_inductor.kernels.moe_fwd import swizzle
 from mok_inductor.ops import split_gate_up
 
@@ -778,3 +779,43 @@ def test_swizzle_covers_every_tile_once(num_m, num_n):
     _swizzle_ids_kernel[(num_m * num_n,)](out, num_m, num_n)
     got = sorted(map(tuple, out.cpu().tolist()))
     assert got == [(m, n) for m in range(num_m) for n in range(num_n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Combine
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_combine_unrolled_equals_the_route_loop(monkeypatch, shared):
+    # moe_fwd.combine: the route loop unrolled (K a constant, every route's row loaded, valid or not) gives bit for
+    # bit the loop over K whose loads wait on each route's id; both the float64 sum within float32 rounding. The
+    # rows of -1 routes hold NaN (never written in the forward): they must not reach the output
+    from mok_inductor.kernels import moe_fwd
+
+    g = torch.Generator().manual_seed(23)
+    T, K, H = 13, 3, 200
+    y = torch.randn(T * K, H, generator=g)
+    te = torch.randint(0, 4, (T * K,), generator=g)
+    te[torch.randperm(T * K, generator=g)[:7]] = -1
+    y[te < 0] = float("nan")
+    rw = torch.rand(T * K, generator=g) + 0.1
+    s = torch.randn(T, H, generator=g) if shared else None
+    logit = torch.randn(T, generator=g) if shared else None
+
+    def run(unroll):
+        monkeypatch.setattr(moe_fwd, "COMBINE_UNROLL_MAX", 16 if unroll else 0)
+        launched, real = [], _launch.launch
+        monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: launched.append(kw.get("TOPK_C")) or real(k, *a, **kw))
+        out = torch.full((T, H), float("nan"), device=DEV)
+        moe_fwd.combine(y.to(DEV), te.to(DEV), out, rw_N=rw.to(DEV), s_TH=None if s is None else s.to(DEV),
+                        logit_T=None if logit is None else logit.to(DEV))
+        assert launched == [K if unroll else 0]
+        return out.cpu()
+
+    unrolled, looped = run(True), run(False)
+    assert torch.equal(unrolled, looped)
+    w = torch.where(te >= 0, rw.double(), 0.0)
+    want = (torch.nan_to_num(y.double(), nan=0.0) * w[:, None]).view(T, K, H).sum(1)
+    if shared:
+        want += s.double() * torch.sigmoid(logit.double())[:, None]
+    assert rel_err(unrolled, want) <= 1e-6

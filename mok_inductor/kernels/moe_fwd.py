@@ -1280,8 +1280,13 @@ def _combine_kernel(
     out_ptr, stride_ot, stride_oh,  # out [T, H]
     T, H, TOPK,
     HAS_RW: tl.constexpr, HAS_S: tl.constexpr, S_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_PREC: tl.constexpr, BLOCK_H: tl.constexpr,
+    DOT_PREC: tl.constexpr, BLOCK_H: tl.constexpr, TOPK_C: tl.constexpr,
 ):
+    """out[t] = (S[t] (* sigmoid(logit[t])) + bias * bscale[t] +) sum over the valid routes k of Y[t*K + k] (* rw),
+    in route order, in float32. TOPK_C (K as a constant, 0 where it is symbolic): the route loop unrolled, each
+    route's row loaded whether valid or not (every row is in bounds; an invalid one's unwritten values are
+    dropped by the select), so that the K loads go out together; the same sums in the same order as the loop
+    over TOPK, where each row's load waited on its route's id (qwen3 decode, T=64: 0.0060 ms, H200 run 17)."""
     pid = tl.program_id(0)
     num_h = tl.cdiv(H, BLOCK_H)
     t = pid // num_h
@@ -1295,22 +1300,40 @@ def _combine_kernel(
             acc = acc * tl.sigmoid(tl.load(logit_ptr + t))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(bscale_ptr + t)
-    for k in range(0, TOPK):
-        r = t64 * TOPK + k
-        valid = tl.load(te_ptr + r) >= 0
-        y = tl.load(y_ptr + r * stride_yr + cols * stride_yh, mask=cmask & valid, other=0.0).to(tl.float32)
-        if HAS_RW:
-            y = y * tl.load(rw_ptr + r).to(tl.float32)
-        acc += tl.where(valid, y, 0.0)
+    if TOPK_C > 0:
+        for k in tl.static_range(TOPK_C):
+            r = t64 * TOPK_C + k
+            valid = tl.load(te_ptr + r) >= 0
+            y = tl.load(y_ptr + r * stride_yr + cols * stride_yh, mask=cmask, other=0.0).to(tl.float32)
+            if HAS_RW:
+                y = y * tl.load(rw_ptr + r).to(tl.float32)
+            acc += tl.where(valid, y, 0.0)
+    else:
+        for k in range(0, TOPK):
+            r = t64 * TOPK + k
+            valid = tl.load(te_ptr + r) >= 0
+            y = tl.load(y_ptr + r * stride_yr + cols * stride_yh, mask=cmask & valid, other=0.0).to(tl.float32)
+            if HAS_RW:
+                y = y * tl.load(rw_ptr + r).to(tl.float32)
+            acc += tl.where(valid, y, 0.0)
     out = to_out(acc, out_ptr, DOT_PREC)
     tl.store(out_ptr + t64 * stride_ot + cols * stride_oh, out, mask=cmask)
 
 
+# the combine's route loop unrolled for K up to this (`_combine_kernel`'s TOPK_C)
+COMBINE_UNROLL_MAX = 16
+
+
 def combine(y_NH, te_N, out_TH, *, rw_N=None, s_TH=None, logit_T=None, bias_H=None, bscale_T=None):
+    """out[t] = the sum of y's rows of token t's valid routes (y [T*K, H]: every route's row, those of `-1` routes
+    unwritten), weighted by rw, plus s (gated by sigmoid(logit)) and bias * bscale: `_combine_kernel`."""
     T, H = out_TH.shape
     if T == 0 or H == 0:
         return out_TH
     topk = te_N.numel() // T
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    topk_c = int(topk) if is_concrete_int(topk) and int(topk) <= COMBINE_UNROLL_MAX else 0
     block_h = min(1024, _launch.next_pow2(H)) if not _launch.INTERPRET else min(64, _launch.next_pow2(H))
     dummy = out_TH
     _launch.launch(
@@ -1324,7 +1347,7 @@ def combine(y_NH, te_N, out_TH, *, rw_N=None, s_TH=None, logit_T=None, bias_H=No
         T, H, topk,
         HAS_RW=rw_N is not None, HAS_S=s_TH is not None, S_SIGMOID=logit_T is not None,
         HAS_BIAS=bias_H is not None, DOT_PREC=_launch.dot_precision(out_TH.dtype), BLOCK_H=block_h,
-        num_warps=4,
+        TOPK_C=topk_c, num_warps=4,
     )
     return out_TH
 
