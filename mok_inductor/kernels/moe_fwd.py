@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from .. import reference
 from ..mxfp8 import Operand
@@ -1331,8 +1332,6 @@ def combine(y_NH, te_N, out_TH, *, rw_N=None, s_TH=None, logit_T=None, bias_H=No
     if T == 0 or H == 0:
         return out_TH
     topk = te_N.numel() // T
-    from torch.fx.experimental.symbolic_shapes import is_concrete_int
-
     topk_c = int(topk) if is_concrete_int(topk) and int(topk) <= COMBINE_UNROLL_MAX else 0
     block_h = min(1024, _launch.next_pow2(H)) if not _launch.INTERPRET else min(64, _launch.next_pow2(H))
     dummy = out_TH
