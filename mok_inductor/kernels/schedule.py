@@ -93,8 +93,10 @@ def _schedule_prefix_kernel(
 @triton.jit
 def _schedule_scatter_kernel(
     te_ptr,  # top_experts [N]
-    base_ptr,  # int32 [C, G]: routes of key g in chunks < c (FUSED: counts_CG, routes of key g in chunk c)
-    totals_ptr,  # int32 [G]: routes of key g (FUSED: bad_C, ids outside [-1, E) per chunk)
+    base_ptr,  # int32 [C, G]: routes of key g in chunks < c (not FUSED)
+    totals_ptr,  # int32 [G]: routes of key g (not FUSED)
+    counts_ptr,  # int32 [C, G]: routes of key g in chunk c (FUSED)
+    bad_ptr,  # int32 [C]: ids outside [-1, E) per chunk (FUSED)
     sorted_ptr,  # int32 [N] out: route held by each slot
     slots_ptr,  # int32 [N] out: slot of each route
     offsets_ptr,  # int32 [G] out (program 0): first slot of each key = expert_offsets_E1
@@ -106,11 +108,11 @@ def _schedule_scatter_kernel(
     g = tl.arange(0, G_POW2)
     if FUSED:  # the prefix kernel's sums, over the whole [C, G] counts (C_POW2 * G_POW2 small)
         cc = tl.arange(0, C_POW2)
-        counts = tl.load(base_ptr + cc[:, None] * (E + 1) + g[None, :], mask=(cc[:, None] < C) & (g[None, :] <= E),
-                         other=0)
+        counts = tl.load(counts_ptr + cc[:, None] * (E + 1) + g[None, :],
+                         mask=(cc[:, None] < C) & (g[None, :] <= E), other=0)
         totals = tl.sum(counts, axis=0)
         before = tl.sum(tl.where(cc[:, None] < c, counts, 0), axis=0)  # routes of key g in chunks < c
-        nbad = tl.sum(tl.load(totals_ptr + cc, mask=cc < C, other=0), axis=0)
+        nbad = tl.sum(tl.load(bad_ptr + cc, mask=cc < C, other=0), axis=0)
         tl.store(ok_ptr, (nbad == 0).to(tl.int32), mask=c == 0)
     else:
         totals = tl.load(totals_ptr + g, mask=g <= E, other=0)
@@ -168,8 +170,8 @@ def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
     start_G = torch.empty(G, dtype=torch.int32, device=dev)
     fused = not isinstance(C, torch.SymInt) and C * g_pow2 <= FUSED_PREFIX_MAX_TILE  # (symbolic: three, no guard)
     if fused:
-        _launch.launch(_schedule_scatter_kernel, (C,), te_N, counts_CG, bad_C, sorted_N, slots_N, start_G, ok, N, E,
-                       C, G_POW2=g_pow2, BLOCK=block, FUSED=True, C_POW2=_launch.next_pow2(C))
+        _launch.launch(_schedule_scatter_kernel, (C,), te_N, None, None, counts_CG, bad_C, sorted_N, slots_N,
+                       start_G, ok, N, E, C, G_POW2=g_pow2, BLOCK=block, FUSED=True, C_POW2=_launch.next_pow2(C))
         torch._assert_async(ok, f"top_experts: expected expert indices in [-1, {E})")
         return Schedule(sorted_N, start_G, slots_N)
     base_CG = torch.empty(C, G, dtype=torch.int32, device=dev)
@@ -178,6 +180,6 @@ def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
     _launch.launch(_schedule_prefix_kernel, (_launch.cdiv(G, block_g),), counts_CG, base_CG, totals_G, bad_C, ok,
                    C, G, BLOCK_C=64, BLOCK_G=block_g)
     torch._assert_async(ok, f"top_experts: expected expert indices in [-1, {E})")
-    _launch.launch(_schedule_scatter_kernel, (C,), te_N, base_CG, totals_G, sorted_N, slots_N, start_G, ok, N, E, C,
-                   G_POW2=g_pow2, BLOCK=block, FUSED=False, C_POW2=1)
+    _launch.launch(_schedule_scatter_kernel, (C,), te_N, base_CG, totals_G, None, None, sorted_N, slots_N, start_G,
+                   ok, N, E, C, G_POW2=g_pow2, BLOCK=block, FUSED=False, C_POW2=1)
     return Schedule(sorted_N, start_G, slots_N)
