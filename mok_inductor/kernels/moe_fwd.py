@@ -197,7 +197,7 @@ def e8m0_factor(sc):
 # row scales applied after the K loop (exact but for activations under 2**-24 of their row's largest).
 # MX_DOT == 4: 3 with the weight scales read by 32-bit words of 4 blocks (SCALE_WORDS, `scale_words`); 5: with
 # a K step's two words read by one 64-bit load (SCALE_WIDE).
-# In modes 3 and 4 a row tile of 8 (BLOCK_M < 16: configs of _MX_DOT_CONFIGS) computes each block transposed
+# In modes 3 to 5 a row tile of 8 (BLOCK_M < 16: configs of _MX_DOT_CONFIGS) computes each block transposed
 # (`mx_dot_t`); with words it loads each K step's words one step ahead.
 
 
@@ -354,7 +354,7 @@ def mx_dot_t(a_row_t, stride_ak, a_k0, kb, rmask, w_ptr, cols, cmask, s_n, s_k, 
     float32 rescaling of the accumulator, no register copies of the A fragments (the activations' fragments,
     loaded by LDS.64 in the permuted k order of the fp8 operand, were moved into place for every MMA): the
     gate/up K step 471 -> 298 instructions a warp, 128 -> 72 registers; down 447 -> 270. Only in the fp16 loops
-    on rows scaled once (modes 3, 4). Measured on the H200 (docs/benchmarks.md, run 17; qwen3, CUDA graphs):
+    on rows scaled once (modes 3 to 5). Measured on the H200 (docs/benchmarks.md, run 17; qwen3, CUDA graphs):
     T=64 (4 routes per expert on average) 0.2656 against 0.2717 ms for 16-row tiles; with the scale words
     loaded a K step ahead (the loop's plain loads are not pipelined by Triton, which stages the dots' operands
     only; cheap here with the registers freed) 0.2611. At 8 routes (T=128) 0.3180 against 0.2784: an expert
