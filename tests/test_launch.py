@@ -19,9 +19,13 @@ KERNELS = {
     "wgrad": (moe_bwd._wgrad_kernel, moe_bwd._WGRAD_CONFIGS),
     "gate_up_mx_dot": (moe_fwd._gate_up_mx_dot_kernel, moe_fwd._MX_DOT_CONFIGS),
     "grouped_rows_mx_dot": (moe_fwd._grouped_rows_mx_dot_kernel, moe_fwd._MX_DOT_CONFIGS),
+    "gate_up_mx8": (moe_fwd._gate_up_mx8_kernel, moe_fwd._MX8_CONFIGS),
+    "grouped_rows_mx8": (moe_fwd._grouped_rows_mx8_kernel, moe_fwd._MX8_CONFIGS),
 }
-# the MXFP8 K loops' config for traced launches at few rows per expert (decode): the 8-row eager picks
-FEW_ROWS = {"gate_up_mx_dot": (8, 32, 256, 2, 3), "grouped_rows_mx_dot": (8, 64, 128, 4, 4)}
+# the MXFP8 K loops' config for traced launches at few rows per expert (decode): the 8-row eager picks; the e4m3
+# pair loop's (MX_FP8_ROWS) 16-row tiles
+FEW_ROWS = {"gate_up_mx_dot": (8, 32, 256, 2, 3), "grouped_rows_mx_dot": (8, 64, 128, 4, 4),
+            "gate_up_mx8": (16, 64, 128, 4, 4), "grouped_rows_mx8": (16, 64, 128, 4, 4)}
 
 
 def _blocks(c):

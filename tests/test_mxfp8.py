@@ -581,12 +581,21 @@ def _to_device(q, device):
 def _mx_dot_on(monkeypatch, mode=1):
     """The kernels launched (a list, filled as they run); the K loop on the tensor cores by 32-blocks at every
     row count: MX_FP8_DOT (mode 1, off by default: an A/B candidate) or MX_F16_DOT (modes 2 and 3, on by default
-    at decode sizes only; MX_F16_MODE picks: 3, the default, on rows scaled once), the other one off."""
+    at decode sizes only; MX_F16_MODE picks: 3, the default, on rows scaled once), the other one off; mode 6: 3
+    with MX_FP8_ROWS (the rows split once into e4m3 pairs, the e4m3 tensor cores: an A/B candidate, off)."""
     monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", mode == 1)
     monkeypatch.setattr(_moe_fwd, "MX_F16_DOT", mode >= 2)
-    monkeypatch.setattr(_moe_fwd, "MX_F16_MODE", max(mode, 2))
+    monkeypatch.setattr(_moe_fwd, "MX_F16_MODE", min(max(mode, 2), 3))
+    monkeypatch.setattr(_moe_fwd, "MX_FP8_ROWS", mode == 6)
     monkeypatch.setattr(_moe_fwd, "MX_F16_DOT_MAX_ROWS", 1 << 40)
     return record_launches(monkeypatch)
+
+
+def _mx_kernels(mode):
+    """(gate/up, grouped rows) kernels a K loop by 32-blocks of `_mx_dot_on`'s mode launches."""
+    if mode == 6:
+        return _moe_fwd._gate_up_mx8_kernel, _moe_fwd._grouped_rows_mx8_kernel
+    return _moe_fwd._gate_up_mx_dot_kernel, _moe_fwd._grouped_rows_mx_dot_kernel
 
 
 def test_fp16_tensor_cores_at_decode_sizes_only(monkeypatch):
@@ -631,23 +640,22 @@ def test_fp16_tensor_cores_at_decode_sizes_only(monkeypatch):
         assert launched.count(_moe_fwd._row_f16_kernel) == (2 if want is _moe_fwd._gate_up_mx_dot_kernel else 0)
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3])
+@pytest.mark.parametrize("mode", [1, 2, 3, 6])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout,shared,limit", [("combined", True, 0.9), ("split", False, None)])
 def test_tensor_core_path_vs_oracle(monkeypatch, dtype, layout, shared, limit, mode):
     # the fp8 (fp16) GEMMs run (forward gate/up and down, backward dx) and the layer is within bf16's tolerance
     # of the float64 computation on the dequantized weights, gradients included
-    from mok_inductor.kernels import moe_fwd
-
     _backend(monkeypatch, "triton")
     launched = _mx_dot_on(monkeypatch, mode)
     p = _problem(dtype, _TRITON_DEV, shared=shared, limit=limit, seed=17 + len(layout))
     _run_and_check(p, layout, dtype)
-    assert moe_fwd._gate_up_mx_dot_kernel in launched and moe_fwd._grouped_rows_mx_dot_kernel in launched
-    assert launched.count(moe_fwd._grouped_rows_mx_dot_kernel) == 2  # the forward's down, the backward's dx
+    gate_up, rows = _mx_kernels(mode)
+    assert gate_up in launched and rows in launched
+    assert launched.count(rows) == 2  # the forward's down, the backward's dx
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3])
+@pytest.mark.parametrize("mode", [1, 2, 3, 6])
 def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch, mode):
     # the same layer through both K loops at a deeper reduction (H = 256: 8 scale blocks), activations with
     # outliers: the fp8 (fp16) path is as close to the exact dequantized-weight computation as bf16 rounding
@@ -669,25 +677,26 @@ def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch, mode):
     want = _oracle(x.bfloat16().double(), rw.double(), te, w1, w1, w2, w2)  # (forward only: no column-wise)
     launched = _mx_dot_on(monkeypatch, mode)
     flag = "MX_FP8_DOT" if mode == 1 else "MX_F16_DOT"  # (off: the dequantizing loop)
+    gate_up, rows = _mx_kernels(mode)
     with torch.no_grad():
         y_dot = mok_inductor.moe(x.bfloat16().to(dev), *args, q1, q2)
-        assert moe_fwd._gate_up_mx_dot_kernel in launched
+        assert gate_up in launched
         monkeypatch.setattr(moe_fwd, flag, False)
         launched.clear()
         y_deq = mok_inductor.moe(x.bfloat16().to(dev), *args, q1, q2)
-        assert moe_fwd._gate_up_kernel in launched and moe_fwd._gate_up_mx_dot_kernel not in launched
+        assert moe_fwd._gate_up_kernel in launched and gate_up not in launched
         monkeypatch.setattr(moe_fwd, flag, True)
         launched.clear()
         mok_inductor.moe(x.to(dev), *args, q1, q2)  # float32 activations
-        assert moe_fwd._gate_up_mx_dot_kernel not in launched and moe_fwd._grouped_rows_mx_dot_kernel not in launched
+        assert gate_up not in launched and rows not in launched
     e_dot, e_deq = rel_err(y_dot, want), rel_err(y_deq, want)
     # both well inside bf16's 1e-2; the two e4m3 terms add at most a few bf16 roundings' worth, the exact fp16
     # term none (modes 2-4)
-    assert e_deq < 4e-3 and e_dot < (6e-3 if mode == 1 else 4e-3), (e_dot, e_deq)
+    assert e_deq < 4e-3 and e_dot < (6e-3 if mode in (1, 6) else 4e-3), (e_dot, e_deq)
 
 
 @pytest.mark.parametrize("kd", [32, 160])  # no whole K step; one whole step (4 blocks) and a 1-block tail
-@pytest.mark.parametrize("mode", [1, 2, 3])
+@pytest.mark.parametrize("mode", [1, 2, 3, 6])
 def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
     # K steps of BLOCK_K 128 over k = 32 or 160 (a tail of one block): no block past k's end may be read, its scale least of all
     # (one byte 255 is 2**128, and a zero tile times Inf is NaN; seen on the H200 when the loop ran whole K
@@ -698,7 +707,7 @@ def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
     launched = _mx_dot_on(monkeypatch, mode)
     wide = triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128}, num_warps=1)],
                            key=["M", "NCOL", "KD", "E"])(moe_fwd._grouped_rows_body)
-    monkeypatch.setattr(moe_fwd, "_grouped_rows_mx_dot_kernel", wide)
+    monkeypatch.setattr(moe_fwd, "_grouped_rows_mx8_kernel" if mode == 6 else "_grouped_rows_mx_dot_kernel", wide)
     e, n, m = 2, 48, 20
     q = mxfp8.quantize(_weight(e, n, kd, seed=5), columnwise=False)
     nb = kd // 32
@@ -853,9 +862,97 @@ def test_transposed_row_tiles(monkeypatch):
     assert rel_err(y8, y16) <= 4e-3 and rel_err(dx8, dx16) <= 4e-3
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_row_e4m3_pairs(monkeypatch, one_pass):
+    # moe_fwd.row_e4m3 (MX_FP8_ROWS): each row times one power of two that puts its largest magnitude in
+    # [128, 256), as two e4m3 terms hi (columns [0, KA)) + lo (columns [KA, 2 KA)) within about 2**-8 of each
+    # element, an absolute floor at e4m3's subnormal spacing far below the row's largest; a NaN or an Inf
+    # poisons its row's scale. Both kernel forms: a row read once, or twice in steps of columns
+    if not one_pass:
+        monkeypatch.setattr(_moe_fwd, "ROW_F16_ONE_PASS_MAX", 64)
+    g = torch.Generator().manual_seed(8)
+    base = torch.randn(200, 9, generator=g) * torch.exp2(torch.randint(-20, 20, (1, 9), generator=g).float())
+    a = base.t()  # [9, 200], strides (1, 9)
+    a[:, 17] *= 64
+    a[2] = 0.0  # an all-zero row
+    a[5, 3] = float("nan")
+    a[6, 100] = float("-inf")
+    a = a.bfloat16()
+    a8, r_s = _moe_fwd.row_e4m3(a.to(_TRITON_DEV))
+    a8, r_s = a8.cpu(), r_s.cpu().double()
+    assert a8.dtype == torch.float8_e4m3fn and a8.shape == (9, 400) and a8.is_contiguous()
+    assert torch.isnan(r_s[5]) and torch.isnan(r_s[6])
+    a64, hi, lo = a.double(), a8[:, :200].double(), a8[:, 200:].double()
+    for r in [r for r in range(9) if r not in (5, 6)]:
+        s = r_s[r].item()
+        assert s > 0 and math.frexp(s)[0] == 0.5  # a power of two
+        amax = a64[r].abs().max().item()
+        assert amax == 0 or 128 <= amax / s < 256
+        err = (a64[r] - (hi[r] + lo[r]) * s).abs()
+        bound = a64[r].abs() * 2.0 ** -7 + s * 2.0 ** -9
+        assert (err <= bound).all(), (r, (err / bound).max().item())
+        assert (err <= a64[r].abs() * 2.0 ** -8 + s * 2.0 ** -10).float().mean() > 0.99  # most within 2**-8
+    assert torch.equal(hi[2], torch.zeros(200, dtype=torch.float64)) and torch.equal(lo[2], hi[2])
+    # one term alone is e4m3's 3 bits, far outside bf16's precision; the pair within it
+    rows = [r for r in range(9) if r not in (2, 5, 6)]
+    one = max(((a64[r] - hi[r] * r_s[r]).norm() / a64[r].norm()).item() for r in rows)
+    two = max(((a64[r] - (hi[r] + lo[r]) * r_s[r]).norm() / a64[r].norm()).item() for r in rows)
+    assert one > 1e-2 and two < 2e-3, (one, two)
+
+
+def test_e4m3_pair_loop(monkeypatch):
+    # MX_DOT 6 and 7 (moe_fwd.MX_FP8_ROWS): the rows split once into e4m3 pairs, each block's product on the
+    # e4m3 tensor cores. Forward (gate/up, down) and backward (dx, both halves) within bf16's tolerance of the
+    # float64 computation on the dequantized weights and within a few roundings of the fp16 loop's result;
+    # blocks 40 octaves apart, experts with more routes than a tile holds. H = 384: 3 whole K steps of 128, the
+    # scales by words (6) loaded a step ahead, bit for bit the byte loads' (7) result; I = 160: one step and a
+    # tail block, scale rows of 5 blocks (byte loads)
+    from mok_inductor.kernels import moe_fwd
+
+    _backend(monkeypatch, "triton")
+    _mx_dot_on(monkeypatch, 6)
+    seen, real = [], _launch.launch
+
+    def launch(kernel, *args, **kwargs):
+        if kernel in (moe_fwd._gate_up_mx8_kernel, moe_fwd._grouped_rows_mx8_kernel):
+            seen.append((kernel, kwargs.get("MX_DOT")))
+        return real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(_launch, "launch", launch)
+    q1, q2, x, rw, te, dy = _spread_problem(41, t=12, h=384, i=160, e=3, k=2)
+    dev = _TRITON_DEV
+    q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
+    one = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128}, num_warps=2)]
+    monkeypatch.setattr(moe_fwd, "_gate_up_mx8_kernel", triton.autotune(one, key=["M"])(moe_fwd._gate_up_body))
+    monkeypatch.setattr(moe_fwd, "_grouped_rows_mx8_kernel", triton.autotune(one, key=["M"])(
+        moe_fwd._grouped_rows_body))
+
+    def run(words=True, pair=True):
+        monkeypatch.setattr(moe_fwd, "SCALE_WORDS", words)
+        monkeypatch.setattr(moe_fwd, "MX_FP8_ROWS", pair)
+        seen.clear()
+        xl = x.to(dev, copy=True).requires_grad_(True)
+        y = mok_inductor.moe(xl, rw.to(dev), te.to(dev), q1, q2)
+        y.backward(dy.to(dev))
+        return y.detach().cpu(), xl.grad.cpu(), [m for _, m in seen]
+
+    y, dx, modes = run()
+    assert modes == [6, 7, 7]  # gate/up by words; down (5-block scale rows) and dx by bytes
+    y_bytes, dx_bytes, modes_bytes = run(words=False)
+    assert modes_bytes == [7, 7, 7] and torch.equal(y, y_bytes) and torch.equal(dx, dx_bytes)
+    y16, dx16, modes16 = run(pair=False)
+    assert modes16 == []  # (the fp16 loop: the other kernels)
+    (w1, w1c), (w2, w2c) = _dual(None, q1), _dual(None, q2)
+    x64 = x.double().requires_grad_(True)
+    y64 = _oracle(x64, rw.double(), te, w1, w1c, w2, w2c)
+    y64.backward(dy.double())
+    assert rel_err(y, y64) <= TOLERANCE[torch.bfloat16] and rel_err(dx, x64.grad) <= TOLERANCE[torch.bfloat16]
+    assert rel_err(y, y16) <= 6e-3 and rel_err(dx, dx16) <= 6e-3
+
+
 @pytest.mark.parametrize("where", ["x", pytest.param("weight", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: the interpreter decodes the e4m3 NaN (0x7F) as 480"))])
-@pytest.mark.parametrize("mode", [1, 2, 3])
+@pytest.mark.parametrize("mode", [1, 2, 3, 6])
 def test_tensor_core_path_propagates_nan(monkeypatch, where, mode):
     # a NaN activation poisons its token's output rows only; a NaN weight element its expert's routes
     _backend(monkeypatch, "triton")

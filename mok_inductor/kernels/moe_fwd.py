@@ -345,8 +345,8 @@ def mx_dot(hi, lo, sa, w, sw, acc, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def mx_dot_t(a_row_t, stride_ak, a_k0, kb, rmask, w_ptr, cols, cmask, s_n, s_k, sw, acc_t,
-             DOT_PREC: tl.constexpr):
+def mx_dot_t(a_row, a_row_t, stride_ak, a_k0, lo_off, kb, rmask, w_ptr, cols, cmask, s_n, s_k, sw, acc_t,
+             PAIR: tl.constexpr, DOT_PREC: tl.constexpr):
     """acc_t + (fp16(W[e][cols, 32 kb + k]) @ A[rows, a_k0 + 32 kb + k]^T) * sw[:, None]: `mx_dot`'s MODE 3 block
     transposed (acc_t [BLOCK_N, BLOCK_M]), the weights on the MMA's 16-row side and A's few rows (BLOCK_M 8) on
     its 8-column side; a_row_t [1, BLOCK_M] the rows' starts. Against 16-row tiles, in the sm_90 SASS of the
@@ -359,24 +359,42 @@ def mx_dot_t(a_row_t, stride_ak, a_k0, kb, rmask, w_ptr, cols, cmask, s_n, s_k, 
     loaded a K step ahead (the loop's plain loads are not pipelined by Triton, which stages the dots' operands
     only; cheap here with the registers freed) 0.2611. At 8 routes (T=128) 0.3180 against 0.2784: an expert
     past 8 routes has its weights read again, so the autotuner picks them at decode sizes only. The kernel is
-    bound by L2 (ncu: L2 76.8% of peak, DRAM 56%, occupancy 15.6% by shared memory), not by issue."""
+    bound by L2 (ncu: L2 76.8% of peak, DRAM 56%, occupancy 15.6% by shared memory), not by issue.
+    PAIR (MX_DOT 6 and 7, `MX_FP8_ROWS`): A's rows are `row_e4m3`'s two e4m3 terms (hi at column k, lo at lo_off + k),
+    the block the e4m3 product W @ hi^T + W @ lo^T, the weights going to the dot as stored: at 16-row tiles of
+    BLOCK_N >= 64 on 4 warps, Hopper's e4m3 wgmma (sm_90 SASS: QGMMA.64x16x32, no conversion instruction; at
+    8-row tiles Triton converts both operands to fp16 for mma.sync); the activation tiles loaded by rows, k
+    contiguous, and transposed in shared memory (16-byte copies, where a [32, BLOCK_M] load copies 4 bytes)."""
     kk = kb * 32 + tl.arange(0, 32)
-    a_t = tl.load(a_row_t + (a_k0 + kk[:, None]) * stride_ak, mask=rmask[None, :], other=0.0)
     w = tl.load(w_ptr + cols[:, None] * s_n + kk[None, :] * s_k, mask=cmask[:, None], other=0.0)
-    if DOT_PREC == "interp":
-        p = tl.dot(w.to(tl.float32), a_t.to(tl.float32))
+    if PAIR:
+        hi = tl.trans(tl.load(a_row + (a_k0 + kk[None, :]) * stride_ak, mask=rmask[:, None], other=0.0))
+        lo = tl.trans(tl.load(a_row + (a_k0 + lo_off + kk[None, :]) * stride_ak, mask=rmask[:, None], other=0.0))
+        if DOT_PREC == "interp":
+            wf = w.to(tl.float32)
+            p = tl.dot(wf, hi.to(tl.float32))
+            p = tl.dot(wf, lo.to(tl.float32), p)
+        else:
+            p = tl.dot(w, hi)
+            p = tl.dot(w, lo, p)
     else:
-        p = tl.dot(w.to(tl.float16), a_t)
+        a_t = tl.load(a_row_t + (a_k0 + kk[:, None]) * stride_ak, mask=rmask[None, :], other=0.0)
+        if DOT_PREC == "interp":
+            p = tl.dot(w.to(tl.float32), a_t.to(tl.float32))
+        else:
+            p = tl.dot(w.to(tl.float16), a_t)
     return acc_t + p * sw[:, None]
 
 
 @triton.jit
-def _mx_block(acc, a_row, a_row_t, stride_ak, a_k0, kb, rmask, w_ptr, sw, cols, cmask, s_n, s_k,
+def _mx_block(acc, a_row, a_row_t, stride_ak, a_k0, lo_off, kb, rmask, w_ptr, sw, cols, cmask, s_n, s_k,
               MODE: tl.constexpr, TRANS: tl.constexpr, DOT_PREC: tl.constexpr):
     """acc + scale block kb of A[rows, a_k0 + k] @ W[e][cols, k]^T through `mx_dot`, sw the block's weight scale
-    factors; TRANS: through `mx_dot_t` (acc transposed; a_row_t the rows' starts as a [1, BLOCK_M] tile)."""
+    factors; TRANS: through `mx_dot_t` (acc transposed; a_row_t the rows' starts as a [1, BLOCK_M] tile; MODE >= 6:
+    A's rows e4m3 pairs, lo at lo_off)."""
     if TRANS:
-        out = mx_dot_t(a_row_t, stride_ak, a_k0, kb, rmask, w_ptr, cols, cmask, s_n, s_k, sw, acc, DOT_PREC)
+        out = mx_dot_t(a_row, a_row_t, stride_ak, a_k0, lo_off, kb, rmask, w_ptr, cols, cmask, s_n, s_k, sw, acc,
+                       MODE >= 6, DOT_PREC)
     else:
         hi, lo, sa = mx_act_block(a_row, stride_ak, a_k0, kb, rmask, MODE, DOT_PREC)
         out = mx_dot(hi, lo, sa, w_tile_e4m3(w_ptr, kb, cols, cmask, s_n, s_k), sw, acc, MODE, DOT_PREC)
@@ -384,15 +402,15 @@ def _mx_block(acc, a_row, a_row_t, stride_ak, a_k0, kb, rmask, w_ptr, sw, cols, 
 
 
 @triton.jit
-def _gate_up_mx_block(acc_g, acc_u, a_row, a_row_t, stride_xh, kb, rmask, wg, sg, wu, su, cols, cmask, g_n, g_k,
-                      u_n, u_k, MODE: tl.constexpr, TRANS: tl.constexpr, DOT_PREC: tl.constexpr):
+def _gate_up_mx_block(acc_g, acc_u, a_row, a_row_t, stride_xh, lo_off, kb, rmask, wg, sg, wu, su, cols, cmask, g_n,
+                      g_k, u_n, u_k, MODE: tl.constexpr, TRANS: tl.constexpr, DOT_PREC: tl.constexpr):
     """Scale block kb of the gate and up GEMMs (sg, su: the block's weight scale factors) through `_mx_block`;
     not TRANS, the activation block split once for both."""
     if TRANS:
-        acc_g = _mx_block(acc_g, a_row, a_row_t, stride_xh, 0, kb, rmask, wg, sg, cols, cmask, g_n, g_k, MODE, TRANS,
-                          DOT_PREC)
-        acc_u = _mx_block(acc_u, a_row, a_row_t, stride_xh, 0, kb, rmask, wu, su, cols, cmask, u_n, u_k, MODE, TRANS,
-                          DOT_PREC)
+        acc_g = _mx_block(acc_g, a_row, a_row_t, stride_xh, 0, lo_off, kb, rmask, wg, sg, cols, cmask, g_n, g_k, MODE,
+                          TRANS, DOT_PREC)
+        acc_u = _mx_block(acc_u, a_row, a_row_t, stride_xh, 0, lo_off, kb, rmask, wu, su, cols, cmask, u_n, u_k, MODE,
+                          TRANS, DOT_PREC)
     else:
         hi, lo, sa = mx_act_block(a_row, stride_xh, 0, kb, rmask, MODE, DOT_PREC)
         bg = w_tile_e4m3(wg, kb, cols, cmask, g_n, g_k)
@@ -404,15 +422,17 @@ def _gate_up_mx_block(acc_g, acc_u, a_row, a_row_t, stride_xh, kb, rmask, wg, sg
 
 @triton.jit
 def _row_f16_kernel(a_ptr, stride_am, stride_ak, o_ptr, r_ptr, R, KA, BLOCK_R: tl.constexpr,
-                    BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+                    BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, PAIR: tl.constexpr, DOT_PREC: tl.constexpr):
     """o[r] = a[r] / r_s[r] in fp16 (o [R, KA] contiguous), r_s[r] float32 the power of two that puts the row's
     largest finite magnitude in [2**14, 2**15) (fp16's largest octave), NaN for a row holding a NaN or an
     Inf (non-finite values propagate, as `mx_act_split`'s blocks). ONE_PASS (BLOCK_K >= KA): each row loaded
-    once, kept in registers between its maximum and its scaling; else two passes over BLOCK_K columns."""
+    once, kept in registers between its maximum and its scaling; else two passes over BLOCK_K columns.
+    PAIR (`row_e4m3`): o [R, 2 KA] e4m3, a[r] / r_s[r] = o[r, :KA] + o[r, KA:] (hi + lo, `_row_store`), the largest
+    magnitude put in [128, 256)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     a_row = a_ptr + rows[:, None].to(tl.int64) * stride_am
-    o_row = o_ptr + rows[:, None].to(tl.int64) * KA
+    o_row = o_ptr + rows[:, None].to(tl.int64) * (2 * KA if PAIR else KA)
     amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
     bad = tl.zeros((BLOCK_R,), dtype=tl.int32)
     if ONE_PASS:
@@ -420,20 +440,33 @@ def _row_f16_kernel(a_ptr, stride_am, stride_ak, o_ptr, r_ptr, R, KA, BLOCK_R: t
         m = rmask[:, None] & (kk < KA)[None, :]
         a = tl.load(a_row + kk[None, :] * stride_ak, mask=m, other=0.0).to(tl.float32)
         amax, bad = _row_amax(a, amax, bad)
-        mul, r_s = _row_f16_scale(amax, bad)
-        tl.store(o_row + kk[None, :], (a * mul[:, None]).to(tl.float16), mask=m)
+        mul, r_s = _row_f16_scale(amax, bad, PAIR)
+        _row_store(o_row, kk, KA, a * mul[:, None], m, PAIR, DOT_PREC)
     else:
         for k0 in range(0, KA, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_row + kk[None, :] * stride_ak, mask=rmask[:, None] & (kk < KA)[None, :], other=0.0)
             amax, bad = _row_amax(a.to(tl.float32), amax, bad)
-        mul, r_s = _row_f16_scale(amax, bad)
+        mul, r_s = _row_f16_scale(amax, bad, PAIR)
         for k0 in range(0, KA, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             m = rmask[:, None] & (kk < KA)[None, :]
             a = tl.load(a_row + kk[None, :] * stride_ak, mask=m, other=0.0)
-            tl.store(o_row + kk[None, :], (a.to(tl.float32) * mul[:, None]).to(tl.float16), mask=m)
+            _row_store(o_row, kk, KA, a.to(tl.float32) * mul[:, None], m, PAIR, DOT_PREC)
     tl.store(r_ptr + rows, r_s, mask=rmask)
+
+
+@triton.jit
+def _row_store(o_row, kk, KA, v, m, PAIR: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Store the scaled rows v (float32, [BLOCK_R, BLOCK_K] at columns kk): fp16, or (PAIR) e4m3 hi at column k
+    and e4m3 lo = v - hi at KA + k: within about 2**-8 of v for |v| >= 2**-6 (hi's 4 significant bits, then the
+    remainder's, `mx_act_split`'s two terms), within 2**-10 below (e4m3's subnormals); |v| < 256 fits both."""
+    if PAIR:
+        hi = to_e4m3(v, DOT_PREC)
+        tl.store(o_row + kk[None, :], hi, mask=m)
+        tl.store(o_row + KA + kk[None, :], to_e4m3(v - hi.to(tl.float32), DOT_PREC), mask=m)
+    else:
+        tl.store(o_row + kk[None, :], v.to(tl.float16), mask=m)
 
 
 @triton.jit
@@ -446,11 +479,19 @@ def _row_amax(a, amax, bad):
 
 
 @triton.jit
-def _row_f16_scale(amax, bad):
-    """(the factor 1 / r_s that puts amax in fp16's largest octave, r_s: a power of two, NaN where bad > 0)."""
-    b = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)  # amax's exponent
-    mul = ((268 - b) << 23).to(tl.float32, bitcast=True)  # 2**(141 - b)
-    return mul, tl.where(bad > 0, float("nan"), ((b - 14) << 23).to(tl.float32, bitcast=True))
+def _row_f16_scale(amax, bad, PAIR: tl.constexpr):
+    """(the factor 1 / r_s that puts amax in fp16's largest octave, or PAIR in [128, 256), r_s: a power of two,
+    NaN where bad > 0)."""
+    b = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # amax's biased exponent
+    if PAIR:
+        b = tl.minimum(tl.maximum(b, 8), 254)
+        mul = ((261 - b) << 23).to(tl.float32, bitcast=True)  # 2**(134 - b)
+        r_s = ((b - 7) << 23).to(tl.float32, bitcast=True)
+    else:
+        b = tl.minimum(tl.maximum(b, 15), 254)
+        mul = ((268 - b) << 23).to(tl.float32, bitcast=True)  # 2**(141 - b)
+        r_s = ((b - 14) << 23).to(tl.float32, bitcast=True)
+    return mul, tl.where(bad > 0, float("nan"), r_s)
 
 
 # rows of at most this many columns are scaled in one pass (`_row_f16_kernel`'s ONE_PASS), one row a program: the
@@ -459,12 +500,13 @@ def _row_f16_scale(amax, bad):
 ROW_F16_ONE_PASS_MAX = 8192
 
 
-def row_f16(a_RK: torch.Tensor):
+def row_f16(a_RK: torch.Tensor, pair: bool = False):
     """(a16 [R, KA] fp16, r_s [R] float32) with a = a16 * r_s[:, None] (`_row_f16_kernel`): the activations of a
     fp16 K loop of MX_DOT 3; a row of at most ROW_F16_ONE_PASS_MAX columns read once, a longer one twice (the
-    second time mostly from L2)."""
+    second time mostly from L2). pair: `row_e4m3`'s."""
     R, KA = a_RK.shape
-    a16 = torch.empty(R, KA, dtype=torch.float16, device=a_RK.device)
+    a16 = torch.empty(R, 2 * KA if pair else KA, dtype=torch.float8_e4m3fn if pair else torch.float16,
+                      device=a_RK.device)
     r_s = torch.empty(R, dtype=torch.float32, device=a_RK.device)
     if R == 0:
         return a16, r_s
@@ -473,8 +515,16 @@ def row_f16(a_RK: torch.Tensor):
     else:
         br, bk, one, warps = 4, 32 if _launch.INTERPRET else 512, False, 4
     _launch.launch(_row_f16_kernel, (_launch.cdiv(R, br),), a_RK, a_RK.stride(0), a_RK.stride(1), a16, r_s, R, KA,
-                   BLOCK_R=br, BLOCK_K=bk, ONE_PASS=one, num_warps=warps)
+                   BLOCK_R=br, BLOCK_K=bk, ONE_PASS=one, PAIR=pair, DOT_PREC=_launch.dot_precision(a_RK.dtype),
+                   num_warps=warps)
     return a16, r_s
+
+
+def row_e4m3(a_RK: torch.Tensor):
+    """(a8 [R, 2 KA] float8_e4m3fn, r_s [R] float32) with a = (a8[:, :KA] + a8[:, KA:]) * r_s[:, None] within about
+    2**-8 relative (two e4m3 terms of the row scaled by one power of two into [128, 256): `_row_store`), NaN
+    scales for rows holding a NaN or an Inf: the activations of the fp8 K loop (MX_DOT 6 and 7, `MX_FP8_ROWS`)."""
+    return row_f16(a_RK, pair=True)
 
 
 class ExpertTable:
@@ -736,8 +786,8 @@ def _gate_up_tile(
         k_end = H
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = k_end - k_end % BLOCK_K
-        G: tl.constexpr = 4 if MX_DOT >= 4 and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks per scale load
-        TRANS: tl.constexpr = MX_DOT >= 3 and BLOCK_M < 16  # the products transposed (`mx_dot_t`)
+        G: tl.constexpr = 4 if MX_DOT >= 4 and MX_DOT <= 6 and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks a scale load
+        TRANS: tl.constexpr = (MX_DOT >= 3 and BLOCK_M < 16) or MX_DOT >= 6  # transposed products (`mx_dot_t`)
         AHEAD: tl.constexpr = TRANS and G == 4  # scale words a K step ahead (`mx_dot_t`)
         WIDE: tl.constexpr = MX_DOT == 5 and BLOCK_K == 256  # a step's two words by one load (`w_scale_pair`)
         a_row_t = x_ptr + tok[None, :].to(tl.int64) * stride_xt
@@ -758,12 +808,12 @@ def _gate_up_tile(
                 kb0 = k0 // 32 + G * q
                 for j in tl.static_range(G):
                     acc_g, acc_u = _gate_up_mx_block(
-                        acc_g, acc_u, a_row, a_row_t, stride_xh, kb0 + j, rmask,
+                        acc_g, acc_u, a_row, a_row_t, stride_xh, H, kb0 + j, rmask,
                         wg, group_scales(cur_g, q, j, gs, kb0, cols, cmask, gs_n, gs_k, G == 4),
                         wu, group_scales(cur_u, q, j, us, kb0, cols, cmask, us_n, us_k, G == 4),
                         cols, cmask, g_n, g_k, u_n, u_k, MX_DOT, TRANS, DOT_PREC)
         for kb in range(k_full // 32, k_end // 32):
-            acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, a_row_t, stride_xh, kb, rmask,
+            acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, a_row_t, stride_xh, H, kb, rmask,
                                              wg, w_block_scales(gs, kb, cols, cmask, gs_n, gs_k),
                                              wu, w_block_scales(us, kb, cols, cmask, us_n, us_k),
                                              cols, cmask, g_n, g_k, u_n, u_k, MX_DOT, TRANS, DOT_PREC)
@@ -868,6 +918,15 @@ _MX_DOT_CONFIGS = [cfg(16, 64, 128, 4, 4), cfg(16, 128, 128, 4, 3), cfg(16, 64, 
 MX_FEW_ROWS = 4
 _gate_up_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY + ["MX_DOT"],
                                           few_rows=cfg(8, 32, 256, 2, 3))(_gate_up_body)
+# MX_DOT 6 and 7 (`MX_FP8_ROWS`): 16-row tiles (Triton's e4m3 wgmma wants 16 columns of the transposed product, at
+# 8 it converts to fp16 for mma.sync) of 64 or 128 weight columns on 4 or 8 warps (one or two warpgroups)
+# (sm_90 shared memory of the gate/up kernel, compiled here: 82 KB at 16x64x128 with 4 stages, 41 KB with 2, 123 KB
+# at 16x64x256 with 3)
+_MX8_CONFIGS = [cfg(16, 64, 128, 4, 4), cfg(16, 64, 128, 4, 3), cfg(16, 64, 128, 4, 2), cfg(16, 64, 256, 4, 2),
+                cfg(16, 64, 256, 4, 3), cfg(16, 128, 128, 4, 3), cfg(16, 128, 128, 8, 4), cfg(32, 64, 128, 4, 4),
+                cfg(64, 64, 128, 4, 3)]
+_gate_up_mx8_kernel = _launch.autotune(_MX8_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY + ["MX_DOT"],
+                                       few_rows=_MX8_CONFIGS[0])(_gate_up_body)
 
 
 def few_rows_per_expert(M, E: int) -> bool:
@@ -970,6 +1029,16 @@ SCALE_WORDS = True
 SCALE_WIDE = False
 
 
+# The K loop by 32-blocks on the e4m3 tensor cores without converting the weights (MX_DOT 6 with scale words, 7
+# with byte loads): the activation rows split once per call into two e4m3 terms of one power-of-two scale
+# (`row_e4m3`: hi + lo within about 2**-8 of the row, bf16's precision: SPEC section 6's tolerance holds), each
+# block W @ hi^T + W @ lo^T in one accumulator (`mx_dot_t`, 16-row tiles: Hopper's e4m3 wgmma, QGMMA.64x16x32 in
+# the sm_90 SASS), scaled by the weight scales. Where the fp16 loop converts every e4m3 weight to fp16 (F2FP: a
+# quarter of its K step's instructions at the 8-row decode tiles) and runs mma.sync, this reads the weights from
+# shared memory into the MMA as stored. An A/B candidate (decode_ab's `fp8 rows`), off until measured
+MX_FP8_ROWS = False
+
+
 def scale_words(*ops, width: int = 4) -> bool:
     """Whether these MXFP8 operands' scales can be read by loads of `width` bytes (4: 32-bit words of 4 blocks,
     MX_DOT 4; 8: pairs of them, MX_DOT 5): plain tensors (not `ExpertTable`s) with contiguous rows, and the
@@ -990,13 +1059,24 @@ def scale_words(*ops, width: int = 4) -> bool:
 def mx_rows(a_RK, mx_dot: int, *ops):
     """The activations and mode a K loop by 32-blocks launches with: for MX_F16_MODE 3, a's rows scaled into
     fp16 (`row_f16`) and their scales, MX_DOT 4 where the operands' scales can be read by words (5 by pairs
-    of words); otherwise a as is, no scales, mx_dot."""
+    of words); with MX_FP8_ROWS, a's rows as e4m3 pairs (`row_e4m3`) and their scales, MX_DOT 6 with words, 7
+    with byte loads; otherwise a as is, no scales, mx_dot."""
     if mx_dot != 3:
         return a_RK, None, mx_dot
+    words = SCALE_WORDS and scale_words(*ops)
+    if MX_FP8_ROWS:
+        a8, r_s = row_e4m3(a_RK)
+        return a8, r_s, 6 if words else 7
     a16, r_s = row_f16(a_RK)
-    if SCALE_WORDS and scale_words(*ops):
+    if words:
         return a16, r_s, 5 if SCALE_WIDE and scale_words(*ops, width=8) else 4
     return a16, r_s, 3
+
+
+def mx_kernel(mx_dot: int, plain, mx, mx8):
+    """The autotuned kernel of a launch in mode mx_dot (after `mx_rows`): the plain loop's, the K loop by
+    32-blocks' (`_MX_DOT_CONFIGS`), or its e4m3-pair form's (MX_DOT 6 and 7, `_MX8_CONFIGS`)."""
+    return mx8 if mx_dot >= 6 else mx if mx_dot else plain
 
 
 def use_mx_dot(act_dtype: torch.dtype, M, E: int, *ops) -> int:
@@ -1024,15 +1104,15 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         return row_tiles_worst(M, E, meta["BLOCK_M"], single) * _launch.cdiv(I, meta["BLOCK_N"])
 
     mx_dot = use_mx_dot(x_TH.dtype, M, E, gate, up)
+    tma = None if PERSISTENT_GATE_UP or mx_dot or not tma_eligible(x_TH, M, E) else tma_weights((gate, up))
+    h = h_out if h_out is not None else gu_out
+    x_TH, xr, mx_dot = mx_rows(x_TH, mx_dot, gate, up)
     if PERSISTENT_GATE_UP:
         kernel, progs = _gate_up_persistent_kernel, _num_sms(x_TH.device) * PERSISTENT_PROGRAMS
         grid = (progs,)  # (programs past the last tile loop zero times; no size comparison, no guard)
     else:
-        kernel = _gate_up_mx_dot_kernel if mx_dot else _gate_up_kernel
+        kernel = mx_kernel(mx_dot, _gate_up_kernel, _gate_up_mx_dot_kernel, _gate_up_mx8_kernel)
         grid = lambda meta: (tiles(meta),)  # noqa: E731
-    tma = None if PERSISTENT_GATE_UP or mx_dot or not tma_eligible(x_TH, M, E) else tma_weights((gate, up))
-    h = h_out if h_out is not None else gu_out
-    x_TH, xr, mx_dot = mx_rows(x_TH, mx_dot, gate, up)
     keep_clip = limit is not None and gu_out.dtype in (torch.bfloat16, torch.float16)
     above, below = (float(v) for v in reference.clip_bounds(limit, gu_out.dtype)) if keep_clip else (0.0, 0.0)
     _launch.launch(
@@ -1062,14 +1142,15 @@ _GROUPED_ROWS_CONFIGS = [cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 8, 3), cfg(6
 
 
 @triton.jit
-def _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, a_k0, k_start, rmask, w_ptr, s_ptr, s_n, s_k, ss_n, ss_k,
-                         cols, cmask, KD, like_ptr, MX: tl.constexpr, MX_DOT: tl.constexpr, TRANS: tl.constexpr,
+def _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, a_k0, lo_off, k_start, rmask, w_ptr, s_ptr, s_n, s_k, ss_n,
+                         ss_k, cols, cmask, KD, like_ptr, MX: tl.constexpr, MX_DOT: tl.constexpr, TRANS: tl.constexpr,
                          DOT_PREC: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + A[rows, a_k0 + k] @ W[e][cols, k]^T over k in [k_start, KD) (w_ptr, s_ptr: expert e's starts);
-    TRANS: acc and the sum transposed (`mx_dot_t`), a_row_t the rows' starts as a [1, BLOCK_M] tile."""
+    TRANS: acc and the sum transposed (`mx_dot_t`), a_row_t the rows' starts as a [1, BLOCK_M] tile; MX_DOT >= 6:
+    A's rows e4m3 pairs (`row_e4m3`), the lo terms lo_off columns after the hi ones."""
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = KD - KD % BLOCK_K
-        G: tl.constexpr = 4 if MX_DOT >= 4 and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks per scale load
+        G: tl.constexpr = 4 if MX_DOT >= 4 and MX_DOT <= 6 and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks a scale load
         AHEAD: tl.constexpr = TRANS and G == 4  # scale words a K step ahead (`mx_dot_t`)
         WIDE: tl.constexpr = MX_DOT == 5 and BLOCK_K == 256  # a step's two words by one load (`w_scale_pair`)
         nxt = scale_step(s_ptr, 0, k_full, cols, cmask, ss_n, AHEAD, WIDE, BLOCK_K)
@@ -1082,11 +1163,11 @@ def _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, a_k0, k_start, rmask, w
             for q in tl.static_range(BLOCK_K // (32 * G)):
                 kb0 = k0 // 32 + G * q
                 for j in tl.static_range(G):
-                    acc = _mx_block(acc, a_row, a_row_t, stride_ak, a_k0, kb0 + j, rmask, w_ptr,
+                    acc = _mx_block(acc, a_row, a_row_t, stride_ak, a_k0, lo_off, kb0 + j, rmask, w_ptr,
                                     group_scales(cur, q, j, s_ptr, kb0, cols, cmask, ss_n, ss_k, G == 4), cols, cmask,
                                     s_n, s_k, MX_DOT, TRANS, DOT_PREC)
         for kb in range(k_full // 32, KD // 32):
-            acc = _mx_block(acc, a_row, a_row_t, stride_ak, a_k0, kb, rmask, w_ptr,
+            acc = _mx_block(acc, a_row, a_row_t, stride_ak, a_k0, lo_off, kb, rmask, w_ptr,
                             w_block_scales(s_ptr, kb, cols, cmask, ss_n, ss_k), cols, cmask, s_n, s_k, MX_DOT, TRANS,
                             DOT_PREC)
     else:
@@ -1138,7 +1219,7 @@ def _grouped_rows_kernel(
     cmask = cols < NCOL
     e64 = group.to(tl.int64)
     w1, q1 = w_bases(w1_ptr, q1_ptr, e64, s1_e, q1_e, E, W_TABLE, MX1)
-    TRANS: tl.constexpr = MX_DOT >= 3 and BLOCK_M < 16  # the products transposed (`mx_dot_t`)
+    TRANS: tl.constexpr = (MX_DOT >= 3 and BLOCK_M < 16) or MX_DOT >= 6  # transposed products (`mx_dot_t`)
     if TRANS:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -1150,15 +1231,16 @@ def _grouped_rows_kernel(
         k_start = KD - KD % BLOCK_K
         acc = _tma_k_loop(acc, a_desc, 0, row_start, w1_desc, group * w_rows, pid_n * BLOCK_N, k_start, W_KMAJOR,
                           DOT_PREC, BLOCK_K)
-    acc = _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, 0, k_start, rmask, w1, q1, s1_n, s1_k, q1_n, q1_k,
-                               cols, cmask, KD, out_ptr, MX1, MX_DOT, TRANS, DOT_PREC, BLOCK_K)
+    lo_off = 2 * KD if TWO else KD  # (MX_DOT >= 6: A's lo terms after its hi ones, `row_e4m3`)
+    acc = _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, 0, lo_off, k_start, rmask, w1, q1, s1_n, s1_k, q1_n,
+                               q1_k, cols, cmask, KD, out_ptr, MX1, MX_DOT, TRANS, DOT_PREC, BLOCK_K)
     if TWO:
         w2, q2 = w_bases(w2_ptr, q2_ptr, e64, s2_e, q2_e, E, W_TABLE, MX2)
         if TMA:
             acc = _tma_k_loop(acc, a_desc, KD, row_start, w2_desc, group * w_rows, pid_n * BLOCK_N, k_start,
                               W_KMAJOR, DOT_PREC, BLOCK_K)
-        acc = _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, KD, k_start, rmask, w2, q2, s2_n, s2_k, q2_n,
-                                   q2_k, cols, cmask, KD, out_ptr, MX2, MX_DOT, TRANS, DOT_PREC, BLOCK_K)
+        acc = _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, KD, lo_off, k_start, rmask, w2, q2, s2_n, s2_k,
+                                   q2_n, q2_k, cols, cmask, KD, out_ptr, MX2, MX_DOT, TRANS, DOT_PREC, BLOCK_K)
     if TRANS:
         acc = tl.trans(acc)
     if MX_DOT >= 3:  # A's row scales
@@ -1179,6 +1261,8 @@ _grouped_rows_kernel = _launch.autotune(_GROUPED_ROWS_CONFIGS, cfg(16, 16, 32, 1
 _grouped_rows_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1),
                                                key=_GROUPED_ROWS_KEY + ["MX_DOT"],
                                                few_rows=cfg(8, 64, 128, 4, 4))(_grouped_rows_body)
+_grouped_rows_mx8_kernel = _launch.autotune(_MX8_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GROUPED_ROWS_KEY + ["MX_DOT"],
+                                            few_rows=_MX8_CONFIGS[0])(_grouped_rows_body)
 
 
 def host_desc(t: torch.Tensor):
@@ -1254,7 +1338,7 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, 
     dot_prec = _launch.dot_precision(a_MK.dtype)
     a_MK, ar, mx_dot = mx_rows(a_MK, mx_dot, w1, w2)
     _launch.launch(
-        _grouped_rows_mx_dot_kernel if mx_dot else _grouped_rows_kernel, grid,
+        mx_kernel(mx_dot, _grouped_rows_kernel, _grouped_rows_mx_dot_kernel, _grouped_rows_mx8_kernel), grid,
         a_MK, a_MK.stride(0), a_MK.stride(1), ar, routes_N, offsets_E1,
         *w_args(w1), *w_args(w2),
         out, out.stride(0), out.stride(1), *tma,
