@@ -3,7 +3,7 @@ captured in one CUDA graph, and a profile of its replays, kernel by kernel (devi
 each GEMM reads and the bandwidth that makes, the gaps between kernels); then the two GEMMs autotuned over
 a wider list of tile configs than the package's (smaller tiles, longer K steps, more stages), each graph
 timed again, in the same process; --mxfp8 adds MXFP8 routed weights through the fp8 tensor cores
-(moe_fwd.MX_FP8_DOT), the fp16 ones (moe_fwd.MX_F16_DOT; also over a wider config list), its variant on
+(moe_fwd.MX_FP8_DOT), the fp16 ones (moe_fwd.MX_F16_DOT; also over a wider config list), the e4m3 ones on rows split once (moe_fwd.MX_FP8_ROWS), its variant on
 activation rows scaled once per call (moe_fwd.MX_F16_MODE 3; rows3 with a byte load per scale, words with
 32-bit loads of 4 scales, moe_fwd.SCALE_WORDS; trans and fixed: 8-row tiles alone, moe_fwd.mx_dot_t) and
 the dequantizing K loop. --tokens runs the shape at another token count: up to kernels.MX_DEQUANTIZE_MIN_ROWS
@@ -48,6 +48,11 @@ _ROWS_WIDE = _MX_WIDE + [(64, 64, 64, 4, 6), (64, 128, 64, 4, 4), (64, 64, 128, 
 _TRANS = [(8, 32, 128, 2, 4), (8, 32, 128, 1, 4), (8, 64, 128, 2, 4), (8, 64, 128, 4, 4), (8, 32, 128, 2, 6),
           (8, 128, 128, 4, 3), (8, 32, 256, 2, 3), (8, 64, 256, 4, 3), (8, 16, 128, 1, 6), (8, 64, 128, 2, 6),
           (8, 32, 128, 1, 8), (8, 16, 256, 1, 4)]
+# and 8-row configs for more resident warps (2 stages: half the shared memory a program; 1 warp): ncu (run 17) found
+# the 8-row gate/up loop at 15.6% occupancy (5 programs of 2 warps an SM, by shared memory) with 10.5 cycles
+# between a warp's instructions, so latency is hidden by few warps; with the package's picks for reference
+_OCC = [(8, 32, 256, 2, 2), (8, 32, 128, 2, 2), (8, 16, 256, 1, 2), (8, 64, 256, 4, 2), (8, 64, 128, 4, 2),
+        (8, 32, 128, 1, 3), (8, 32, 256, 2, 3), (8, 64, 128, 4, 4)]
 # (gate/up, down) configs timed alone
 _TRANS_PAIRS = [((8, 32, 256, 2, 3), (8, 64, 128, 4, 4)), ((8, 32, 128, 2, 4), (8, 64, 128, 4, 4)),
                 ((8, 64, 256, 4, 3), (8, 128, 128, 4, 3))]
@@ -67,6 +72,20 @@ def kernel_profile(graph, reps=20):
         if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
             out[e.key] = e.device_time_total / reps / 1e3
     return out
+
+
+def reference64(x, rw, te, w_gu, w_d):
+    """The layer in float64 on the device (an expert at a time; weights as given: bf16, or an MXFP8 weight's
+    dequantized values), each variant's error measured against it."""
+    y = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    I = w_d.shape[-1]
+    x64 = x.double()
+    for e in torch.unique(te).tolist():
+        t, k = (te == e).nonzero(as_tuple=True)
+        gu = x64[t] @ w_gu[e].double().t()
+        h = torch.nn.functional.silu(gu[:, :I].to(x.dtype).double()) * gu[:, I:].to(x.dtype).double()
+        y.index_add_(0, t, (h.to(x.dtype).double() @ w_d[e].double().t()) * rw[t, k].double()[:, None])
+    return y
 
 
 class GraphedCompiledMxfp8(GraphedMokMxfp8):
@@ -110,6 +129,12 @@ def main():
     # label: (graph, gate/up kernel, down kernel, the K loop by 32-blocks (moe_fwd.use_mx_dot: 0 off, 1 fp8,
     # 2 fp16, 3 fp16 on rows scaled once, 4 that with scale words), weight bytes per element[, {(module,
     # attribute): value} set for the variant])
+    from mok_inductor import mxfp8
+
+    ref = {2: reference64(x, rw, te, w_gu, w_d)}  # (by bytes per weight element: bf16, or MXFP8's dequantized)
+    if a.mxfp8:
+        ref[1 + 1 / 32] = reference64(x, rw, te, *(mxfp8.dequantize(mxfp8.quantize(w), dtype=torch.float64)
+                                                   for w in (w_gu, w_d)))
     variants = {"package configs": (GraphedMok, {}, 0, 2),
                 "wider configs, both GEMMs": (GraphedMok, dict(zip(names, map(wide, base))), 0, 2)}
     if a.mxfp8:
@@ -128,6 +153,11 @@ def main():
                                                                                 1 + 1 / 32)
         trans = {n: retuned(k, [cfg(*c) for c in _TRANS]) for n, k in zip(mx_names, mx_base)}
         variants["MXFP8, scale words, transposed 8-row tiles (trans)"] = (GraphedMokMxfp8, trans, 4, 1 + 1 / 32)
+        variants["MXFP8, e4m3 tensor cores on rows split once into two e4m3 terms (fp8 rows)"] = (
+            GraphedMokMxfp8, {}, 4, 1 + 1 / 32, {(moe_fwd, "MX_FP8_ROWS"): True})
+        occ = {n: retuned(k, [cfg(*c) for c in _OCC]) for n, k in zip(mx_names, mx_base)}
+        variants["MXFP8, scale words, 8-row tiles over configs for more resident warps (occ)"] = (
+            GraphedMokMxfp8, occ, 4, 1 + 1 / 32)
         for cg, cd in _TRANS_PAIRS:
             variants[f"MXFP8, scale words, transposed {'x'.join(map(str, cg))}, "
                      f"{'x'.join(map(str, cd))} (fixed)"] = (
@@ -173,20 +203,23 @@ def main():
         for (module, attr), value in flags.items():
             setattr(module, attr, value)
         gk, dk = (getattr(moe_fwd, n) for n in (mx_names if mx_dot else names))
+        if moe_fwd.MX_FP8_ROWS:
+            gk, dk = moe_fwd._gate_up_mx8_kernel, moe_fwd._grouped_rows_mx8_kernel
         gb, db = gu_bytes * elem_bytes / 2, d_bytes * elem_bytes / 2
         v_floor = (gb + db) / bw * 1e3
         try:
             g = graphed()
-            g(x, rw, te, w_gu, w_d)
+            y = g(x, rw, te, w_gu, w_d).double()
+            err = ((y - ref[elem_bytes]).norm() / ref[elem_bytes].norm()).item()
             ms, p20, p80 = bench(lambda: g(x, rw, te, w_gu, w_d))
             kern = kernel_profile(g.graph)
             busy = sum(kern.values())
-            v = dict(variant=label, graph_ms=ms, p20=p20, p80=p80, floor_ms=v_floor, vs_floor=ms / v_floor,
+            v = dict(variant=label, graph_ms=ms, p20=p20, p80=p80, rel_err=err, floor_ms=v_floor, vs_floor=ms / v_floor,
                      vs_bf16_floor=ms / floor_ms, kernels=kern, gaps_ms=ms - busy,
                      configs={n: str(getattr(k, "best_config", "")) for n, k in (("gate_up", gk), ("down", dk))})
             rows["variants"].append(v)
             print(f"  {label}: graph {ms:.4f} ms = {ms / v_floor:.3f}x its floor ({v_floor:.4f} ms); kernels "
-                  f"{busy:.4f} ms, gaps {ms - busy:.4f} ms; configs {v['configs']}", flush=True)
+                  f"{busy:.4f} ms, gaps {ms - busy:.4f} ms; rel err {err:.2e}; configs {v['configs']}", flush=True)
             for name, t in sorted(kern.items(), key=lambda kv: -kv[1]):
                 nb = gb if "gate_up" in name else db if "grouped_rows" in name else 0
                 extra = f"  {nb / (t * 1e-3) / 1e12:.2f} TB/s of weights" if nb else ""

@@ -10,6 +10,11 @@
 #   ab        benchmarks/decode_ab.py at T=64: the package against the 64-bit scale pairs, the two-pass
 #             row pre-pass, the three-launch schedule and the looped combine; the package at T=128 and 256
 #   compiled  decode_ab's torch.compile variants at T=64 (the traced choices, against session 16's)
+#   prof      ncu's sections (speed of light, memory workload, warp states, scheduler, occupancy) of the bf16 and
+#             the MXFP8 decode GEMMs (benchmarks/mx_profile.py, --bf16 for the former), side by side
+#   stream    benchmarks/mx_stream_ab.py: the bf16, fp16-converting and fp8 (two activation terms) K loops' weight rates
+#   fp8rows   decode_ab at T=64: the package against the e4m3 pair loop (moe_fwd.MX_FP8_ROWS); its CUDA tests
+#   occ       decode_ab at T=64: the package against 8-row configs of 2 stages or 1 warp (more programs an SM)
 #   ncu       the gate/up and down kernels' L2 sectors by source, hits, DRAM bytes, and warp stall reasons
 #             (benchmarks/mx_profile.py), words against 64-bit pairs
 set -o pipefail
@@ -33,7 +38,7 @@ if [[ $PART == *tests* ]]; then
     tests/test_compile_reinplace.py -k "schedule or combine or launch or traced or few_rows or words or compiled" 2>&1 \
     | grep -v Warn >> $OUT/tests.log
   grep -E "passed|failed" $OUT/tests.log; grep -E "FAILED|ERROR" $OUT/tests.log | head -20
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_compile_inductor.py -k "mxfp8" 2>&1 | grep -v Warn \
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_compile_inductor.py -k "mxfp8" 2>&1 | grep -v Warn \
     > $OUT/tests_compile.log
   tail -2 $OUT/tests_compile.log; grep -E "FAILED|ERROR" $OUT/tests_compile.log | head
 fi
@@ -47,15 +52,40 @@ if [[ $PART == *compiled* ]]; then
   echo "=== compiled decode"
   ab 64 "(pkg),(compiled),(compiled old)" compiled 240
 fi
+M=lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,lts__t_requests_srcunit_tex_op_read.sum
+M=$M,lts__t_sectors_srcunit_ltcfabric.sum,dram__bytes_read.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum
+M=$M,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,smsp__inst_executed_op_ldgsts.sum,gpu__time_duration.sum
+M=$M,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_barrier.ratio
+M=$M,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_wait.ratio
+M=$M,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,smsp__average_warp_latency_issue_stalled_lg_throttle.ratio
+M=$M,smsp__average_warp_latency_issue_stalled_mio_throttle.ratio,smsp__average_warp_latency_issue_stalled_not_selected.ratio
+if [[ $PART == *prof* ]]; then
+  echo "=== ncu sections, bf16 against MXFP8"
+  for c in "--bf16" "--gate-up 8x32x256x2x3 --down 8x64x128x4x4"; do
+    f="$OUT/prof_$( [[ $c == --bf16 ]] && echo bf16 || echo mx ).txt"
+    timeout 95 ncu --clock-control none --profile-from-start off -k regex:"_gate_up|_grouped_rows" \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+      --section SchedulerStats --section LaunchStats --metrics $M python3 benchmarks/mx_profile.py $c > "$f" 2>&1
+    grep -E "_kernel|Duration|Throughput|Hit Rate|Stall|Warp Cycles|Eligible|Issued Warp|Occupancy|Block Limit|Registers" "$f" | head -60
+  done
+fi
+if [[ $PART == *stream* ]]; then
+  echo "=== K-loop styles streaming one GEMM's weights (benchmarks/mx_stream_ab.py)"
+  timeout 150 python3 benchmarks/mx_stream_ab.py --out $OUT 2>&1 | grep -v Warn | tee $OUT/stream.log | grep -E "best|TB/s|FAILED"
+fi
+if [[ $PART == *fp8rows* ]]; then
+  echo "=== decode A/B: the e4m3 pair loop (MX_FP8_ROWS) against the package; its CUDA tests"
+  ab 64 "(pkg),(fp8 rows)" fp8rows 150
+  MOK_AUTOTUNE=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_mxfp8.py -k \
+    "e4m3 or tensor_core or words or transposed or row_scaled" 2>&1 | grep -v Warn > $OUT/tests_fp8rows.log
+  grep -E "passed|failed" $OUT/tests_fp8rows.log; grep -E "FAILED|ERROR" $OUT/tests_fp8rows.log | head -20
+fi
+if [[ $PART == *occ* ]]; then
+  echo "=== decode A/B, configs for more resident warps"
+  ab 64 "(pkg),(occ)" occ 150
+fi
 if [[ $PART == *ncu* ]]; then
   echo "=== ncu"
-  M=lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,lts__t_requests_srcunit_tex_op_read.sum
-  M=$M,lts__t_sectors_srcunit_ltcfabric.sum,dram__bytes_read.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum
-  M=$M,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,smsp__inst_executed_op_ldgsts.sum,gpu__time_duration.sum
-  M=$M,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_barrier.ratio
-  M=$M,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_wait.ratio
-  M=$M,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,smsp__average_warp_latency_issue_stalled_lg_throttle.ratio
-  M=$M,smsp__average_warp_latency_issue_stalled_mio_throttle.ratio,smsp__average_warp_latency_issue_stalled_not_selected.ratio
   for c in "8x32x256x2x3 8x64x128x4x4" "8x32x256x2x3 8x64x256x4x3 --wide" "16x32x128x2x4 16x128x128x4x3"; do
     set -- $c
     f="$OUT/ncu_${c// /_}.txt"

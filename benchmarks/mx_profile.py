@@ -8,7 +8,7 @@ configs for both GEMMs, for Nsight Compute. Run 17 (docs/benchmarks.md) used it 
 or with `--metrics lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,
 dram__bytes_read.sum,...` for where the L2 traffic comes from. A config is BLOCK_M x BLOCK_N x BLOCK_K x warps
 x stages; --no-words keeps the scales' byte loads (moe_fwd.SCALE_WORDS off), --wide reads a K step's two words by
-one 64-bit load (moe_fwd.SCALE_WIDE, BLOCK_K 256).
+one 64-bit load (moe_fwd.SCALE_WIDE, BLOCK_K 256); --bf16 profiles the bf16 weights' forward instead.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def main():
     p.add_argument("--down", default="8x64x128x4x4")
     p.add_argument("--words", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--wide", action="store_true")
+    p.add_argument("--bf16", action="store_true", help="the bf16 weights instead (the package's configs), to "
+                   "compare the two K loops' counters in one profile")
     a = p.parse_args()
     moe_fwd.SCALE_WORDS, moe_fwd.SCALE_WIDE = a.words, a.wide
     gu, dn = (cfg(*(int(v) for v in c.split("x"))) for c in (a.gate_up, a.down))
@@ -47,7 +49,7 @@ def main():
         moe_fwd._grouped_rows_body)
     T, H, I, E, K = SHAPES[a.shape]
     x, rw, te, w_gu, w_d = make_inputs(a.tokens or T, H, I, E, K, "balanced")
-    q1, q2 = mxfp8.quantize(w_gu), mxfp8.quantize(w_d)
+    q1, q2 = (w_gu, w_d) if a.bf16 else (mxfp8.quantize(w_gu), mxfp8.quantize(w_d))
     with torch.no_grad():
         for _ in range(3):
             mok_inductor.moe(x, rw, te, q1, q2)
