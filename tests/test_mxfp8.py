@@ -726,13 +726,17 @@ def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
     assert torch.isfinite(out).all() and rel_err(out, want) <= TOLERANCE[torch.bfloat16]
 
 
-def _record_modes(monkeypatch) -> list:
-    """(kernel, MX_DOT) of each launch of the two K-loop-by-32-blocks kernels from here on (a list filled as they
-    run; every launch still runs)."""
+_MX_DOT_NAMES = ("_gate_up_mx_dot_kernel", "_grouped_rows_mx_dot_kernel")
+_MX8_NAMES = ("_gate_up_mx8_kernel", "_grouped_rows_mx8_kernel")  # (MX_FP8_ROWS: MX_DOT 6 and 7)
+
+
+def _record_modes(monkeypatch, names=_MX_DOT_NAMES) -> list:
+    """(kernel, MX_DOT) of each launch of the two K-loop-by-32-blocks kernels (moe_fwd's attributes `names`, as
+    they are at the launch) from here on (a list filled as they run; every launch still runs)."""
     seen, real = [], _launch.launch
 
     def launch(kernel, *args, **kwargs):
-        if kernel in (_moe_fwd._gate_up_mx_dot_kernel, _moe_fwd._grouped_rows_mx_dot_kernel):
+        if kernel in tuple(getattr(_moe_fwd, n) for n in names):
             seen.append((kernel, kwargs.get("MX_DOT")))
         return real(kernel, *args, **kwargs)
 
@@ -740,13 +744,13 @@ def _record_modes(monkeypatch) -> list:
     return seen
 
 
-def _one_mx_config(monkeypatch, block_m, block_k):
-    """Both K-loop-by-32-blocks kernels (gate/up, grouped rows) on one tile config: BLOCK_N 32, 2 warps."""
+def _one_mx_config(monkeypatch, block_m, block_k, names=_MX_DOT_NAMES):
+    """Both K-loop-by-32-blocks kernels (gate/up, grouped rows; moe_fwd's attributes `names`) on one tile config:
+    BLOCK_N 32, 2 warps."""
     one = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": block_k}, num_warps=2)]
-    monkeypatch.setattr(_moe_fwd, "_gate_up_mx_dot_kernel", triton.autotune(one, key=["M", "H", "I", "E"])(
-        _moe_fwd._gate_up_body))
-    monkeypatch.setattr(_moe_fwd, "_grouped_rows_mx_dot_kernel", triton.autotune(
-        one, key=["M", "NCOL", "KD", "E"])(_moe_fwd._grouped_rows_body))
+    monkeypatch.setattr(_moe_fwd, names[0], triton.autotune(one, key=["M", "H", "I", "E"])(_moe_fwd._gate_up_body))
+    monkeypatch.setattr(_moe_fwd, names[1], triton.autotune(one, key=["M", "NCOL", "KD", "E"])(
+        _moe_fwd._grouped_rows_body))
 
 
 def _spread_problem(seed, *, t, h, i, e, k):
@@ -911,21 +915,11 @@ def test_e4m3_pair_loop(monkeypatch):
 
     _backend(monkeypatch, "triton")
     _mx_dot_on(monkeypatch, 6)
-    seen, real = [], _launch.launch
-
-    def launch(kernel, *args, **kwargs):
-        if kernel in (moe_fwd._gate_up_mx8_kernel, moe_fwd._grouped_rows_mx8_kernel):
-            seen.append((kernel, kwargs.get("MX_DOT")))
-        return real(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(_launch, "launch", launch)
+    seen = _record_modes(monkeypatch, _MX8_NAMES)
+    _one_mx_config(monkeypatch, 16, 128, _MX8_NAMES)
     q1, q2, x, rw, te, dy = _spread_problem(41, t=12, h=384, i=160, e=3, k=2)
     dev = _TRITON_DEV
     q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
-    one = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128}, num_warps=2)]
-    monkeypatch.setattr(moe_fwd, "_gate_up_mx8_kernel", triton.autotune(one, key=["M"])(moe_fwd._gate_up_body))
-    monkeypatch.setattr(moe_fwd, "_grouped_rows_mx8_kernel", triton.autotune(one, key=["M"])(
-        moe_fwd._grouped_rows_body))
 
     def run(words=True, pair=True):
         monkeypatch.setattr(moe_fwd, "SCALE_WORDS", words)
