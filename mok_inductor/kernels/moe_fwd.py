@@ -1390,19 +1390,28 @@ def _combine_kernel(
             r = t64 * TOPK_C + k
             valid = tl.load(te_ptr + r) >= 0
             y = tl.load(y_ptr + r * stride_yr + cols * stride_yh, mask=cmask, other=0.0).to(tl.float32)
-            if HAS_RW:
-                y = y * tl.load(rw_ptr + r).to(tl.float32)
-            acc += tl.where(valid, y, 0.0)
+            acc = _combine_route(acc, y, rw_ptr, r, valid, HAS_RW)
     else:
         for k in range(0, TOPK):
             r = t64 * TOPK + k
             valid = tl.load(te_ptr + r) >= 0
             y = tl.load(y_ptr + r * stride_yr + cols * stride_yh, mask=cmask & valid, other=0.0).to(tl.float32)
-            if HAS_RW:
-                y = y * tl.load(rw_ptr + r).to(tl.float32)
-            acc += tl.where(valid, y, 0.0)
+            acc = _combine_route(acc, y, rw_ptr, r, valid, HAS_RW)
     out = to_out(acc, out_ptr, DOT_PREC)
     tl.store(out_ptr + t64 * stride_ot + cols * stride_oh, out, mask=cmask)
+
+
+@triton.jit
+def _combine_route(acc, y, rw_ptr, r, valid, HAS_RW: tl.constexpr):
+    """acc + rw[r] * y where route r is valid (one fused multiply-add, written out: the unrolled and the looped
+    route loops are then the same arithmetic, where the compiler was free to contract acc + y * rw into an FMA in
+    one and not the other: the two differed in the last bit on the H100, CUDA run of session 18), acc where not
+    (an invalid route's row, never written, may hold NaN)."""
+    if HAS_RW:
+        out = tl.where(valid, tl.fma(y, tl.load(rw_ptr + r).to(tl.float32), acc), acc)
+    else:
+        out = tl.where(valid, acc + y, acc)
+    return out
 
 
 # the combine's route loop unrolled for K up to this (`_combine_kernel`'s TOPK_C)
