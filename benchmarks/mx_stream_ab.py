@@ -12,6 +12,10 @@ Styles (STYLE):
          tolerance), the two products chained in one accumulator per block, then scaled
   fp8x1  the same with one activation term (3 mantissa bits, outside SPEC section 6's accuracy): the ceiling of
          the fp8 loop, timed for comparison only
+  f16one the e4m3 tile of a whole K step converted to fp16 and one tl.dot per step, no scales (wrong numbers:
+         the cost of the conversion alone, against bf16)
+  f16nos f16's per-32-block dots chained in one accumulator, no scales (wrong numbers: the cost of splitting the
+         step into blocks, against f16one; f16 against it, the cost of the per-block rescaling)
 
     python benchmarks/mx_stream_ab.py [--rows 4] [--out DIR]
 
@@ -33,7 +37,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-STYLES = {"bf16": 0, "f16": 1, "fp8x2": 2, "fp8x1": 3}
+STYLES = {"bf16": 0, "f16": 1, "fp8x2": 2, "fp8x1": 3, "f16one": 4, "f16nos": 5}
 
 
 @triton.jit
@@ -49,13 +53,23 @@ def _stream_kernel(w_ptr, s_ptr, a_ptr, o_ptr, N, K, R, STYLE: tl.constexpr, BLO
     e64 = e.to(tl.int64)
     w = w_ptr + e64 * N * K
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if STYLE == 0:
+    if STYLE == 0 or STYLE == 4:
         a = a_ptr + e64 * BLOCK_M * K
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             wt = tl.load(w + cols[:, None] * K + kk[None, :])
             at = tl.trans(tl.load(a + rows[:, None] * K + kk[None, :], mask=rmask[:, None], other=0.0))
+            if STYLE == 4:
+                wt = wt.to(tl.float16)
             acc = tl.dot(wt, at, acc)
+    elif STYLE == 5:
+        a = a_ptr + e64 * BLOCK_M * K
+        for k0 in range(0, K, BLOCK_K):
+            for j in tl.static_range(BLOCK_K // 32):
+                kk = k0 + j * 32 + tl.arange(0, 32)
+                wt = tl.load(w + cols[:, None] * K + kk[None, :])
+                at = tl.trans(tl.load(a + rows[:, None] * K + kk[None, :], mask=rmask[:, None], other=0.0))
+                acc = tl.dot(wt.to(tl.float16), at, acc)
     else:
         KA = K if STYLE == 1 else 2 * K
         a = a_ptr + e64 * BLOCK_M * KA
@@ -101,7 +115,7 @@ def main():
     p.add_argument("--n", type=int, default=1536)
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--rows", type=int, default=4, help="real activation rows an expert (decode: 4)")
-    p.add_argument("--styles", default="bf16,f16,fp8x2,fp8x1")
+    p.add_argument("--styles", default="bf16,f16,fp8x2,fp8x1,f16one,f16nos")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     E, N, K, R = a.experts, a.n, a.k, a.rows
@@ -121,17 +135,19 @@ def main():
         "f16": [(32, 256, 2, 3), (32, 128, 2, 4), (64, 128, 4, 4)],
         "fp8x2": [(64, 128, 4, 4), (64, 128, 4, 2), (64, 256, 4, 3), (128, 128, 8, 4)],
     }
+    configs["f16one"] = [(32, 256, 2, 3), (64, 128, 4, 4)]
+    configs["f16nos"] = configs["f16one"]
     configs["fp8x1"] = configs["fp8x2"][:2]
     out = dict(E=E, N=N, K=K, rows=R, copy_bw=bw, styles={})
     o = torch.empty(E, N, 16, device="cuda")
     for style in a.styles.split(","):
         s = STYLES[style]
-        bm = 8 if s == 1 else 16
+        bm = 8 if s in (1, 4, 5) else 16
         if s == 0:
             w, sc, act, nbytes = wb, wb, x, wb.numel() * 2
         else:
             w, sc, nbytes = data, scale, data.numel() + scale.numel()
-            if s == 1:
+            if s in (1, 4, 5):
                 r16 = x.float().abs().amax(-1, keepdim=True).clamp_min(2.0**-100)
                 rs = torch.exp2(torch.floor(torch.log2(r16)) - 14)
                 act, rscale = (x.float() / rs).half()[:, :bm].contiguous(), rs[:, :bm]
@@ -156,6 +172,8 @@ def main():
                 refm = ref[:, :, :bm]
                 if s == 0:
                     refm = torch.einsum("enk,emk->enm", wb.double(), x.double())[:, :, :bm]
+                elif s in (4, 5):  # (the e4m3 values unscaled: these styles read no scales)
+                    refm = torch.einsum("enk,emk->enm", data.double(), x.double())[:, :, :bm]
                 err = ((y - refm).norm() / refm.norm()).item()
                 ms, p20, p80 = bench(run)
                 tbs = nbytes / (ms * 1e-3) / 1e12
