@@ -28,7 +28,8 @@ exact fp16 activation term, `moe_fwd.MX_F16_DOT`) runs at decode sizes (at most 
 routes per expert on average), on activation rows scaled into fp16 once per call (`moe_fwd.row_f16`,
 `MX_F16_MODE` 3), the weight scales read by 32-bit words of 4 blocks where their rows allow
 (`moe_fwd.SCALE_WORDS`): 1.24x bf16 at qwen3 decode (run 16), and slower than the dequantizing loop above
-(run 14).
+(run 14). Its form on the e4m3 tensor cores without weight conversion (activation rows split once into two
+e4m3 terms, `moe_fwd.MX_FP8_ROWS`) is an A/B candidate, off: 4% slower (run 18).
 
 Split per-expert weights (sequences of E 2-D tensors, bf16 or MXFP8) are read in place through a device
 table of the experts' addresses (`moe_fwd.ExpertTable`; stacked instead while torch.compile traces, or when
