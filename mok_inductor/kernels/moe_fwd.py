@@ -345,6 +345,12 @@ def mx_dot(hi, lo, sa, w, sw, acc, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def w_tile_t(w_ptr, kk, cols, cmask, s_n, s_k):
+    """The e4m3 tile [BLOCK_N, 32] W[e][cols, kk] of one scale block as stored (k along the tile's rows)."""
+    return tl.load(w_ptr + cols[:, None] * s_n + kk[None, :] * s_k, mask=cmask[:, None], other=0.0)
+
+
+@triton.jit
 def mx_dot_t(a_row, a_row_t, stride_ak, a_k0, lo_off, kb, rmask, w_ptr, cols, cmask, s_n, s_k, sw, acc_t,
              PAIR: tl.constexpr, DOT_PREC: tl.constexpr):
     """acc_t + (fp16(W[e][cols, 32 kb + k]) @ A[rows, a_k0 + 32 kb + k]^T) * sw[:, None]: `mx_dot`'s MODE 3 block
@@ -366,10 +372,10 @@ def mx_dot_t(a_row, a_row_t, stride_ak, a_k0, lo_off, kb, rmask, w_ptr, cols, cm
     8-row tiles Triton converts both operands to fp16 for mma.sync); the activation tiles loaded by rows, k
     contiguous, and transposed in shared memory (16-byte copies, where a [32, BLOCK_M] load copies 4 bytes)."""
     kk = kb * 32 + tl.arange(0, 32)
-    w = tl.load(w_ptr + cols[:, None] * s_n + kk[None, :] * s_k, mask=cmask[:, None], other=0.0)
     if PAIR:
         hi = tl.trans(tl.load(a_row + (a_k0 + kk[None, :]) * stride_ak, mask=rmask[:, None], other=0.0))
         lo = tl.trans(tl.load(a_row + (a_k0 + lo_off + kk[None, :]) * stride_ak, mask=rmask[:, None], other=0.0))
+        w = w_tile_t(w_ptr, kk, cols, cmask, s_n, s_k)
         if DOT_PREC == "interp":
             wf = w.to(tl.float32)
             p = tl.dot(wf, hi.to(tl.float32))
@@ -379,6 +385,7 @@ def mx_dot_t(a_row, a_row_t, stride_ak, a_k0, lo_off, kb, rmask, w_ptr, cols, cm
             p = tl.dot(w, lo, p)
     else:
         a_t = tl.load(a_row_t + (a_k0 + kk[:, None]) * stride_ak, mask=rmask[None, :], other=0.0)
+        w = w_tile_t(w_ptr, kk, cols, cmask, s_n, s_k)
         if DOT_PREC == "interp":
             p = tl.dot(w.to(tl.float32), a_t.to(tl.float32))
         else:
@@ -786,7 +793,8 @@ def _gate_up_tile(
         k_end = H
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = k_end - k_end % BLOCK_K
-        G: tl.constexpr = 4 if MX_DOT >= 4 and MX_DOT <= 6 and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks a scale load
+        WORDS: tl.constexpr = MX_DOT >= 4 and MX_DOT <= 6  # (scale words: modes 4, 5 and 6)
+        G: tl.constexpr = 4 if WORDS and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks per scale load
         TRANS: tl.constexpr = (MX_DOT >= 3 and BLOCK_M < 16) or MX_DOT >= 6  # transposed products (`mx_dot_t`)
         AHEAD: tl.constexpr = TRANS and G == 4  # scale words a K step ahead (`mx_dot_t`)
         WIDE: tl.constexpr = MX_DOT == 5 and BLOCK_K == 256  # a step's two words by one load (`w_scale_pair`)
@@ -1035,7 +1043,9 @@ SCALE_WIDE = False
 # block W @ hi^T + W @ lo^T in one accumulator (`mx_dot_t`, 16-row tiles: Hopper's e4m3 wgmma, QGMMA.64x16x32 in
 # the sm_90 SASS), scaled by the weight scales. Where the fp16 loop converts every e4m3 weight to fp16 (F2FP: a
 # quarter of its K step's instructions at the 8-row decode tiles) and runs mma.sync, this reads the weights from
-# shared memory into the MMA as stored. An A/B candidate (decode_ab's `fp8 rows`), off until measured
+# shared memory into the MMA as stored. Measured on the H100 (docs/benchmarks.md, run 18; qwen3 decode T=64, CUDA
+# graphs): 0.3116 against the fp16 loop's 0.3001 ms (gate/up 2.15 against 2.27 TB/s of weights), so the
+# conversion is not what holds the fp16 loop back; an A/B candidate (decode_ab's `fp8 rows`), off
 MX_FP8_ROWS = False
 
 
@@ -1150,7 +1160,8 @@ def _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, a_k0, lo_off, k_start, 
     A's rows e4m3 pairs (`row_e4m3`), the lo terms lo_off columns after the hi ones."""
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = KD - KD % BLOCK_K
-        G: tl.constexpr = 4 if MX_DOT >= 4 and MX_DOT <= 6 and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks a scale load
+        WORDS: tl.constexpr = MX_DOT >= 4 and MX_DOT <= 6  # (scale words: modes 4, 5 and 6)
+        G: tl.constexpr = 4 if WORDS and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks per scale load
         AHEAD: tl.constexpr = TRANS and G == 4  # scale words a K step ahead (`mx_dot_t`)
         WIDE: tl.constexpr = MX_DOT == 5 and BLOCK_K == 256  # a step's two words by one load (`w_scale_pair`)
         nxt = scale_step(s_ptr, 0, k_full, cols, cmask, ss_n, AHEAD, WIDE, BLOCK_K)
