@@ -12,7 +12,7 @@
 #   compiled  decode_ab's torch.compile variants at T=64 (the traced choices, against session 16's)
 #   prof      ncu's sections (speed of light, memory workload, warp states, scheduler, occupancy) of the bf16 and
 #             the MXFP8 decode GEMMs (benchmarks/mx_profile.py, --bf16 for the former), side by side
-#   stream    benchmarks/mx_stream_ab.py: the bf16, fp16-converting and fp8 (two activation terms) K loops' weight rates
+#   stream    benchmarks/mx_stream_ab.py: the K-loop styles' weight rates (bf16, the fp16 per-block loop and its variants)
 #   fp8rows   decode_ab at T=64: the package against the e4m3 pair loop (moe_fwd.MX_FP8_ROWS); its CUDA tests
 #   occ       decode_ab at T=64: the package against 8-row configs of 2 stages or 1 warp (more programs an SM)
 #   ncu       the gate/up and down kernels' L2 sectors by source, hits, DRAM bytes, and warp stall reasons
@@ -71,7 +71,7 @@ if [[ $PART == *prof* ]]; then
 fi
 if [[ $PART == *stream* ]]; then
   echo "=== K-loop styles streaming one GEMM's weights (benchmarks/mx_stream_ab.py)"
-  timeout 100 python3 benchmarks/mx_stream_ab.py --out $OUT 2>&1 | grep -v Warn | tee $OUT/stream.log | grep -E "best|TB/s|FAILED"
+  timeout 240 python3 benchmarks/mx_stream_ab.py --out $OUT 2>&1 | grep -v Warn | tee $OUT/stream.log | grep -E "best|TB/s|FAILED"
 fi
 if [[ $PART == *fp8rows* ]]; then
   echo "=== decode A/B: the e4m3 pair loop (MX_FP8_ROWS) against the package; its CUDA tests"

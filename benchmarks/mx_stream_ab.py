@@ -16,6 +16,15 @@ Styles (STYLE):
          the cost of the conversion alone, against bf16)
   f16nos f16's per-32-block dots chained in one accumulator, no scales (wrong numbers: the cost of splitting the
          step into blocks, against f16one; f16 against it, the cost of the per-block rescaling)
+  f16el  one fp16 tl.dot per K step as f16one, each weight first scaled in fp16 by 2**(s - top) (s its block's
+         scale, top the row's largest less 7, found once before the loop; blocks under 2**-22 of the row's largest
+         dropped), the product scaled by 2**top after the loop: f16's numbers without splitting the step. Triton
+         computes the factors in the loaded tile's layout and moves the scaled tile into the dot's through shared
+         memory (its dot-operand hoisting stops at a broadcast along k; sm_90 TTGIR)
+  f16b3  a K step as one 3-D (batched) tl.dot, [G, BLOCK_N, 32] @ [G, 32, 8] over its G blocks, each block's product
+         scaled by its weight scales and summed over the blocks: f16's numbers, the blocks' loads and dots as one
+  f16rs  f16el's loop with one factor per column and step (the step's first block's): wrong numbers where a step's
+         blocks differ, the cost of per-element factors that Triton keeps in the dot's layout
 
     python benchmarks/mx_stream_ab.py [--rows 4] [--out DIR]
 
@@ -37,7 +46,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-STYLES = {"bf16": 0, "f16": 1, "fp8x2": 2, "fp8x1": 3, "f16one": 4, "f16nos": 5}
+STYLES = {"bf16": 0, "f16": 1, "fp8x2": 2, "fp8x1": 3, "f16one": 4, "f16nos": 5, "f16el": 6, "f16b3": 7, "f16rs": 8}
 
 
 @triton.jit
@@ -70,6 +79,44 @@ def _stream_kernel(w_ptr, s_ptr, a_ptr, o_ptr, N, K, R, STYLE: tl.constexpr, BLO
                 wt = tl.load(w + cols[:, None] * K + kk[None, :])
                 at = tl.trans(tl.load(a + rows[:, None] * K + kk[None, :], mask=rmask[:, None], other=0.0))
                 acc = tl.dot(wt.to(tl.float16), at, acc)
+    elif STYLE == 6 or STYLE == 8:
+        a = a_ptr + e64 * BLOCK_M * K
+        s_row = s_ptr + (e64 * N + cols) * (K // 32)
+        top = tl.zeros((BLOCK_N,), dtype=tl.int32)
+        for b0 in range(0, K // 32, 64):  # the row's largest scale
+            blocks = b0 + tl.arange(0, 64)
+            sb = tl.load(s_row[:, None] + blocks[None, :], mask=blocks[None, :] < K // 32, other=0)
+            top = tl.maximum(top, tl.max(sb.to(tl.int32), axis=1))
+        top = top - 7  # 2**top: the row's reference (its weights scaled by 2**(s - top) <= 2**7 into fp16)
+        top64 = (top - 15).to(tl.int64)
+        sh = ((tl.arange(0, BLOCK_K) // 32) * 8).to(tl.int64)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            if STYLE == 6:
+                sc = tl.load((s_row + k0 // 32).to(tl.pointer_type(tl.int64)))  # the step's 8 scale bytes a column
+                fb = tl.maximum(((sc[:, None] >> sh[None, :]) & 255) - top64[:, None], 0) << 10  # fp16 bits
+            else:
+                sc = tl.load(s_row + k0 // 32).to(tl.int64)
+                fb = tl.maximum(sc[:, None] - top64[:, None], 0) << 10
+            f = tl.inline_asm_elementwise("cvt.u16.u64 $0, $1;", "=h,l", [fb], dtype=tl.int16, is_pure=True,
+                                          pack=1).to(tl.float16, bitcast=True)  # 2**(s - top) (0 under 2**-14)
+            wt = tl.load(w + cols[:, None] * K + kk[None, :])
+            at = tl.trans(tl.load(a + rows[:, None] * K + kk[None, :], mask=rmask[:, None], other=0.0))
+            acc = tl.dot(wt.to(tl.float16) * f, at, acc)
+        acc = acc * (top << 23).to(tl.float32, bitcast=True)[:, None]
+    elif STYLE == 7:
+        a = a_ptr + e64 * BLOCK_M * K
+        s_row = s_ptr + (e64 * N + cols) * (K // 32)
+        G: tl.constexpr = BLOCK_K // 32
+        j = tl.arange(0, G)
+        kq = tl.arange(0, 32)
+        for k0 in range(0, K, BLOCK_K):
+            kb = k0 + j * 32
+            w3 = tl.load(w + cols[None, :, None] * K + kb[:, None, None] + kq[None, None, :])  # [G, BLOCK_N, 32]
+            a3 = tl.load(a + rows[None, None, :] * K + kb[:, None, None] + kq[None, :, None],
+                         mask=rmask[None, None, :], other=0.0)  # [G, 32, BLOCK_M]
+            sw = (tl.load(s_row[None, :] + k0 // 32 + j[:, None]).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            acc += tl.sum(tl.dot(w3.to(tl.float16), a3) * sw[:, :, None], axis=0)
     else:
         KA = K if STYLE == 1 else 2 * K
         a = a_ptr + e64 * BLOCK_M * KA
@@ -115,7 +162,7 @@ def main():
     p.add_argument("--n", type=int, default=1536)
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--rows", type=int, default=4, help="real activation rows an expert (decode: 4)")
-    p.add_argument("--styles", default="bf16,f16,fp8x2,fp8x1,f16one,f16nos")
+    p.add_argument("--styles", default="bf16,f16,f16one,f16nos,f16el,f16b3,f16rs")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     E, N, K, R = a.experts, a.n, a.k, a.rows
@@ -137,17 +184,20 @@ def main():
     }
     configs["f16one"] = [(32, 256, 2, 3), (64, 128, 4, 4)]
     configs["f16nos"] = configs["f16one"]
+    configs["f16el"] = [(32, 256, 2, 3), (32, 128, 2, 4), (64, 128, 4, 4), (64, 256, 4, 3)]
+    configs["f16b3"] = configs["f16el"]
+    configs["f16rs"] = configs["f16el"][:2]
     configs["fp8x1"] = configs["fp8x2"][:2]
     out = dict(E=E, N=N, K=K, rows=R, copy_bw=bw, styles={})
     o = torch.empty(E, N, 16, device="cuda")
     for style in a.styles.split(","):
         s = STYLES[style]
-        bm = 8 if s in (1, 4, 5) else 16
+        bm = 8 if s in (1, 4, 5, 6, 7, 8) else 16
         if s == 0:
             w, sc, act, nbytes = wb, wb, x, wb.numel() * 2
         else:
             w, sc, nbytes = data, scale, data.numel() + scale.numel()
-            if s in (1, 4, 5):
+            if s in (1, 4, 5, 6, 7, 8):
                 r16 = x.float().abs().amax(-1, keepdim=True).clamp_min(2.0**-100)
                 rs = torch.exp2(torch.floor(torch.log2(r16)) - 14)
                 act, rscale = (x.float() / rs).half()[:, :bm].contiguous(), rs[:, :bm]
