@@ -7,7 +7,7 @@ change to the loop costs in instructions (docs/benchmarks.md, run 17). It does n
 
 --mode is the kernels' MX_DOT: 0 the dequantizing loop (bf16 weights unless --mx), 1 fp8, 2 fp16, 3 fp16 on rows
 scaled once, 4 that with scale words, 6 the e4m3 pair loop on rows split once (moe_fwd.MX_FP8_ROWS; 7 with
-scale bytes). A config is BLOCK_M x BLOCK_N x BLOCK_K x warps x stages. The
+scale bytes), 8 mode 4 with a whole K step as one dot (moe_fwd.MX_ONE_DOT). A config is BLOCK_M x BLOCK_N x BLOCK_K x warps x stages. The
 integer arguments are declared divisible by 16, as a launch at the benchmark shapes finds them.
 """
 
@@ -41,7 +41,7 @@ def _signature(fn, pointers: dict, consts: dict, divisible: set):
 
 
 def gate_up_source(mode: int, mx: bool, bm: int, bn: int, bk: int):
-    act = "*fp8e4nv" if mode >= 6 else "*fp16" if mode >= 3 else "*bf16"
+    act = "*fp8e4nv" if mode in (6, 7) else "*fp16" if mode >= 3 else "*bf16"
     w, s = ("*fp8e4nv", "*u8") if mx else ("*bf16", "*bf16")
     pointers = {"x_ptr": act, "xr_ptr": "*fp32", "routes_ptr": "*i32", "offsets_ptr": "*i32", "wg_ptr": w,
                 "gs_ptr": s, "wu_ptr": w, "us_ptr": s, "gu_ptr": "*bf16", "h_ptr": "*bf16", "limit": "fp32",
@@ -56,7 +56,7 @@ def gate_up_source(mode: int, mx: bool, bm: int, bn: int, bk: int):
 
 
 def down_source(mode: int, mx: bool, bm: int, bn: int, bk: int):
-    act = "*fp8e4nv" if mode >= 6 else "*fp16" if mode >= 3 else "*bf16"
+    act = "*fp8e4nv" if mode in (6, 7) else "*fp16" if mode >= 3 else "*bf16"
     w, s = ("*fp8e4nv", "*u8") if mx else ("*bf16", "*bf16")
     pointers = {"a_ptr": act, "ar_ptr": "*fp32", "routes_ptr": "*i32", "offsets_ptr": "*i32", "w1_ptr": w,
                 "q1_ptr": s, "w2_ptr": w, "q2_ptr": s, "out_ptr": "*bf16"}

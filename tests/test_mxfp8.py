@@ -592,11 +592,13 @@ def _mx_dot_on(monkeypatch, mode=1):
     """The kernels launched (a list, filled as they run); the K loop on the tensor cores by 32-blocks at every
     row count: MX_FP8_DOT (mode 1, off by default: an A/B candidate) or MX_F16_DOT (modes 2 and 3, on by default
     at decode sizes only; MX_F16_MODE picks: 3, the default, on rows scaled once), the other one off; mode 6: 3
-    with MX_FP8_ROWS (the rows split once into e4m3 pairs, the e4m3 tensor cores: an A/B candidate, off)."""
+    with MX_FP8_ROWS (the rows split once into e4m3 pairs, the e4m3 tensor cores: an A/B candidate, off); mode 8: 3
+    with MX_ONE_DOT (whole K steps as one dot at 8-row tiles: an A/B candidate, off)."""
     monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", mode == 1)
     monkeypatch.setattr(_moe_fwd, "MX_F16_DOT", mode >= 2)
     monkeypatch.setattr(_moe_fwd, "MX_F16_MODE", min(max(mode, 2), 3))
     monkeypatch.setattr(_moe_fwd, "MX_FP8_ROWS", mode == 6)
+    monkeypatch.setattr(_moe_fwd, "MX_ONE_DOT", mode == 8)
     monkeypatch.setattr(_moe_fwd, "MX_F16_DOT_MAX_ROWS", 1 << 40)
     return record_launches(monkeypatch)
 
@@ -789,6 +791,28 @@ def _padded_scales(q, to):
     return q._replace(scale=buf[..., :nb])
 
 
+def _fwd_bwd(seen, x, rw, te, q1, q2, dy):
+    """(y, dx, the K-loop kernels' modes) of one forward and backward of the layer on _TRITON_DEV (q1, q2 there
+    already), `_record_modes`'s list `seen` cleared first."""
+    dev = _TRITON_DEV
+    seen.clear()
+    xl = x.to(dev, copy=True).requires_grad_(True)
+    y = mok_inductor.moe(xl, rw.to(dev), te.to(dev), q1, q2)
+    y.backward(dy.to(dev))
+    return y.detach().cpu(), xl.grad.cpu(), [mode for _, mode in seen]
+
+
+def _spread_setup(monkeypatch, seed, block_m, block_k, mode=3, **shape):
+    """The triton backend, the K loop by 32-blocks at every row count (`_mx_dot_on`'s mode) on one tile config
+    (`_one_mx_config`), the launches' modes recorded from here on (`_record_modes`), and a `_spread_problem` of
+    this shape: (seen, gate_up, down quantized, x, router weights, expert ids, dy)."""
+    _backend(monkeypatch, "triton")
+    _mx_dot_on(monkeypatch, mode)
+    seen = _record_modes(monkeypatch)
+    _one_mx_config(monkeypatch, block_m, block_k)
+    return (seen, *_spread_problem(seed, **shape))
+
+
 @pytest.mark.parametrize("block_k", [128, 256])
 def test_scale_words_match_the_byte_loads(monkeypatch, block_k):
     # MX_DOT 4 (moe_fwd.scale_words): the fp16 loop on rows scaled once reads each column's scales of 4 blocks
@@ -798,11 +822,7 @@ def test_scale_words_match_the_byte_loads(monkeypatch, block_k):
     # float64 computation
     from mok_inductor.kernels import moe_fwd
 
-    _backend(monkeypatch, "triton")
-    _mx_dot_on(monkeypatch, 3)
-    seen = _record_modes(monkeypatch)
-    _one_mx_config(monkeypatch, 16, block_k)
-    q1, q2, x, rw, te, _ = _spread_problem(31, t=10, h=384, i=256, e=3, k=2)
+    seen, q1, q2, x, rw, te, _ = _spread_setup(monkeypatch, 31, 16, block_k, t=10, h=384, i=256, e=3, k=2)
     dev = _TRITON_DEV
 
     def run(a, b, words, wide=False):
@@ -872,6 +892,61 @@ def test_transposed_row_tiles(monkeypatch):
     assert rel_err(y8, y16) <= 4e-3 and rel_err(dx8, dx16) <= 4e-3
 
 
+@pytest.mark.parametrize("block_k", [128, 256])
+def test_one_dot_k_steps(monkeypatch, block_k):
+    # MX_DOT 8 (moe_fwd.MX_ONE_DOT): the 8-row transposed tiles compute each whole K step as one fp16 dot, each
+    # weight scaled by 2**(s - top) in fp16 (s its block's scale, top the step's largest in its column:
+    # `mx_step_t`), the tail's blocks by mode 4's loop. Blocks 40 octaves apart, so that in a step some factors
+    # are fp16 subnormals and some blocks drop out; H = 384 (3 steps of 128, or one of 256 and a tail of 4 blocks),
+    # I = 256 (scale rows of 8 and 16 blocks: words, so mode 8 in the forward's gate/up and down and the
+    # backward's dx): forward and dx within bf16's tolerance of the float64 computation, and within a few
+    # roundings of mode 4's blocks
+    from mok_inductor.kernels import moe_fwd
+
+    seen, q1, q2, x, rw, te, dy = _spread_setup(monkeypatch, 43, 8, block_k, t=12, h=384, i=256, e=3, k=2)
+    dev = _TRITON_DEV
+    q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
+
+    def run(one):
+        monkeypatch.setattr(moe_fwd, "MX_ONE_DOT", one)
+        return _fwd_bwd(seen, x, rw, te, q1, q2, dy)
+
+    y8, dx8, modes8 = run(True)
+    y4, dx4, modes4 = run(False)
+    assert modes8 == [8, 8, 8] and modes4 == [4, 4, 4]
+    assert torch.isfinite(y8).all() and torch.isfinite(dx8).all()
+    assert _within_oracle(y8, dx8, x, rw, te, dy, q1, q2)
+    assert rel_err(y8, y4) <= 4e-3 and rel_err(dx8, dx4) <= 4e-3
+
+
+@pytest.mark.parametrize("where", ["x", pytest.param("weight", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: the interpreter decodes the e4m3 NaN (0x7F) as 480"))])
+def test_one_dot_k_steps_propagate_nan(monkeypatch, where):
+    # MX_DOT 8's steps: a NaN activation poisons its token's output rows only; a NaN weight element (in a block
+    # that is not its step's largest, so that its factor is below 1) its expert's routes
+    from mok_inductor.kernels import moe_fwd
+
+    seen, q1, q2, x, rw, te, _ = _spread_setup(monkeypatch, 47, 8, 128, mode=8, t=12, h=384, i=256, e=3, k=2)
+    if where == "x":
+        x = x.clone()
+        x[4, 10] = float("nan")
+        bad = torch.zeros(x.shape[0], dtype=torch.bool)
+        bad[4] = True
+    else:
+        row = q1.scale[1, 3, :4].int()  # expert 1's gate row 3, the first K step's 4 blocks
+        b = int(row.argmin())
+        assert row[b] < row.max()
+        data = q1.data.clone()
+        data[1, 3, 32 * b + 5] = float("nan")
+        q1 = q1._replace(data=data)
+        bad = (te == 1).any(1)
+    dev = _TRITON_DEV
+    with torch.no_grad():
+        y = mok_inductor.moe(x.to(dev), rw.to(dev), te.to(dev), _to_device(q1, dev), _to_device(q2, dev)).cpu()
+    assert [mode for _, mode in seen] == [8, 8] and moe_fwd.MX_ONE_DOT
+    assert torch.isnan(y[bad]).all(dim=1).all() and torch.isfinite(y[~bad]).all()
+
+
 @pytest.mark.parametrize("one_pass", [True, False])
 def test_row_e4m3_pairs(monkeypatch, one_pass):
     # moe_fwd.row_e4m3 (MX_FP8_ROWS): each row times one power of two that puts its largest magnitude in
@@ -930,11 +1005,7 @@ def test_e4m3_pair_loop(monkeypatch):
     def run(words=True, pair=True):
         monkeypatch.setattr(moe_fwd, "SCALE_WORDS", words)
         monkeypatch.setattr(moe_fwd, "MX_FP8_ROWS", pair)
-        seen.clear()
-        xl = x.to(dev, copy=True).requires_grad_(True)
-        y = mok_inductor.moe(xl, rw.to(dev), te.to(dev), q1, q2)
-        y.backward(dy.to(dev))
-        return y.detach().cpu(), xl.grad.cpu(), [m for _, m in seen]
+        return _fwd_bwd(seen, x, rw, te, q1, q2, dy)
 
     y, dx, modes = run()
     assert modes == [6, 7, 7]  # gate/up by words; down (5-block scale rows) and dx by bytes

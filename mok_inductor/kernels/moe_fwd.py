@@ -196,8 +196,9 @@ def e8m0_factor(sc):
 # (`row_f16`), so that no program splits blocks; each block's product is scaled by the weight scales only, the
 # row scales applied after the K loop (exact but for activations under 2**-24 of their row's largest).
 # MX_DOT == 4: 3 with the weight scales read by 32-bit words of 4 blocks (SCALE_WORDS, `scale_words`); 5: with
-# a K step's two words read by one 64-bit load (SCALE_WIDE).
-# In modes 3 to 5 a row tile of 8 (BLOCK_M < 16: configs of _MX_DOT_CONFIGS) computes each block transposed
+# a K step's two words read by one 64-bit load (SCALE_WIDE); 8: 4 with each whole K step of the 8-row tiles as
+# one dot (MX_ONE_DOT, `mx_step_t`).
+# In modes 3 to 5 and 8 a row tile of 8 (BLOCK_M < 16: configs of _MX_DOT_CONFIGS) computes each block transposed
 # (`mx_dot_t`); with words it loads each K step's words one step ahead.
 
 
@@ -391,6 +392,54 @@ def mx_dot_t(a_row, a_row_t, stride_ak, a_k0, lo_off, kb, rmask, w_ptr, cols, cm
         else:
             p = tl.dot(w.to(tl.float16), a_t)
     return acc_t + p * sw[:, None]
+
+
+@triton.jit
+def step_scales(s_ptr, k0, cols, cmask, ss_n, BLOCK_K: tl.constexpr):
+    """The scale bytes [BLOCK_N, BLOCK_K // 32] (as int32) of the whole K step at k0 of W[e][cols], the scale
+    rows contiguous (MX_DOT 8 runs where the scale words of mode 4 may be read: `scale_words`). Triton stages
+    this load with the tile's (cp.async in the sm_90 TTGIR), as it feeds the dot's operand."""
+    j = tl.arange(0, BLOCK_K // 32)
+    return tl.load(s_ptr + cols[:, None] * ss_n + (k0 // 32 + j)[None, :], mask=cmask[:, None], other=0).to(tl.int32)
+
+
+@triton.jit
+def step_factors(s):
+    """(f, top) of one K step's weight scale bytes s [BLOCK_N, G] (`step_scales`): top [BLOCK_N] each column's
+    largest, f [BLOCK_N, G] the fp16 factors 2**(s - top), exact: normal down to 2**-14, subnormal down to
+    2**-24, 0 below (a block under 2**-24 of the step's largest is dropped: its weights are under 2**-15 of
+    the largest block's largest). Built as float32 powers of two (2**-30 at least) rounded to fp16: a few
+    integer instructions an element, where each thread computes the factors of all the weights it holds."""
+    top = tl.max(s, axis=1)
+    d = tl.maximum(s - top[:, None], -30)
+    return ((d + 127) << 23).to(tl.float32, bitcast=True).to(tl.float16), top
+
+
+@triton.jit
+def mx_step_t(a_t, w_ptr, k0, cols, cmask, s_n, s_k, sb, acc_t, DOT_PREC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc_t + W[e][cols, k0 + k] @ a_t for a whole K step (a_t [BLOCK_K, BLOCK_M] fp16, `row_f16`'s rows
+    transposed; MX_DOT 8, `MX_ONE_DOT`) as one fp16 dot: the weights scaled per column and 32-block by
+    `step_factors` through a [BLOCK_N, BLOCK_K // 32, 32] view of the tile, the product by 2**(top - 127) in
+    float32. What `mx_dot_t` computes for the step's blocks one by one, without splitting the step's loads
+    and dots into 32-wide blocks: Triton 3.6 lays the tile's shared-memory load out for the views, so the
+    scaled tile stays in the dot operand's registers (sm_90 TTGIR: no shared-memory round trip but the
+    [BLOCK_N, BLOCK_K // 32] factors')."""
+    f, top = step_factors(sb)
+    w = w_tile_t(w_ptr, k0 + tl.arange(0, BLOCK_K), cols, cmask, s_n, s_k).to(tl.float16)
+    BN: tl.constexpr = w.shape[0]
+    w = tl.reshape(tl.reshape(w, (BN, BLOCK_K // 32, 32)) * f[:, :, None], (BN, BLOCK_K))
+    if DOT_PREC == "interp":
+        p = tl.dot(w.to(tl.float32), a_t.to(tl.float32))
+    else:
+        p = tl.dot(w, a_t)
+    return acc_t + p * e8m0_factor(top)[:, None]
+
+
+@triton.jit
+def act_step_t(a_row_t, stride_ak, a_k0, k0, rmask, BLOCK_K: tl.constexpr):
+    """A's rows' K step [k0, k0 + BLOCK_K) transposed, [BLOCK_K, BLOCK_M] (`mx_step_t`'s a_t)."""
+    kk = a_k0 + k0 + tl.arange(0, BLOCK_K)
+    return tl.load(a_row_t + kk[:, None] * stride_ak, mask=rmask[None, :], other=0.0)
 
 
 @triton.jit
@@ -793,11 +842,13 @@ def _gate_up_tile(
         k_end = H
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = k_end - k_end % BLOCK_K
-        WORDS: tl.constexpr = MX_DOT >= 4 and MX_DOT <= 6  # (scale words: modes 4, 5 and 6)
+        WORDS: tl.constexpr = (MX_DOT >= 4 and MX_DOT <= 6) or MX_DOT == 8  # (scale words: modes 4 to 6, 8)
         G: tl.constexpr = 4 if WORDS and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks per scale load
-        TRANS: tl.constexpr = (MX_DOT >= 3 and BLOCK_M < 16) or MX_DOT >= 6  # transposed products (`mx_dot_t`)
-        AHEAD: tl.constexpr = TRANS and G == 4  # scale words a K step ahead (`mx_dot_t`)
+        TRANS: tl.constexpr = (MX_DOT >= 3 and BLOCK_M < 16) or MX_DOT == 6 or MX_DOT == 7  # (`mx_dot_t`)
+        ONE: tl.constexpr = MX_DOT == 8 and TRANS  # each whole K step as one dot (`mx_step_t`)
+        AHEAD: tl.constexpr = TRANS and G == 4 and not ONE  # scale words a K step ahead (`mx_dot_t`)
         WIDE: tl.constexpr = MX_DOT == 5 and BLOCK_K == 256  # a step's two words by one load (`w_scale_pair`)
+        BLK: tl.constexpr = 4 if MX_DOT == 8 else MX_DOT  # the loops by blocks' mode (mode 8's tail: 4's)
         a_row_t = x_ptr + tok[None, :].to(tl.int64) * stride_xt
         if TRANS:
             acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -805,26 +856,33 @@ def _gate_up_tile(
         nxt_g = scale_step(gs, 0, k_full, cols, cmask, gs_n, AHEAD, WIDE, BLOCK_K)
         nxt_u = scale_step(us, 0, k_full, cols, cmask, us_n, AHEAD, WIDE, BLOCK_K)
         for k0 in range(0, k_full, BLOCK_K):
-            if AHEAD:
-                cur_g, cur_u = nxt_g, nxt_u
-                nxt_g = scale_step(gs, k0 + BLOCK_K, k_full, cols, cmask, gs_n, AHEAD, WIDE, BLOCK_K)
-                nxt_u = scale_step(us, k0 + BLOCK_K, k_full, cols, cmask, us_n, AHEAD, WIDE, BLOCK_K)
+            if ONE:
+                a_t = act_step_t(a_row_t, stride_xh, 0, k0, rmask, BLOCK_K)
+                acc_g = mx_step_t(a_t, wg, k0, cols, cmask, g_n, g_k,
+                                  step_scales(gs, k0, cols, cmask, gs_n, BLOCK_K), acc_g, DOT_PREC, BLOCK_K)
+                acc_u = mx_step_t(a_t, wu, k0, cols, cmask, u_n, u_k,
+                                  step_scales(us, k0, cols, cmask, us_n, BLOCK_K), acc_u, DOT_PREC, BLOCK_K)
             else:
-                cur_g = scale_step(gs, k0, k_full, cols, cmask, gs_n, G == 4, WIDE, BLOCK_K)
-                cur_u = scale_step(us, k0, k_full, cols, cmask, us_n, G == 4, WIDE, BLOCK_K)
-            for q in tl.static_range(BLOCK_K // (32 * G)):
-                kb0 = k0 // 32 + G * q
-                for j in tl.static_range(G):
-                    acc_g, acc_u = _gate_up_mx_block(
-                        acc_g, acc_u, a_row, a_row_t, stride_xh, H, kb0 + j, rmask,
-                        wg, group_scales(cur_g, q, j, gs, kb0, cols, cmask, gs_n, gs_k, G == 4),
-                        wu, group_scales(cur_u, q, j, us, kb0, cols, cmask, us_n, us_k, G == 4),
-                        cols, cmask, g_n, g_k, u_n, u_k, MX_DOT, TRANS, DOT_PREC)
+                if AHEAD:
+                    cur_g, cur_u = nxt_g, nxt_u
+                    nxt_g = scale_step(gs, k0 + BLOCK_K, k_full, cols, cmask, gs_n, AHEAD, WIDE, BLOCK_K)
+                    nxt_u = scale_step(us, k0 + BLOCK_K, k_full, cols, cmask, us_n, AHEAD, WIDE, BLOCK_K)
+                else:
+                    cur_g = scale_step(gs, k0, k_full, cols, cmask, gs_n, G == 4, WIDE, BLOCK_K)
+                    cur_u = scale_step(us, k0, k_full, cols, cmask, us_n, G == 4, WIDE, BLOCK_K)
+                for q in tl.static_range(BLOCK_K // (32 * G)):
+                    kb0 = k0 // 32 + G * q
+                    for j in tl.static_range(G):
+                        acc_g, acc_u = _gate_up_mx_block(
+                            acc_g, acc_u, a_row, a_row_t, stride_xh, H, kb0 + j, rmask,
+                            wg, group_scales(cur_g, q, j, gs, kb0, cols, cmask, gs_n, gs_k, G == 4),
+                            wu, group_scales(cur_u, q, j, us, kb0, cols, cmask, us_n, us_k, G == 4),
+                            cols, cmask, g_n, g_k, u_n, u_k, BLK, TRANS, DOT_PREC)
         for kb in range(k_full // 32, k_end // 32):
             acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, a_row_t, stride_xh, H, kb, rmask,
                                              wg, w_block_scales(gs, kb, cols, cmask, gs_n, gs_k),
                                              wu, w_block_scales(us, kb, cols, cmask, us_n, us_k),
-                                             cols, cmask, g_n, g_k, u_n, u_k, MX_DOT, TRANS, DOT_PREC)
+                                             cols, cmask, g_n, g_k, u_n, u_k, BLK, TRANS, DOT_PREC)
         if TRANS:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
@@ -1049,6 +1107,20 @@ SCALE_WIDE = False
 MX_FP8_ROWS = False
 
 
+# MX_DOT 8: MX_DOT 4 with each whole K step of the 8-row transposed tiles as one fp16 dot (`mx_step_t`), the
+# weights scaled per column and 32-block in fp16 through a 3-D view of the step's tile, not one dot and one
+# float32 rescale per block. Why: the K-loop styles alone (benchmarks/mx_stream_ab.py, H200 run 19) stream
+# the weights at 3.86 TB/s with one fp16 dot per step and no scales (f16one), 2.72 with the step's 32-blocks as
+# separate loads and dots (f16nos), 2.64 as the package's loop: the loss is in splitting the step, and run 19's
+# one-dot form with per-element factors (f16el, 1.34) lost it again to a shared-memory round trip of the scaled
+# tile. With the factors applied through the [BLOCK_N, G, 32] view the sm_90 code (compiled on the CPU machine:
+# benchmarks/sass_loop.py --mode 8, mx_stream_ab's f16v) loads the step's tile by 12 LDGSTS as f16one does and
+# keeps it in registers. Expected: the gate/up and down GEMMs (0.147 and 0.070 of run 19's 0.2487 ms at qwen3
+# decode T=64) at up to f16one's rate, about 0.18 ms, against issue 8's 0.202 ms for 1.6x. Not yet measured on a
+# GPU (no device was lent in session 20): off
+MX_ONE_DOT = False
+
+
 def scale_words(*ops, width: int = 4) -> bool:
     """Whether these MXFP8 operands' scales can be read by loads of `width` bytes (4: 32-bit words of 4 blocks,
     MX_DOT 4; 8: pairs of them, MX_DOT 5): plain tensors (not `ExpertTable`s) with contiguous rows, and the
@@ -1079,14 +1151,14 @@ def mx_rows(a_RK, mx_dot: int, *ops):
         return a8, r_s, 6 if words else 7
     a16, r_s = row_f16(a_RK)
     if words:
-        return a16, r_s, 5 if SCALE_WIDE and scale_words(*ops, width=8) else 4
+        return a16, r_s, 8 if MX_ONE_DOT else 5 if SCALE_WIDE and scale_words(*ops, width=8) else 4
     return a16, r_s, 3
 
 
 def mx_kernel(mx_dot: int, plain, mx, mx8):
     """The autotuned kernel of a launch in mode mx_dot (after `mx_rows`): the plain loop's, the K loop by
     32-blocks' (`_MX_DOT_CONFIGS`), or its e4m3-pair form's (MX_DOT 6 and 7, `_MX8_CONFIGS`)."""
-    return mx8 if mx_dot >= 6 else mx if mx_dot else plain
+    return mx8 if mx_dot in (6, 7) else mx if mx_dot else plain
 
 
 def use_mx_dot(act_dtype: torch.dtype, M, E: int, *ops) -> int:
@@ -1160,26 +1232,33 @@ def _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, a_k0, lo_off, k_start, 
     A's rows e4m3 pairs (`row_e4m3`), the lo terms lo_off columns after the hi ones."""
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = KD - KD % BLOCK_K
-        WORDS: tl.constexpr = MX_DOT >= 4 and MX_DOT <= 6  # (scale words: modes 4, 5 and 6)
+        WORDS: tl.constexpr = (MX_DOT >= 4 and MX_DOT <= 6) or MX_DOT == 8  # (scale words: modes 4 to 6, 8)
         G: tl.constexpr = 4 if WORDS and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks per scale load
-        AHEAD: tl.constexpr = TRANS and G == 4  # scale words a K step ahead (`mx_dot_t`)
+        ONE: tl.constexpr = MX_DOT == 8 and TRANS  # each whole K step as one dot (`mx_step_t`)
+        AHEAD: tl.constexpr = TRANS and G == 4 and not ONE  # scale words a K step ahead (`mx_dot_t`)
         WIDE: tl.constexpr = MX_DOT == 5 and BLOCK_K == 256  # a step's two words by one load (`w_scale_pair`)
+        BLK: tl.constexpr = 4 if MX_DOT == 8 else MX_DOT  # the loops by blocks' mode (mode 8's tail: 4's)
         nxt = scale_step(s_ptr, 0, k_full, cols, cmask, ss_n, AHEAD, WIDE, BLOCK_K)
         for k0 in range(0, k_full, BLOCK_K):
-            if AHEAD:
-                cur = nxt
-                nxt = scale_step(s_ptr, k0 + BLOCK_K, k_full, cols, cmask, ss_n, AHEAD, WIDE, BLOCK_K)
+            if ONE:
+                acc = mx_step_t(act_step_t(a_row_t, stride_ak, a_k0, k0, rmask, BLOCK_K), w_ptr, k0, cols, cmask,
+                                s_n, s_k, step_scales(s_ptr, k0, cols, cmask, ss_n, BLOCK_K), acc, DOT_PREC,
+                                BLOCK_K)
             else:
-                cur = scale_step(s_ptr, k0, k_full, cols, cmask, ss_n, G == 4, WIDE, BLOCK_K)
-            for q in tl.static_range(BLOCK_K // (32 * G)):
-                kb0 = k0 // 32 + G * q
-                for j in tl.static_range(G):
-                    acc = _mx_block(acc, a_row, a_row_t, stride_ak, a_k0, lo_off, kb0 + j, rmask, w_ptr,
-                                    group_scales(cur, q, j, s_ptr, kb0, cols, cmask, ss_n, ss_k, G == 4), cols, cmask,
-                                    s_n, s_k, MX_DOT, TRANS, DOT_PREC)
+                if AHEAD:
+                    cur = nxt
+                    nxt = scale_step(s_ptr, k0 + BLOCK_K, k_full, cols, cmask, ss_n, AHEAD, WIDE, BLOCK_K)
+                else:
+                    cur = scale_step(s_ptr, k0, k_full, cols, cmask, ss_n, G == 4, WIDE, BLOCK_K)
+                for q in tl.static_range(BLOCK_K // (32 * G)):
+                    kb0 = k0 // 32 + G * q
+                    for j in tl.static_range(G):
+                        acc = _mx_block(acc, a_row, a_row_t, stride_ak, a_k0, lo_off, kb0 + j, rmask, w_ptr,
+                                        group_scales(cur, q, j, s_ptr, kb0, cols, cmask, ss_n, ss_k, G == 4), cols,
+                                        cmask, s_n, s_k, BLK, TRANS, DOT_PREC)
         for kb in range(k_full // 32, KD // 32):
             acc = _mx_block(acc, a_row, a_row_t, stride_ak, a_k0, lo_off, kb, rmask, w_ptr,
-                            w_block_scales(s_ptr, kb, cols, cmask, ss_n, ss_k), cols, cmask, s_n, s_k, MX_DOT, TRANS,
+                            w_block_scales(s_ptr, kb, cols, cmask, ss_n, ss_k), cols, cmask, s_n, s_k, BLK, TRANS,
                             DOT_PREC)
     else:
         ks = tl.arange(0, BLOCK_K)
@@ -1230,7 +1309,7 @@ def _grouped_rows_kernel(
     cmask = cols < NCOL
     e64 = group.to(tl.int64)
     w1, q1 = w_bases(w1_ptr, q1_ptr, e64, s1_e, q1_e, E, W_TABLE, MX1)
-    TRANS: tl.constexpr = (MX_DOT >= 3 and BLOCK_M < 16) or MX_DOT >= 6  # transposed products (`mx_dot_t`)
+    TRANS: tl.constexpr = (MX_DOT >= 3 and BLOCK_M < 16) or MX_DOT == 6 or MX_DOT == 7  # (`mx_dot_t`)
     if TRANS:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
