@@ -5,8 +5,8 @@ a wider list of tile configs than the package's (smaller tiles, longer K steps, 
 timed again, in the same process; --mxfp8 adds MXFP8 routed weights through the fp8 tensor cores
 (moe_fwd.MX_FP8_DOT), the fp16 ones (moe_fwd.MX_F16_DOT; also over a wider config list), the e4m3 ones on rows split once (moe_fwd.MX_FP8_ROWS), its variant on
 activation rows scaled once per call (moe_fwd.MX_F16_MODE 3; rows3 with a byte load per scale, words with
-32-bit loads of 4 scales, moe_fwd.SCALE_WORDS; trans and fixed: 8-row tiles alone, moe_fwd.mx_dot_t) and
-the dequantizing K loop. --tokens runs the shape at another token count: up to kernels.MX_DEQUANTIZE_MIN_ROWS
+32-bit loads of 4 scales, moe_fwd.SCALE_WORDS; trans and fixed: 8-row tiles alone, moe_fwd.mx_dot_t; one dot:
+whole K steps as one dot, moe_fwd.MX_ONE_DOT) and the dequantizing K loop. --tokens runs the shape at another token count: up to kernels.MX_DEQUANTIZE_MIN_ROWS
 routes per expert MXFP8 stays in the K loop, so this times the K-loop choices between decode and prefill.
 
     python benchmarks/decode_ab.py [--shape qwen3-decode] [--tokens T] [--mxfp8] [--only LABELS] [--out DIR]
@@ -174,6 +174,12 @@ def main():
             variants[f"MXFP8, 64-bit pairs, {'x'.join(map(str, cg))}, {'x'.join(map(str, cd))} (wide fixed)"] = (
                 GraphedMokMxfp8, {n: retuned(k, [cfg(*c)]) for n, k, c in zip(mx_names, mx_base, (cg, cd))}, 4,
                 1 + 1 / 32, {(moe_fwd, "SCALE_WIDE"): True})
+        # session 20 (not yet measured when written): each whole K step of the 8-row tiles as one dot
+        # (moe_fwd.MX_ONE_DOT), with the package's configs and over the 8-row ones alone
+        variants["MXFP8, whole K steps as one dot (one dot)"] = (GraphedMokMxfp8, {}, 4, 1 + 1 / 32,
+                                                                 {(moe_fwd, "MX_ONE_DOT"): True})
+        variants["MXFP8, whole K steps as one dot, 8-row configs (one dot trans)"] = (
+            GraphedMokMxfp8, trans, 4, 1 + 1 / 32, {(moe_fwd, "MX_ONE_DOT"): True})
         variants["MXFP8, rows scaled in two passes (two-pass rows)"] = (GraphedMokMxfp8, {}, 4, 1 + 1 / 32,
                                                                        {(moe_fwd, "ROW_F16_ONE_PASS_MAX"): 0})
         variants["MXFP8, schedule in three launches (three-launch schedule)"] = (
