@@ -446,11 +446,11 @@ def act_step_t(a_row_t, stride_ak, a_k0, k0, rmask, BLOCK_K: tl.constexpr):
 def _mx_block(acc, a_row, a_row_t, stride_ak, a_k0, lo_off, kb, rmask, w_ptr, sw, cols, cmask, s_n, s_k,
               MODE: tl.constexpr, TRANS: tl.constexpr, DOT_PREC: tl.constexpr):
     """acc + scale block kb of A[rows, a_k0 + k] @ W[e][cols, k]^T through `mx_dot`, sw the block's weight scale
-    factors; TRANS: through `mx_dot_t` (acc transposed; a_row_t the rows' starts as a [1, BLOCK_M] tile; MODE >= 6:
+    factors; TRANS: through `mx_dot_t` (acc transposed; a_row_t the rows' starts as a [1, BLOCK_M] tile; MODE 6, 7:
     A's rows e4m3 pairs, lo at lo_off)."""
     if TRANS:
         out = mx_dot_t(a_row, a_row_t, stride_ak, a_k0, lo_off, kb, rmask, w_ptr, cols, cmask, s_n, s_k, sw, acc,
-                       MODE >= 6, DOT_PREC)
+                       MODE == 6 or MODE == 7, DOT_PREC)
     else:
         hi, lo, sa = mx_act_block(a_row, stride_ak, a_k0, kb, rmask, MODE, DOT_PREC)
         out = mx_dot(hi, lo, sa, w_tile_e4m3(w_ptr, kb, cols, cmask, s_n, s_k), sw, acc, MODE, DOT_PREC)
@@ -1228,7 +1228,7 @@ def _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, a_k0, lo_off, k_start, 
                          ss_k, cols, cmask, KD, like_ptr, MX: tl.constexpr, MX_DOT: tl.constexpr, TRANS: tl.constexpr,
                          DOT_PREC: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + A[rows, a_k0 + k] @ W[e][cols, k]^T over k in [k_start, KD) (w_ptr, s_ptr: expert e's starts);
-    TRANS: acc and the sum transposed (`mx_dot_t`), a_row_t the rows' starts as a [1, BLOCK_M] tile; MX_DOT >= 6:
+    TRANS: acc and the sum transposed (`mx_dot_t`), a_row_t the rows' starts as a [1, BLOCK_M] tile; MX_DOT 6, 7:
     A's rows e4m3 pairs (`row_e4m3`), the lo terms lo_off columns after the hi ones."""
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = KD - KD % BLOCK_K
@@ -1321,7 +1321,7 @@ def _grouped_rows_kernel(
         k_start = KD - KD % BLOCK_K
         acc = _tma_k_loop(acc, a_desc, 0, row_start, w1_desc, group * w_rows, pid_n * BLOCK_N, k_start, W_KMAJOR,
                           DOT_PREC, BLOCK_K)
-    lo_off = 2 * KD if TWO else KD  # (MX_DOT >= 6: A's lo terms after its hi ones, `row_e4m3`)
+    lo_off = 2 * KD if TWO else KD  # (MX_DOT 6, 7: A's lo terms after its hi ones, `row_e4m3`)
     acc = _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, 0, lo_off, k_start, rmask, w1, q1, s1_n, s1_k, q1_n,
                                q1_k, cols, cmask, KD, out_ptr, MX1, MX_DOT, TRANS, DOT_PREC, BLOCK_K)
     if TWO:
