@@ -16,7 +16,8 @@
 #   fp8rows   decode_ab at T=64: the package against the e4m3 pair loop (moe_fwd.MX_FP8_ROWS); its CUDA tests
 #   occ       decode_ab at T=64: the package against 8-row configs of 2 stages or 1 warp (more programs an SM)
 #   onedot    (session 20) whole K steps as one dot (moe_fwd.MX_ONE_DOT): its CUDA tests, mx_stream_ab's f16v
-#             against f16one and f16, decode_ab at T=64 (package configs and 8-row configs alone) and T=128
+#             against f16one and f16, decode_ab at T=64 (bf16 mok, the package, one dot)
+#   onetwo    decode_ab at T=64 (one dot over the 8-row configs alone) and T=128
 #   ncu       the gate/up and down kernels' L2 sectors by source, hits, DRAM bytes, and warp stall reasons
 #             (benchmarks/mx_profile.py), words against 64-bit pairs
 set -o pipefail
@@ -91,8 +92,12 @@ if [[ $PART == *onedot* ]]; then
   grep -E "passed|failed" $OUT/tests_onedot.log; grep -E "FAILED|ERROR" $OUT/tests_onedot.log | head -20
   timeout 100 python3 benchmarks/mx_stream_ab.py --styles bf16,f16one,f16,f16v --out $OUT 2>&1 | grep -v Warn \
     | tee $OUT/stream_onedot.log | grep -E "best|FAILED"
-  ab 64 "(pkg),(one dot),(one dot trans)" onedot 220
-  ab 128 "(pkg),(one dot)" onedot_t128 80
+  ab 64 "package configs,(pkg),(one dot)" onedot 260
+fi
+if [[ $PART == *onetwo* ]]; then
+  echo "=== whole K steps as one dot: 8-row configs alone at T=64, and T=128"
+  ab 64 "(pkg),(one dot),(one dot trans)" onedot_trans 300
+  ab 128 "(pkg),(one dot)" onedot_t128 120
 fi
 if [[ $PART == *occ* ]]; then
   echo "=== decode A/B, configs for more resident warps"
