@@ -24,8 +24,8 @@ Styles (STYLE):
   f16b3  a K step as one 3-D (batched) tl.dot, [G, BLOCK_N, 32] @ [G, 32, 8] over its G blocks, each block's product
          scaled by its weight scales and summed over the blocks: f16's numbers, the blocks' loads and dots as one
   f16v   one fp16 tl.dot per K step on weights scaled per (row, block) through a [BLOCK_N, G, 32] view of the
-         step's tile: 2**(s - top) in fp16 (top the row's largest scale in the step; normal, subnormal to 2**-24,
-         0 below), the product scaled by 2**top in float32: f16's numbers. The views keep the scaled tile in the
+         step's tile: 2**(s - top) in fp16 by the package's `moe_fwd.step_factors` (top the row's largest scale in
+         the step), the product scaled by 2**top in float32: f16's numbers, MX_DOT 8's loop alone. The views keep the scaled tile in the
          dot operand's registers (sm_90 TTGIR: the tile's local_load is laid out for the reshapes; no shared
          memory round trip but the [BLOCK_N, G] factors'; 12 LDGSTS a K step, as f16one)
   f16rs  f16el's loop with one factor per column and step (the step's first block's): wrong numbers where a step's
@@ -51,6 +51,8 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+
+from mok_inductor.kernels import moe_fwd  # noqa: E402
 
 STYLES = {"bf16": 0, "f16": 1, "fp8x2": 2, "fp8x1": 3, "f16one": 4, "f16nos": 5, "f16el": 6, "f16b3": 7, "f16rs": 8, "f16v": 9}
 F16_ROWS = (1, 4, 5, 6, 7, 8, 9)  # the styles on fp16 activation rows, 8 a tile (scaled once per row, as `row_f16`)
@@ -131,15 +133,12 @@ def _stream_kernel(w_ptr, s_ptr, a_ptr, o_ptr, N, K, R, STYLE: tl.constexpr, BLO
         j = tl.arange(0, G9)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
-            sb = tl.load(s_row[:, None] + k0 // 32 + j[None, :]).to(tl.int32)  # [BLOCK_N, G9]
-            top = tl.max(sb, axis=1)  # the step's largest scale a row
-            d = sb - top[:, None]  # 2**d in fp16: normal from 2**-14, subnormal to 2**-24, 0 below
-            fb = tl.where(d > -15, (d + 15) << 10, tl.where(d > -25, 1 << tl.maximum(d + 24, 0), 0))
-            f = fb.to(tl.int16).to(tl.float16, bitcast=True)
+            # the package's factors (`moe_fwd.step_factors`: 2**(s - top) in fp16, top the step's largest a row)
+            f, top = moe_fwd.step_factors(tl.load(s_row[:, None] + k0 // 32 + j[None, :]).to(tl.int32))
             wt = tl.reshape(tl.reshape(tl.load(w + cols[:, None] * K + kk[None, :]).to(tl.float16),
                                        (BLOCK_N, G9, 32)) * f[:, :, None], (BLOCK_N, BLOCK_K))
             at = tl.trans(tl.load(a + rows[:, None] * K + kk[None, :], mask=rmask[:, None], other=0.0))
-            acc += tl.dot(wt, at) * (top << 23).to(tl.float32, bitcast=True)[:, None]
+            acc += tl.dot(wt, at) * moe_fwd.e8m0_factor(top)[:, None]
     else:
         KA = K if STYLE == 1 else 2 * K
         a = a_ptr + e64 * BLOCK_M * KA
