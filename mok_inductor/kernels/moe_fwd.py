@@ -202,6 +202,48 @@ def e8m0_factor(sc):
 # (`mx_dot_t`); with words it loads each K step's words one step ahead.
 
 
+# The K loop's plan of a mode, computed once here for both MXFP8 kernels (`_gate_up_tile`, `_grouped_rows_kernel`
+# and its `_grouped_rows_k_loop`): each is a compile-time value of the kernel's constexprs.
+@triton.constexpr_function
+def mx_trans(mx_dot, block_m):
+    """Whether the tile computes its blocks transposed (`mx_dot_t`): the 8-row tiles of modes 3 to 5 and 8, and
+    every tile of the e4m3 pair modes 6 and 7."""
+    return (mx_dot >= 3 and block_m < 16) or mx_dot in (6, 7)
+
+
+@triton.constexpr_function
+def mx_group(mx_dot, block_k):
+    """The blocks one scale load gives: 4 where the scales are read by words (modes 4 to 6 and 8) and a K step
+    holds whole words (BLOCK_K 128 or 256), else 1."""
+    words = 4 <= mx_dot <= 6 or mx_dot == 8
+    return 4 if words and block_k in (128, 256) else 1
+
+
+@triton.constexpr_function
+def mx_one(mx_dot, trans):
+    """Whether each whole K step is one dot (`mx_step_t`): mode 8's transposed tiles."""
+    return mx_dot == 8 and trans
+
+
+@triton.constexpr_function
+def mx_ahead(mx_dot, trans, block_k):
+    """Whether the block loop loads the scale words one K step ahead: transposed tiles with words, but not those
+    of one dot a step."""
+    return trans and mx_group(mx_dot, block_k) == 4 and not mx_one(mx_dot, trans)
+
+
+@triton.constexpr_function
+def mx_wide(mx_dot, block_k):
+    """Whether a K step's two scale words come by one 64-bit load (`w_scale_pair`): mode 5 at BLOCK_K 256."""
+    return mx_dot == 5 and block_k == 256
+
+
+@triton.constexpr_function
+def mx_blk(mx_dot):
+    """The mode of the loops by 32-blocks: mode 8's tail and its 16-row tiles run mode 4's."""
+    return 4 if mx_dot == 8 else mx_dot
+
+
 @triton.jit
 def to_e4m3(v, DOT_PREC: tl.constexpr):
     """float32 v (|v| < 448) as e4m3, rounded to nearest even. The interpreter's conversion drops the carry
@@ -842,13 +884,12 @@ def _gate_up_tile(
         k_end = H
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = k_end - k_end % BLOCK_K
-        WORDS: tl.constexpr = (MX_DOT >= 4 and MX_DOT <= 6) or MX_DOT == 8  # (scale words: modes 4 to 6, 8)
-        G: tl.constexpr = 4 if WORDS and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks per scale load
-        TRANS: tl.constexpr = (MX_DOT >= 3 and BLOCK_M < 16) or MX_DOT == 6 or MX_DOT == 7  # (`mx_dot_t`)
-        ONE: tl.constexpr = MX_DOT == 8 and TRANS  # each whole K step as one dot (`mx_step_t`)
-        AHEAD: tl.constexpr = TRANS and G == 4 and not ONE  # scale words a K step ahead (`mx_dot_t`)
-        WIDE: tl.constexpr = MX_DOT == 5 and BLOCK_K == 256  # a step's two words by one load (`w_scale_pair`)
-        BLK: tl.constexpr = 4 if MX_DOT == 8 else MX_DOT  # the loops by blocks' mode (mode 8's tail: 4's)
+        TRANS: tl.constexpr = mx_trans(MX_DOT, BLOCK_M)
+        G: tl.constexpr = mx_group(MX_DOT, BLOCK_K)
+        ONE: tl.constexpr = mx_one(MX_DOT, TRANS)
+        AHEAD: tl.constexpr = mx_ahead(MX_DOT, TRANS, BLOCK_K)
+        WIDE: tl.constexpr = mx_wide(MX_DOT, BLOCK_K)
+        BLK: tl.constexpr = mx_blk(MX_DOT)
         a_row_t = x_ptr + tok[None, :].to(tl.int64) * stride_xt
         if TRANS:
             acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -1232,12 +1273,11 @@ def _grouped_rows_k_loop(acc, a_row, a_row_t, stride_ak, a_k0, lo_off, k_start, 
     A's rows e4m3 pairs (`row_e4m3`), the lo terms lo_off columns after the hi ones."""
     if MX_DOT:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
         k_full = KD - KD % BLOCK_K
-        WORDS: tl.constexpr = (MX_DOT >= 4 and MX_DOT <= 6) or MX_DOT == 8  # (scale words: modes 4 to 6, 8)
-        G: tl.constexpr = 4 if WORDS and (BLOCK_K == 128 or BLOCK_K == 256) else 1  # blocks per scale load
-        ONE: tl.constexpr = MX_DOT == 8 and TRANS  # each whole K step as one dot (`mx_step_t`)
-        AHEAD: tl.constexpr = TRANS and G == 4 and not ONE  # scale words a K step ahead (`mx_dot_t`)
-        WIDE: tl.constexpr = MX_DOT == 5 and BLOCK_K == 256  # a step's two words by one load (`w_scale_pair`)
-        BLK: tl.constexpr = 4 if MX_DOT == 8 else MX_DOT  # the loops by blocks' mode (mode 8's tail: 4's)
+        G: tl.constexpr = mx_group(MX_DOT, BLOCK_K)
+        ONE: tl.constexpr = mx_one(MX_DOT, TRANS)
+        AHEAD: tl.constexpr = mx_ahead(MX_DOT, TRANS, BLOCK_K)
+        WIDE: tl.constexpr = mx_wide(MX_DOT, BLOCK_K)
+        BLK: tl.constexpr = mx_blk(MX_DOT)
         nxt = scale_step(s_ptr, 0, k_full, cols, cmask, ss_n, AHEAD, WIDE, BLOCK_K)
         for k0 in range(0, k_full, BLOCK_K):
             if ONE:
@@ -1309,7 +1349,7 @@ def _grouped_rows_kernel(
     cmask = cols < NCOL
     e64 = group.to(tl.int64)
     w1, q1 = w_bases(w1_ptr, q1_ptr, e64, s1_e, q1_e, E, W_TABLE, MX1)
-    TRANS: tl.constexpr = (MX_DOT >= 3 and BLOCK_M < 16) or MX_DOT == 6 or MX_DOT == 7  # (`mx_dot_t`)
+    TRANS: tl.constexpr = mx_trans(MX_DOT, BLOCK_M)
     if TRANS:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
