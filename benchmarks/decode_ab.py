@@ -97,6 +97,9 @@ class GraphedCompiledMxfp8(GraphedMokMxfp8):
         import mok_inductor
 
         torch._dynamo.reset()
+        # no cached graph: the caches' keys do not hold the flags a variant sets (moe_fwd.MX_FEW_ROWS and others)
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
         compiled = torch.compile(mok_inductor.moe, fullgraph=True, dynamic=False)
         mx = self.mx
         self.mx = lambda x, rw, te, w_gu, w_d: compiled(x, rw, te, mx.quantized(w_gu), mx.quantized(w_d))
@@ -174,10 +177,12 @@ def main():
             variants[f"MXFP8, 64-bit pairs, {'x'.join(map(str, cg))}, {'x'.join(map(str, cd))} (wide fixed)"] = (
                 GraphedMokMxfp8, {n: retuned(k, [cfg(*c)]) for n, k, c in zip(mx_names, mx_base, (cg, cd))}, 4,
                 1 + 1 / 32, {(moe_fwd, "SCALE_WIDE"): True})
-        # session 20 (not yet measured when written): each whole K step of the 8-row tiles as one dot
+        # session 20 (on by default since session 21): each whole K step of the 8-row tiles as one dot
         # (moe_fwd.MX_ONE_DOT), with the package's configs and over the 8-row ones alone
         variants["MXFP8, whole K steps as one dot (one dot)"] = (GraphedMokMxfp8, {}, 4, 1 + 1 / 32,
                                                                  {(moe_fwd, "MX_ONE_DOT"): True})
+        variants["MXFP8, blocks of each K step as separate dots, session 20's default (blocks)"] = (
+            GraphedMokMxfp8, {}, 4, 1 + 1 / 32, {(moe_fwd, "MX_ONE_DOT"): False})
         variants["MXFP8, whole K steps as one dot, 8-row configs (one dot trans)"] = (
             GraphedMokMxfp8, trans, 4, 1 + 1 / 32, {(moe_fwd, "MX_ONE_DOT"): True})
         variants["MXFP8, rows scaled in two passes (two-pass rows)"] = (GraphedMokMxfp8, {}, 4, 1 + 1 / 32,
@@ -190,6 +195,10 @@ def main():
         # choices (moe_fwd.scale_words by offsets, moe_fwd.MX_FEW_ROWS configs) against session 16's (byte
         # loads, the first 16-row config)
         variants["MXFP8 compiled (compiled)"] = (GraphedCompiledMxfp8, {}, 4, 1 + 1 / 32)
+        # session 21: compiled graphs on the 8-row configs up to 4 routes per expert (session 17's bound; 8 since
+        # session 21, T=128 at qwen3 decode, where MX_DOT 8's eager autotuning picks them)
+        variants["MXFP8 compiled, 8-row configs up to 4 routes per expert (compiled few4)"] = (
+            GraphedCompiledMxfp8, {}, 4, 1 + 1 / 32, {(moe_fwd, "MX_FEW_ROWS"): 4})
         variants["MXFP8 compiled, session 16's traced choices (compiled old)"] = (
             GraphedCompiledMxfp8, {}, 4, 1 + 1 / 32, {(moe_fwd, "SCALE_WORDS"): False, (moe_fwd, "MX_FEW_ROWS"): 0})
     if a.only:

@@ -18,6 +18,8 @@
 #   onedot    (session 20) whole K steps as one dot (moe_fwd.MX_ONE_DOT): its CUDA tests, mx_stream_ab's f16v
 #             against f16one and f16, decode_ab at T=64 (bf16 mok, the package, one dot)
 #   onetwo    decode_ab at T=64 (one dot over the 8-row configs alone) and T=128
+#   run21     (session 21, one dot on) decode_ab at T=64 (bf16 mok, the package, session 20's blocks) and T=128
+#   fewrows   torch.compile at T=128 (no graph cache) on 8-row configs up to 8 and up to 4 routes per expert
 #   ncu       the gate/up and down kernels' L2 sectors by source, hits, DRAM bytes, and warp stall reasons
 #             (benchmarks/mx_profile.py), words against 64-bit pairs
 set -o pipefail
@@ -98,6 +100,15 @@ if [[ $PART == *onetwo* ]]; then
   echo "=== whole K steps as one dot: 8-row configs alone at T=64, and T=128"
   ab 64 "(pkg),(one dot),(one dot trans)" onedot_trans 300
   ab 128 "(pkg),(one dot)" onedot_t128 120
+fi
+if [[ $PART == *run21* ]]; then
+  echo "=== session 21: one dot on by default; bf16 mok, the package and the old blocks at T=64 and 128"
+  ab 64 "package configs,(pkg),(blocks)" run21 200
+  ab 128 "(pkg),(blocks)" run21_t128 100
+fi
+if [[ $PART == *fewrows* ]]; then
+  echo "=== session 21: torch.compile at T=128 on 8-row configs up to 8 (the package) and up to 4 routes per expert"
+  ab 128 "(pkg),(compiled),(compiled few4)" fewrows_t128 150
 fi
 if [[ $PART == *occ* ]]; then
   echo "=== decode A/B, configs for more resident warps"

@@ -24,7 +24,7 @@ KERNELS = {
 }
 # the MXFP8 K loops' config for traced launches at few rows per expert (decode): the 8-row eager picks; the e4m3
 # pair loop's (MX_FP8_ROWS) 16-row tiles
-FEW_ROWS = {"gate_up_mx_dot": (8, 32, 256, 2, 3), "grouped_rows_mx_dot": (8, 64, 128, 4, 4),
+FEW_ROWS = {"gate_up_mx_dot": (8, 32, 256, 2, 3), "grouped_rows_mx_dot": (8, 32, 128, 1, 4),
             "gate_up_mx8": (16, 64, 128, 4, 4), "grouped_rows_mx8": (16, 64, 128, 4, 4)}
 
 

@@ -593,7 +593,7 @@ def _mx_dot_on(monkeypatch, mode=1):
     row count: MX_FP8_DOT (mode 1, off by default: an A/B candidate) or MX_F16_DOT (modes 2 and 3, on by default
     at decode sizes only; MX_F16_MODE picks: 3, the default, on rows scaled once), the other one off; mode 6: 3
     with MX_FP8_ROWS (the rows split once into e4m3 pairs, the e4m3 tensor cores: an A/B candidate, off); mode 8: 3
-    with MX_ONE_DOT (whole K steps as one dot at 8-row tiles: an A/B candidate, off)."""
+    with MX_ONE_DOT (whole K steps as one dot at 8-row tiles: on by default; the other modes turn it off)."""
     monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", mode == 1)
     monkeypatch.setattr(_moe_fwd, "MX_F16_DOT", mode >= 2)
     monkeypatch.setattr(_moe_fwd, "MX_F16_MODE", min(max(mode, 2), 3))

@@ -29,9 +29,9 @@ routes per expert on average), on activation rows scaled into fp16 once per call
 `MX_F16_MODE` 3), the weight scales read by 32-bit words of 4 blocks where their rows allow
 (`moe_fwd.SCALE_WORDS`): 1.24x bf16 at qwen3 decode (run 16), and slower than the dequantizing loop above
 (run 14). Its form on the e4m3 tensor cores without weight conversion (activation rows split once into two
-e4m3 terms, `moe_fwd.MX_FP8_ROWS`) is an A/B candidate, off: 4% slower (run 18). So is each whole K step of
-its 8-row tiles as one dot on weights scaled per column and block through a 3-D view (`moe_fwd.MX_ONE_DOT`,
-MX_DOT 8), off until it is timed on a GPU (written in session 20, when no device was lent).
+e4m3 terms, `moe_fwd.MX_FP8_ROWS`) is an A/B candidate, off: 4% slower (run 18). On its 8-row tiles each whole K
+step is one dot on weights scaled per column and block through a 3-D view (`moe_fwd.MX_ONE_DOT`, MX_DOT 8, on):
+1.73x bf16 at qwen3 decode on the H100 (run 20), where the loop by 32-blocks was 1.45x.
 
 Split per-expert weights (sequences of E 2-D tensors, bf16 or MXFP8) are read in place through a device
 table of the experts' addresses (`moe_fwd.ExpertTable`; stacked instead while torch.compile traces, or when

@@ -1018,11 +1018,14 @@ _gate_up_kernel = _launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=
 # (the 8-row tiles: `mx_dot_t`; the eager autotuner's picks at qwen3 decode, gate/up and down, H200 run 17)
 _MX_DOT_CONFIGS = [cfg(16, 64, 128, 4, 4), cfg(16, 128, 128, 4, 3), cfg(16, 64, 256, 4, 3), cfg(16, 32, 128, 2, 4),
                    cfg(16, 64, 64, 4, 6), cfg(32, 64, 128, 4, 4), cfg(64, 64, 128, 4, 3), cfg(128, 128, 64, 8, 3),
-                   cfg(8, 32, 256, 2, 3), cfg(8, 64, 128, 4, 4)]
+                   cfg(8, 32, 256, 2, 3), cfg(8, 64, 128, 4, 4), cfg(8, 32, 128, 1, 4)]
 # compiled graphs (Inductor's default mode: one config) at up to MX_FEW_ROWS routes per expert on average: the
 # eager picks at qwen3 decode T=64 (4 routes), 0.2638 ms with both fixed against 0.2708 for the best 16-row
-# pair (H200 run 17); the 16-row first config otherwise, and where the row count is symbolic (no guard)
-MX_FEW_ROWS = 4
+# pair (H200 run 17); the 16-row first config otherwise, and where the row count is symbolic (no guard). With
+# whole K steps as one dot (MX_DOT 8, on the 8-row tiles alone) eager autotuning picks the 8-row tiles at T=128
+# (8 routes) too, 0.2576 ms against 0.3188 for the 16-row ones, and the down GEMM's 8x32x128 of one warp at
+# both (H100 run 20)
+MX_FEW_ROWS = 8
 _gate_up_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY + ["MX_DOT"],
                                           few_rows=cfg(8, 32, 256, 2, 3))(_gate_up_body)
 # MX_DOT 6 and 7 (`MX_FP8_ROWS`): 16-row tiles (Triton's e4m3 wgmma wants 16 columns of the transposed product, at
@@ -1157,9 +1160,11 @@ MX_FP8_ROWS = False
 # tile. With the factors applied through the [BLOCK_N, G, 32] view the sm_90 code (compiled on the CPU machine:
 # benchmarks/sass_loop.py --mode 8, mx_stream_ab's f16v) loads the step's tile by 12 LDGSTS as f16one does and
 # keeps it in registers. Expected: the gate/up and down GEMMs (0.147 and 0.070 of run 19's 0.2487 ms at qwen3
-# decode T=64) at up to f16one's rate, about 0.18 ms, against issue 8's 0.202 ms for 1.6x. Not yet measured on a
-# GPU (no device was lent in session 20): off
-MX_ONE_DOT = False
+# decode T=64) at up to f16one's rate, about 0.18 ms, against issue 8's 0.202 ms for 1.6x. Measured (H100 run 20,
+# docs/benchmarks.md; qwen3 decode, CUDA graphs, the same call): T=64 0.2574 ms against mode 4's 0.2974 and bf16
+# MoK's 0.4419 (0.2511 with the down GEMM on 8x32x128 of 1 warp), T=128 0.2759 against 0.3195 (the 8-row tiles
+# then the autotuner's pick over the 16-row ones); mx_stream_ab's f16v 2.63 TB/s against f16one's 2.74: on
+MX_ONE_DOT = True
 
 
 def scale_words(*ops, width: int = 4) -> bool:
@@ -1390,7 +1395,7 @@ _grouped_rows_kernel = _launch.autotune(_GROUPED_ROWS_CONFIGS, cfg(16, 16, 32, 1
                                         eager_pre_hook=tma_pre_hook(("a_desc",), ("w1_desc", "w2_desc")))(_grouped_rows_body)
 _grouped_rows_mx_dot_kernel = _launch.autotune(_MX_DOT_CONFIGS, cfg(16, 16, 32, 1, 1),
                                                key=_GROUPED_ROWS_KEY + ["MX_DOT"],
-                                               few_rows=cfg(8, 64, 128, 4, 4))(_grouped_rows_body)
+                                               few_rows=cfg(8, 32, 128, 1, 4))(_grouped_rows_body)
 _grouped_rows_mx8_kernel = _launch.autotune(_MX8_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GROUPED_ROWS_KEY + ["MX_DOT"],
                                             few_rows=_MX8_CONFIGS[0])(_grouped_rows_body)
 
