@@ -147,9 +147,9 @@ def test_compiled_backward_writes_its_gradients_in_place(variant):
 
 def test_compiled_mxfp8_decode_reads_scale_words_on_8_row_tiles():
     # MXFP8 at decode sizes (4 routes per expert, rows scaled once): traced, the forward's K loops read the
-    # scales by words (their offsets aligned: moe_fwd.scale_words) on the 8-row configs (moe_fwd.MX_FEW_ROWS), each
-    # whole K step as one dot (MX_DOT 8, moe_fwd.MX_ONE_DOT),
-    # the backward's dx GEMM likewise; the graph still reinplaces as the other variants
+    # scales by words (their offsets aligned: moe_fwd.scale_words) on the 8-row configs (moe_fwd.MX_FEW_ROWS),
+    # each whole K step as one dot (MX_DOT 8, moe_fwd.MX_ONE_DOT), the backward's dx GEMM likewise; the graph
+    # still reinplaces as the other variants
     got = _run_probe("mxfp8-decode")
     assert got["mx"] == [["_gate_up_kernel", 8, [[8, 32, 256, 2, 3]]], ["_grouped_rows_kernel", 8, [[8, 32, 128, 1, 4]]],
                          ["_grouped_rows_kernel", 8, [[8, 32, 128, 1, 4]]]], got["mx"]

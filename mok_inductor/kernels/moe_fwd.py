@@ -1015,7 +1015,8 @@ _gate_up_kernel = _launch.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=
                                    eager_pre_hook=tma_pre_hook((), ("g_desc", "u_desc")))(_gate_up_body)
 # MX_DOT (decode sizes): row tiles of 16 (the fp8 tensor cores' mma.sync shape, not wgmma's 64: few rows per
 # expert, and the per-block scaling is BLOCK_M x BLOCK_N float32 work per 32 k) and long K steps
-# (the 8-row tiles: `mx_dot_t`; the eager autotuner's picks at qwen3 decode, gate/up and down, H200 run 17)
+# (the 8-row tiles: `mx_dot_t`; the eager autotuner's picks at qwen3 decode, gate/up and down, H200 run 17; the
+# down GEMM's with one dot a K step, 8x32x128 of one warp, H100 run 20)
 _MX_DOT_CONFIGS = [cfg(16, 64, 128, 4, 4), cfg(16, 128, 128, 4, 3), cfg(16, 64, 256, 4, 3), cfg(16, 32, 128, 2, 4),
                    cfg(16, 64, 64, 4, 6), cfg(32, 64, 128, 4, 4), cfg(64, 64, 128, 4, 3), cfg(128, 128, 64, 8, 3),
                    cfg(8, 32, 256, 2, 3), cfg(8, 64, 128, 4, 4), cfg(8, 32, 128, 1, 4)]
@@ -1163,7 +1164,8 @@ MX_FP8_ROWS = False
 # decode T=64) at up to f16one's rate, about 0.18 ms, against issue 8's 0.202 ms for 1.6x. Measured (H100 run 20,
 # docs/benchmarks.md; qwen3 decode, CUDA graphs, the same call): T=64 0.2574 ms against mode 4's 0.2974 and bf16
 # MoK's 0.4419 (0.2511 with the down GEMM on 8x32x128 of 1 warp), T=128 0.2759 against 0.3195 (the 8-row tiles
-# then the autotuner's pick over the 16-row ones); mx_stream_ab's f16v 2.63 TB/s against f16one's 2.74: on
+# then the autotuner's pick over the 16-row ones); mx_stream_ab's f16v 2.63 TB/s against f16one's 2.74. On by
+# default since session 21
 MX_ONE_DOT = True
 
 
