@@ -31,7 +31,8 @@ routes per expert on average), on activation rows scaled into fp16 once per call
 (run 14). Its form on the e4m3 tensor cores without weight conversion (activation rows split once into two
 e4m3 terms, `moe_fwd.MX_FP8_ROWS`) is an A/B candidate, off: 4% slower (run 18). On its 8-row tiles each whole K
 step is one dot on weights scaled per column and block through a 3-D view (`moe_fwd.MX_ONE_DOT`, MX_DOT 8, on):
-1.73x bf16 at qwen3 decode on the H100 (run 20), where the loop by 32-blocks was 1.45x.
+1.68x bf16 at qwen3 decode on the H200 (run 21), where the loop by 32-blocks was 1.30x (1.73x and 1.45x on the H100,
+run 20).
 
 Split per-expert weights (sequences of E 2-D tensors, bf16 or MXFP8) are read in place through a device
 table of the experts' addresses (`moe_fwd.ExpertTable`; stacked instead while torch.compile traces, or when
