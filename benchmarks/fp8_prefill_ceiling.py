@@ -28,15 +28,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mok_inductor import mxfp8  # noqa: E402
+
 STYLES = {"bf16": 0, "fp8": 1, "mx32": 2, "mx128": 3}
 SCALE_BLOCK = {"bf16": None, "fp8": None, "mx32": 32, "mx128": 128}
 SHAPES = {"gate_up": (2048, 28672, 4096), "down": (2048, 4096, 14336)}  # (M, N, K) of one mixtral expert
-E4M3_MAX = 448.0
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -85,23 +89,19 @@ def _gemm(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, KB, STYLE: tl.constexpr,
 
 
 def quantize(t: torch.Tensor, block):
-    """t [R, K] as e4m3 data [R, K] and float32 power-of-two scales [R, K / block] (OCP MX's rule: the block's
-    largest magnitude scaled to at most 448); block None: one scale for the tensor (shape [1])."""
-    t = t.float()
+    """t [R, K] as e4m3 data [R, K] and float32 power-of-two scales [R, K / block], by the package's OCP MX rule
+    (`mxfp8._quantize_lastdim`, the block's largest magnitude scaled to at most 448); block None: one scale for
+    the tensor (shape [1])."""
     if block is None:
-        s = torch.exp2(torch.ceil(torch.log2(t.abs().amax().clamp_min(2.0 ** -126) / E4M3_MAX))).reshape(1)
-        return (t / s).to(torch.float8_e4m3fn), s
-    r, k = t.shape
-    blocks = t.reshape(r, k // block, block)
-    s = torch.exp2(torch.ceil(torch.log2(blocks.abs().amax(-1).clamp_min(2.0 ** -126) / E4M3_MAX)))
-    return (blocks / s[..., None]).reshape(r, k).to(torch.float8_e4m3fn), s.contiguous()
+        q, e = mxfp8._quantize_lastdim(t.reshape(1, -1), t.numel())
+        return q.reshape(t.shape), torch.exp2(e.float() - mxfp8.E8M0_BIAS).reshape(1)
+    q, e = mxfp8._quantize_lastdim(t, block)
+    return q, torch.exp2(e.float() - mxfp8.E8M0_BIAS)
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, block) -> torch.Tensor:
-    if block is None:
-        return q.double() * s.double()
-    r, k = q.shape
-    return (q.double().reshape(r, k // block, block) * s.double()[..., None]).reshape(r, k)
+    """float64 of (q, s) as `quantize` gives them."""
+    return (q.double().reshape(-1, block or q.numel()) * s.double().reshape(-1, 1)).reshape(q.shape)
 
 
 def operands(style: str, x: torch.Tensor, w: torch.Tensor):

@@ -50,10 +50,11 @@ class MXFP8Weight(NamedTuple):
     master: Optional[torch.Tensor] = None  # the high-precision weight that receives the weight gradient
 
 
-def _quantize_lastdim(w: torch.Tensor):
-    """(float8 data, uint8 E8M0 scales) of `w` with 32-element blocks along its last dim."""
+def _quantize_lastdim(w: torch.Tensor, block: int = BLOCK):
+    """(float8 data, uint8 E8M0 scales) of `w` with `block`-element blocks along its last dim (MX: 32; other
+    lengths for benchmarks/fp8_prefill_ceiling.py's comparisons)."""
     *lead, k = w.shape
-    blocks = w.float().reshape(*lead, k // BLOCK, BLOCK)
+    blocks = w.float().reshape(*lead, k // block, block)
     finite = torch.isfinite(blocks)
     # the scale comes from the finite elements, so one NaN/Inf does not wipe out its block's neighbours
     amax = torch.where(finite, blocks.abs(), torch.zeros_like(blocks)).amax(-1, keepdim=True)
@@ -111,10 +112,10 @@ def with_master(q: MXFP8Weight, master: Optional[torch.Tensor]) -> MXFP8Weight:
     return q._replace(master=master)
 
 
-def _dequantize_lastdim(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_lastdim(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = BLOCK) -> torch.Tensor:
     *lead, k = data.shape
     factor = torch.exp2(scale.float() - E8M0_BIAS)
-    blocks = data.float().reshape(*lead, k // BLOCK, BLOCK) * factor.unsqueeze(-1)
+    blocks = data.float().reshape(*lead, k // block, block) * factor.unsqueeze(-1)
     return blocks.reshape(*lead, k).to(dtype)
 
 
