@@ -2,14 +2,18 @@
 
     import mok_inductor
     y = mok_inductor.moe(x, router_weights, top_experts, gate_up_proj, down_proj, ...)
+    mok_inductor.enable()        # what torch.compile'd graphs need (see `enable`)
 
 Layers: `api` (user API) -> `ops` (the torch.library `mok::` ops) -> `reference` (CPU path and
-oracle) / `kernels` (Triton). Inductor integration lives in the top-level `lowering` package
-(`enable()` imports it on demand) and model integrations under `mok_inductor.integrations`.
+oracle) / `kernels` (Triton). `options` holds every knob. Everything Inductor-facing is
+`mok_inductor.lowering` (the repository's `lowering/` folder), imported by `enable()`, never at import;
+model integrations live under `mok_inductor.integrations`. Importing this package registers the
+`mok::` ops and changes nothing else.
 """
 
 import contextlib
 
+from . import options
 from .api import moe
 from .ops import path_name
 
@@ -17,25 +21,28 @@ __version__ = "0.1.0"
 
 
 def enable() -> None:
-    """Install the graph pass that replaces MoE blocks in torch.compile'd graphs with `mok::moe`."""
-    from lowering import patterns
+    """Install what torch.compile'd graphs need: the decomposition of the `mok::` ops into their Triton
+    launches (so Inductor emits our kernels in its generated code), the compile-cache key over this
+    package's sources and options, the graph pass that replaces MoE blocks with `mok::moe`, and the "mok"
+    experts backend of transformers when transformers is installed. Idempotent; `disable()` undoes it."""
+    from . import lowering
 
-    patterns.enable()
+    lowering.enable()
 
 
 def disable() -> None:
-    """Remove the graph pass installed by `enable()` (other passes stay)."""
-    from lowering import patterns
+    """Undo `enable()` (passes installed by others stay)."""
+    from . import lowering
 
-    patterns.disable()
+    lowering.disable()
 
 
 @contextlib.contextmanager
 def enabled():
-    """`with mok_inductor.enabled(): ...` enables the graph pass for the block, then restores."""
-    from lowering import patterns
+    """`with mok_inductor.enabled(): ...` enables for the block, then restores."""
+    from . import lowering
 
-    was = patterns.is_enabled()
+    was = lowering.is_enabled()
     enable()
     try:
         yield
@@ -44,16 +51,4 @@ def enabled():
             disable()
 
 
-from .integrations import register_on_import as _register_on_import  # noqa: E402
-
-_register_on_import()
-
-import os as _os  # noqa: E402
-
-if _os.environ.get("MOK_CACHE_KEY", "1") not in ("0", "false", "False"):
-    # Inductor's FX-graph and AOTAutograd caches do not hash custom ops' Python code: key them on ours.
-    from . import compile_cache as _compile_cache
-
-    _compile_cache.install()
-
-__all__ = ["moe", "path_name", "enable", "disable", "enabled", "__version__"]
+__all__ = ["moe", "options", "path_name", "enable", "disable", "enabled", "__version__"]

@@ -192,7 +192,8 @@ def test_dynamic_shape_fixup_strips_only_our_symbolic_launches():
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from mok_inductor.kernels import _inductor_compat, moe_fwd
+    from mok_inductor.kernels import moe_fwd
+    from mok_inductor.lowering import compat as _inductor_compat
 
     @triton.jit
     def foreign_kernel(x_ptr, n, BLOCK: tl.constexpr):

@@ -395,8 +395,8 @@ def case_megatron_ep(rank, world, seed):
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import router as router_mod
-    from mok_inductor import megatron as mkm
-    from mok_inductor.megatron.route_adapter import routing_map_to_mok_inputs
+    from mok_inductor.integrations import megatron as mkm
+    from mok_inductor.integrations.megatron.route_adapter import routing_map_to_mok_inputs
     import test_megatron as tm
     from _helpers import destroy_model_parallel
     from oracle import oracle_moe

@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from mok_inductor import functional as mf  # noqa: E402
 from mok_inductor import reference  # noqa: E402
-from mok_inductor import megatron as mkm  # noqa: E402
+from mok_inductor.integrations import megatron as mkm  # noqa: E402
 from _helpers import destroy_model_parallel, init_gloo, rel_err
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -496,12 +496,13 @@ def test_route_adapter(device, dtype):
 def test_clear_import_error_without_megatron(monkeypatch):
     import importlib
 
-    for name in [m for m in sys.modules if m == "mok_inductor.megatron" or m.startswith("mok_inductor.megatron.")]:
+    for name in [m for m in sys.modules if m == "mok_inductor.integrations.megatron" or m.startswith("mok_inductor.integrations.megatron.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "megatron", None)
     monkeypatch.setitem(sys.modules, "megatron.core", None)
+    mkm_fresh = importlib.import_module("mok_inductor.integrations.megatron")  # the MoK ABI needs no megatron
     with pytest.raises(ImportError, match=r"pip install mok-inductor\[megatron\]"):
-        importlib.import_module("mok_inductor.megatron")
+        mkm_fresh.enable_mok_backend
 
 
 def test_padding_mask_passes_through_the_router():

@@ -18,9 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-import lowering
+import mok_inductor.lowering as lowering
 import mok_inductor
-from lowering import patterns
+from mok_inductor.lowering import patterns
 from _pattern_models import traces_sentinel_handling
 from oracle import oracle_moe
 

@@ -12,10 +12,10 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
-import lowering
+import mok_inductor.lowering as lowering
 import mok_inductor
 from _pattern_models import build, rel
-from lowering import cache
+from mok_inductor.lowering import cache
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import lowering  # noqa: F401  (registers backend="mok")
-from lowering import patterns
+from mok_inductor.lowering import patterns
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 # the Megatron CPU recipe (module-scoped autouse fixture megatron_env: gloo, parallel_state, Router.gating)

@@ -2,7 +2,7 @@
 
 megatron-core 0.16.1 has no `moe_megakernel_backend` flag, so this module provides the switch:
 
-    from mok_inductor.megatron import enable_mok_backend
+    from mok_inductor.integrations.megatron import enable_mok_backend
     layers = enable_mok_backend(model)         # before wrapping the model in DDP
 
 For every `MoELayer` in `model` it adds a child `megakernel_experts = MoKMegakernel(...)` built from

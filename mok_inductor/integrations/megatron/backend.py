@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from .. import functional
-from ..runtime import _MoKAutograd
+from . import functional
+from .runtime import _MoKAutograd
 from .parameter_bridge import finish_weight_gradient, main_grad_buffer
 from .route_adapter import routing_map_to_mok_inputs
 

@@ -14,7 +14,7 @@ when the node has symbolic sizes, before the decomposition runs. The only other 
 layout constraint of user-defined Triton kernels, which without it constrains the inputs to the FX node's
 strides (`constrain_to_fx_strides`): the strides our launch wrappers read when they were traced, so the
 stride arguments baked into the launch stay right. Static-shape graphs, other kernels and newer torch are
-left untouched. It runs from the post-grad custom pass (`mok_inductor.compile_cache.CacheKeyPass`), which
+left untouched. It runs from the post-grad custom pass (`mok_inductor.lowering.cache.CacheKeyPass`), which
 Inductor calls before its reinplacing and decomposition passes.
 """
 

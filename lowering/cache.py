@@ -108,7 +108,7 @@ def as_tuple(p) -> tuple:
 
 class CacheKeyPass(CustomGraphPass):
     """A post-grad pass whose uuid() keys the compile caches on this package. It changes nothing in a graph
-    except, on torch 2.11, the metadata fix-up of `kernels._inductor_compat` for our dynamic-shape launches."""
+    except, on torch 2.11, the metadata fix-up of `lowering.compat` for our dynamic-shape launches."""
 
     def __init__(self, chained=None):
         self.chained = chained  # 2.11 single slot: the pass that was there, run first
@@ -117,7 +117,7 @@ class CacheKeyPass(CustomGraphPass):
     def __call__(self, graph, *args, **kwargs) -> None:
         _call_all(as_tuple(self.chained), graph, *args, **kwargs)
         # the one thing it does to graphs: torch 2.11's dynamic-shape fix-up for our Triton launches
-        from .kernels._inductor_compat import strip_eager_input_vals
+        from .lowering.compat import strip_eager_input_vals
 
         strip_eager_input_vals(graph)
 
