@@ -29,9 +29,11 @@ Consumers (issue 8):
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional
 
 import torch
+
+from .types import Operand, RoutedOperands, narrow_payload, transposed_payload
 
 BLOCK = 32
 E4M3_MAX = 448.0
@@ -137,63 +139,7 @@ def dequantize(q: MXFP8Weight, *, layout: str = "row", dtype: Optional[torch.dty
 
 
 # ---------------------------------------------------------------------------------------------
-# GEMM operands: what the implementations (mok_inductor.ops, .functional, .kernels) pass around
-
-Payload = Union[torch.Tensor, Sequence[torch.Tensor]]
-
-
-class Operand(NamedTuple):
-    """One routed GEMM operand read as [E, n, k], k the reduction dim: float8_e4m3fn `data` [E, n, k] and
-    uint8 E8M0 `scale` [E, n, k/32] (blocks along k), or a plain float weight in `data` with `scale`
-    None. Each is a 3-D tensor (strided views are fine) or a sequence of E 2-D tensors (split per-expert
-    allocations)."""
-
-    data: Payload
-    scale: Optional[Payload]
-
-    @property
-    def quantized(self) -> bool:
-        return self.scale is not None
-
-    def dequantized(self, dtype: torch.dtype) -> Payload:
-        """The operand as [E, n, k] (or E x [n, k]) in `dtype`."""
-        if self.scale is None:
-            return self.data
-        if isinstance(self.data, torch.Tensor):
-            return _dequantize_lastdim(self.data, self.scale, dtype)
-        return [_dequantize_lastdim(d, s, dtype) for d, s in zip(self.data, self.scale)]
-
-    def stacked(self) -> "Operand":
-        """3-D tensors (a split operand is stacked: one copy of the quantized bytes)."""
-        def stack(p):
-            return p if p is None or isinstance(p, torch.Tensor) else torch.stack(list(p))
-
-        return Operand(stack(self.data), stack(self.scale))
-
-
-def _narrow(p, dim: int, start: int, length: int):
-    if p is None or isinstance(p, torch.Tensor):
-        return None if p is None else p.narrow(dim, start, length)
-    return tuple(t.narrow(dim, start, length) for t in p)
-
-
-def _transposed(p):
-    if p is None or isinstance(p, torch.Tensor):
-        return None if p is None else p.transpose(-2, -1)
-    return tuple(t.transpose(-2, -1) for t in p)
-
-
-class RoutedOperands(NamedTuple):
-    """The routed experts' GEMM operands. Forward (row-wise): gate, up [E, I, H]; down [E, H, I].
-    Data gradient (column-wise, the transposed weights): gate_t, up_t [E, H, I]; down_t [E, I, H]; None
-    when the MXFP8 weight carries no column-wise data (forward only)."""
-
-    gate: Operand
-    up: Operand
-    down: Operand
-    gate_t: Optional[Operand]
-    up_t: Optional[Operand]
-    down_t: Optional[Operand]
+# GEMM operands of MXFP8 weights (`mok_inductor.types.Operand`, `RoutedOperands`)
 
 
 def routed_operands(gate_up, down) -> RoutedOperands:
@@ -205,17 +151,17 @@ def routed_operands(gate_up, down) -> RoutedOperands:
     dd, ds, ddt, dst = down
     two_i = (gd.shape[-2] if isinstance(gd, torch.Tensor) else gd[0].shape[-2])
     i = two_i // 2
-    gate = Operand(_narrow(gd, -2, 0, i), _narrow(gs, -2, 0, i))
-    up = Operand(_narrow(gd, -2, i, i), _narrow(gs, -2, i, i))
+    gate = Operand(narrow_payload(gd, -2, 0, i), narrow_payload(gs, -2, 0, i))
+    up = Operand(narrow_payload(gd, -2, i, i), narrow_payload(gs, -2, i, i))
     if gs is None:
-        gate_t, up_t = Operand(_transposed(gate.data), None), Operand(_transposed(up.data), None)
+        gate_t, up_t = Operand(transposed_payload(gate.data), None), Operand(transposed_payload(up.data), None)
     elif gdt is None:
         gate_t = up_t = None
     else:
-        gate_t = Operand(_narrow(gdt, -1, 0, i), _narrow(gst, -1, 0, i // BLOCK))
-        up_t = Operand(_narrow(gdt, -1, i, i), _narrow(gst, -1, i // BLOCK, i // BLOCK))
+        gate_t = Operand(narrow_payload(gdt, -1, 0, i), narrow_payload(gst, -1, 0, i // BLOCK))
+        up_t = Operand(narrow_payload(gdt, -1, i, i), narrow_payload(gst, -1, i // BLOCK, i // BLOCK))
     if ds is None:
-        down_t = Operand(_transposed(dd), None)
+        down_t = Operand(transposed_payload(dd), None)
     else:
         down_t = None if ddt is None else Operand(ddt, dst)
     return RoutedOperands(gate, up, Operand(dd, ds), gate_t, up_t, down_t)
@@ -227,7 +173,7 @@ def dequantized_weights(ops: RoutedOperands, dtype: torch.dtype):
     fwd = tuple(o.dequantized(dtype) for o in (ops.gate, ops.up, ops.down))
     if ops.gate_t is None or ops.down_t is None:
         return fwd, None
-    return fwd, tuple(_transposed(o.dequantized(dtype)) for o in (ops.gate_t, ops.up_t, ops.down_t))
+    return fwd, tuple(transposed_payload(o.dequantized(dtype)) for o in (ops.gate_t, ops.up_t, ops.down_t))
 
 
 # ---------------------------------------------------------------------------------------------

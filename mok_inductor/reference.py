@@ -32,27 +32,11 @@ stores them); the combine accumulates in float32 in k order and the result is ro
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Optional
 
 import torch
 
-Weight = Union[torch.Tensor, Sequence[torch.Tensor]]
-
-
-class Schedule(NamedTuple):
-    """Routes sorted by expert. Deterministic: a stable sort of the flat route index t*K+k.
-
-    sorted_routes_N: int32 [N], the flat route index held by each sorted slot; valid routes first
-        (ascending expert, then ascending route index), then the `-1` routes in route order.
-    expert_offsets_E1: int32 [E+1], expert e owns slots [offsets[e], offsets[e+1]); offsets[E] is the
-        number of valid routes.
-    route_slots_N: int32 [N], the inverse permutation: the sorted slot of route t*K+k.
-    """
-
-    sorted_routes_N: torch.Tensor
-    expert_offsets_E1: torch.Tensor
-    route_slots_N: torch.Tensor
-
+from .types import BackwardResult, ForwardResult, GradBuffers, Schedule, Weight
 
 def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
     """Sort the routes of `top_experts_TK` by expert; `-1` routes go last. Values must be in [-1, E)."""
@@ -116,12 +100,6 @@ def _offsets_list(schedule: Schedule) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------
 # Forward
-
-
-class ForwardResult(NamedTuple):
-    y_TH: torch.Tensor  # x.dtype
-    gu_N2I: torch.Tensor  # [g | u] before the clamp, x.dtype, sorted slot order; rows of `-1` routes are zero
-    gu_shared_T2Is: torch.Tensor  # the shared expert's [g | u], float32 (float64 for float64 x); [0, 0] without one
 
 
 def clip_bounds(limit: float, dtype: torch.dtype):
@@ -232,52 +210,11 @@ def moe_forward(
 # Backward
 
 
-class GradBuffers(NamedTuple):
-    """Destinations of the weight gradients. Routed entries: a 3-D tensor or a sequence of E 2-D
-    tensors (views of a combined buffer are fine); shared entries: 2-D tensors or None when absent."""
-
-    d_gate: Weight  # [E, I, H]
-    d_up: Weight  # [E, I, H]
-    d_down: Weight  # [E, H, I]
-    d_s_gate: Optional[torch.Tensor] = None  # [Is, H]
-    d_s_up: Optional[torch.Tensor] = None  # [Is, H]
-    d_s_down: Optional[torch.Tensor] = None  # [H, Is]
-    d_s_out_gate: Optional[torch.Tensor] = None  # [1, H]
-    # The one buffer [E, 2I, H] (shared: [2Is, H]) whose row halves d_gate and d_up are, when they are: the
-    # Triton kernels then write it as one destination. (Under torch.compile a kernel writing two views of
-    # one buffer is not reinplaced: Inductor clones both views and scatters them back, three extra copies
-    # of the gradient; found by tracing the backward's graph through Inductor's reinplacing pass.)
-    d_gate_up: Optional[torch.Tensor] = None
-    d_s_gate_up: Optional[torch.Tensor] = None
-
-    @staticmethod
-    def allocate(grads, w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate) -> "GradBuffers":
-        """Fill the None entries of `grads` (or all, when `grads` is None) with fresh tensors shaped
-        and typed like the weights they are the gradients of."""
-        given = grads if grads is not None else GradBuffers(None, None, None)
-
-        def fresh(w):
-            if w is None:
-                return None
-            if isinstance(w, torch.Tensor):
-                return torch.empty_like(w, memory_format=torch.contiguous_format)
-            return [torch.empty_like(p, memory_format=torch.contiguous_format) for p in w]
-
-        weights = (w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate)
-        return given._replace(**{f: fresh(w) for f, b, w in zip(GradBuffers._fields, given, weights) if b is None})
-
-
 def _store(dst: torch.Tensor, value_fp32: torch.Tensor, accumulate: bool) -> None:
     if accumulate:
         dst.add_(value_fp32)  # one rounding into dst.dtype
     else:
         dst.copy_(value_fp32)
-
-
-class BackwardResult(NamedTuple):
-    dx_TH: torch.Tensor  # x.dtype
-    d_router_weights_TK: torch.Tensor  # float32
-    grads: GradBuffers  # the weight gradients, as written into the destinations
 
 
 def moe_backward(

@@ -64,7 +64,7 @@ def _available() -> bool:
 
 AVAILABLE = _available()
 
-from ..mxfp8 import Operand, RoutedOperands
+from ..types import Operand, RoutedOperands
 
 if _HAVE_TRITON:
     from . import _launch

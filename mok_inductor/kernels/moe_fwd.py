@@ -30,7 +30,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from .. import reference
-from ..mxfp8 import Operand
+from ..types import Operand
 from . import _launch
 from ._launch import cfg, mma, to_out
 

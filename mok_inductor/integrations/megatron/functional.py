@@ -390,7 +390,7 @@ def _is_mxfp8_tuple(v) -> bool:
 def _mx_native_col(data, scale):
     """TE's native column-wise pair ([E, M, K] data, [E, M/32, K] scales, or E such 2-D pieces each) as
     (data_t, scale_t) views."""
-    from ...mxfp8 import _transposed
+    from ...types import transposed_payload as _transposed
 
     return _transposed(data), _transposed(scale)
 
