@@ -2,16 +2,16 @@
 
 It runs before AOTAutograd (`torch._inductor.config.pre_grad_custom_pass`, or inside `backend="mok"`), so
 the replaced block's backward is MoK's own `mok::moe_bwd`. Each formulation is a hand-written matcher
-(`match_hf`, `match_titan`, `match_megatron`; shared parts in `_experts`, shared-expert fusion in
-`match_shared`) that checks structure, dtypes and shapes (from `node.meta["example_value"]`) and raises
-`Reject` with a reason on anything MoK does not compute. Nothing is rewritten unless the whole block matched.
+(`match_hf`, `match_titan`; shared parts in `_experts`, shared-expert fusion in `match_shared`) that checks
+structure, dtypes and shapes (from `node.meta["example_value"]`) and raises `Reject` with a reason on anything
+MoK does not compute. Nothing is rewritten unless the whole block matched.
 
 Observability:
 - `torch._dynamo.utils.counters["mok_inductor"]["moe_replaced"]` (and `["moe_rejected"]`);
-- `MOK_PATTERNS_LOG=1` (stderr) logs each match and each rejection with its reason, through the Python logger
-  `lowering.patterns` at INFO (which any logging setup can also enable). Not a TORCH_LOGS artifact: torch
-  parses TORCH_LOGS at `import torch`, before an outside package can `register_artifact`, and rejects the
-  unknown name ("Valid settings: ..."), and `torch._logging.set_logs` takes no custom names (checked on 2.13);
+- every match and rejection, with its reason, goes to the Python logger `mok_inductor.lowering.patterns` at
+  INFO, and to stderr while `mok_inductor.options.current().log_patterns` is on (`MOK_PATTERNS_LOG=1`). Not a
+  TORCH_LOGS artifact: torch parses TORCH_LOGS at `import torch`, before an outside package can
+  `register_artifact`, and rejects the unknown name, and `torch._logging.set_logs` takes no custom names;
 - `rewrite(graph)` returns the same records as `MatchRecord`s; `MokPatternPass.last_records` keeps the last.
 """
 
@@ -20,32 +20,30 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
-import os
+import sys
 from typing import Optional
 
 import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
-from . import cache, match_hf, match_megatron, match_shared, match_titan
+from .. import options
+from . import cache, match_hf, match_shared, match_titan
 from ._experts import MoEMatch, group_by_offs, grouped_core
 from ._fx import Reject, check_not_mutated, is_mutating, shape, val
 
 _log = logging.getLogger(__name__)
-if os.environ.get("MOK_PATTERNS_LOG", "0") not in ("0", ""):
-    _h = logging.StreamHandler()
-    _h.setFormatter(logging.Formatter("[mok_patterns] %(message)s"))
-    _log.addHandler(_h)
-    _log.setLevel(logging.INFO)
 
 
 def _emit(msg: str) -> None:
     _log.info(msg)
+    if options.current().log_patterns:
+        print(f"[mok_patterns] {msg}", file=sys.stderr)
 
 
 @dataclasses.dataclass(frozen=True)
 class MatchRecord:
-    formulation: str  # e.g. "hf_grouped_mm", "hf_batched_mm", "titan_grouped_mm", "megatron_sequential"
+    formulation: str  # e.g. "hf_grouped_mm", "hf_batched_mm", "titan_grouped_mm"
     anchor: str  # the node the matcher started from
     replaced: bool
     detail: str  # what matched (shapes) or why it was rejected
@@ -81,11 +79,6 @@ def _find(graph: fx.Graph):
             matches.append(match_hf.match_batched(b2))
         except Reject as e:
             rejected.append(MatchRecord("hf_batched_mm", b2.name, False, str(e)))
-    for m, rec in match_megatron.find(graph):
-        if m is not None:
-            matches.append(m)
-        else:
-            rejected.append(rec)
     return matches, rejected
 
 

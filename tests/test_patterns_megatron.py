@@ -1,9 +1,9 @@
 """Megatron-Core's SequentialMLP and the pattern pass: pinned evidence that there is nothing to match yet.
 
-lowering/match_megatron.py has no matcher because Dynamo (torch 2.13, megatron-core 0.16.1) does not capture
-SequentialMLP's routed-expert loop as one graph. These tests pin that claim on a real MCore MoELayer (built on
-CPU as tests/test_megatron.py does: one-rank gloo group, allgather dispatcher, `Router.gating` patched, fp32,
-SiLU GLU without biases, E=8, K=2, T=24):
+The pass has no Megatron matcher because Dynamo does not capture SequentialMLP's routed-expert loop as one
+graph (docs/patterns.md). These tests pin that claim on a real MCore MoELayer (built on CPU as
+tests/test_megatron.py does: one-rank gloo group, allgather dispatcher, `Router.gating` patched, fp32, SiLU GLU
+without biases, E=8, K=2, T=24):
 
 - `torch._dynamo.explain` on the MoELayer and on SequentialMLP alone breaks the graph, for the documented
   reasons (`masked_select` in the dispatcher's permute, `warnings.warn` in every parallel Linear,
@@ -24,8 +24,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import lowering  # noqa: F401  (registers backend="mok")
-from mok_inductor.lowering import patterns
+from mok_inductor.lowering import patterns  # (registers backend="mok")
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 # the Megatron CPU recipe (module-scoped autouse fixture megatron_env: gloo, parallel_state, Router.gating)
@@ -34,7 +33,7 @@ from test_megatron import B, E, H, S, build_layer, make_config, megatron_env, re
 # The rewrite is the same whatever runs the rewritten pieces; AOTAutograd + eager instead of an Inductor compile
 # of each of the ~16 pieces (forward and backward) keeps this at a few seconds instead of ~65 s on CPU.
 MOK_AOT = {"mok_inner": "aot_eager"}
-CAPTURED = "Dynamo now captures SequentialMLP: write the matcher in lowering/match_megatron.py"
+CAPTURED = "Dynamo now captures SequentialMLP: a Megatron matcher in lowering/ is due (docs/patterns.md)"
 
 
 @contextlib.contextmanager
@@ -133,7 +132,7 @@ def test_backend_mok_runs_the_broken_graph_and_replaces_nothing(monkeypatch, cap
     monkeypatch.setattr(patterns, "rewrite", lambda graph: records.append(real_rewrite(graph)) or records[-1])
     torch._dynamo.reset()
     counters["mok_inductor"].clear()
-    with caplog.at_level(logging.INFO, logger="lowering.patterns"):
+    with caplog.at_level(logging.INFO, logger="mok_inductor.lowering.patterns"):
         out, dx, grads = _step(torch.compile(layer, backend="mok", options=MOK_AOT), x, dy)
     torch._dynamo.reset()
 
