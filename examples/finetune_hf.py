@@ -24,6 +24,7 @@ still written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -31,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-import mok_inductor  # registers the "mok" experts backend
+import mok_inductor
 import mok_inductor.integrations.transformers
 
 PRESETS = {
@@ -97,6 +98,14 @@ def make_loss_fn(model):
 
 
 def train(model, impl: str, batches, *, compiled: bool, lr: float, device: str, warmup: int) -> RunResult:
+    # "mok" runs inside mok_inductor.enabled(): it registers the "mok" experts backend and installs the compile-cache
+    # key over the package. The other implementations run outside it, so its graph pass cannot swap their experts
+    # for MoK and the baselines stay transformers' own.
+    with mok_inductor.enabled() if impl == "mok" else contextlib.nullcontext():
+        return _train(model, impl, batches, compiled=compiled, lr=lr, device=device, warmup=warmup)
+
+
+def _train(model, impl: str, batches, *, compiled: bool, lr: float, device: str, warmup: int) -> RunResult:
     model.set_experts_implementation(impl)
     if impl == "mok":
         # decide each experts module's plan eagerly (optional: a compiled first call decides it while tracing)

@@ -1,6 +1,7 @@
 """The "mok" experts backend for Hugging Face transformers (mok_inductor/integrations/transformers.py).
 
-- registration: lazy (importing mok_inductor does not import transformers), in both import orders;
+- registration: `import mok_inductor` leaves transformers alone, `mok_inductor.enable()` and `register()`
+  register "mok", importing this module registers nothing;
 - the family matrix, EAGER ONLY: every `@use_experts_implementation` class found in the installed
   transformers is built from its config class's defaults shrunk generically (no downloads, no
   hand-written configs); "mok" must equal "eager" in logits, every experts output and every
@@ -25,7 +26,7 @@ import warnings
 import pytest
 import torch
 
-import mok_inductor  # noqa: F401  (registers "mok")
+import mok_inductor
 from mok_inductor.integrations import transformers as hf
 
 import transformers  # a pinned test dependency (requirements.txt): its absence must fail, not skip
@@ -33,6 +34,12 @@ from transformers import PreTrainedModel  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 128  # input ids are drawn from [0, VOCAB - 8); special token ids are moved into the last 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _registered():
+    """Every test below picks experts_implementation="mok": register it, as a user does (or mok_inductor.enable())."""
+    hf.register()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -300,42 +307,69 @@ def test_registered_in_experts_interface():
         assert ExpertsInterface._global_mapping[name] is not hf.mok_experts_forward
 
 
-_LAZY_SCRIPT = r"""
+# In a fresh process: the rule of the module docstring, step by step.
+_REGISTRATION_SCRIPT = r"""
 import sys
+hooks = list(sys.meta_path)
 import mok_inductor
+assert "transformers" not in sys.modules, "import mok_inductor imported transformers"
+assert sys.meta_path == hooks, "import mok_inductor changed sys.meta_path"
 from mok_inductor.integrations import transformers as hf
-assert "transformers" not in sys.modules, "importing mok_inductor imported transformers"
-assert not hf.is_registered()
+assert "transformers" not in sys.modules, "importing the integration imported transformers"
+assert sys.meta_path == hooks, "importing the integration changed sys.meta_path"
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.integrations.moe import ExpertsInterface
-assert ExpertsInterface._global_mapping.get("mok") is hf.mok_experts_forward
+assert "mok" not in ExpertsInterface._global_mapping and not hf.is_registered(), "registered without enable()"
 cfg = Qwen3MoeConfig(hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4,
                      num_experts_per_tok=2, vocab_size=32)
+try:
+    Qwen3MoeForCausalLM._from_config(cfg, experts_implementation="mok")
+    raise AssertionError("experts_implementation='mok' was accepted before enable()")
+except (ValueError, KeyError):
+    pass
+mok_inductor.enable()
+assert ExpertsInterface._global_mapping["mok"] is hf.mok_experts_forward and hf.is_registered()
 m = Qwen3MoeForCausalLM._from_config(cfg, experts_implementation="mok")
 assert m.config._experts_implementation == "mok"
 print("OK")
 """
 
-def test_registration_is_lazy():
-    """In a fresh process: importing mok_inductor does not import transformers; the first transformers model
-    import registers "mok" through the import hook."""
+
+def test_registration_rule_in_a_fresh_process():
+    """`import mok_inductor` neither imports transformers nor touches sys.meta_path, importing the integration
+    registers nothing, and `mok_inductor.enable()` makes experts_implementation="mok" available."""
     env = dict(os.environ, PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", _LAZY_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=180)
+    out = subprocess.run([sys.executable, "-c", _REGISTRATION_SCRIPT], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
-def test_registration_when_transformers_is_already_imported(monkeypatch):
-    """transformers imported first: register_if_installed() registers at once, installs no hook, is idempotent."""
+def test_register_is_idempotent_and_explicit(monkeypatch):
+    """register() and register_if_installed() (what enable() calls) register the one name, and again is a no-op."""
     from transformers.integrations.moe import ExpertsInterface
 
-    monkeypatch.setattr(hf, "_registered", False)
-    monkeypatch.delitem(ExpertsInterface._global_mapping, "mok")
-    hooks_before = list(sys.meta_path)
+    monkeypatch.delitem(ExpertsInterface._global_mapping, "mok")  # restored by monkeypatch afterwards
+    assert not hf.is_registered()
+    before = dict(ExpertsInterface._global_mapping)
     assert hf.register_if_installed()
-    assert ExpertsInterface._global_mapping["mok"] is hf.mok_experts_forward
-    assert hf.register_if_installed() and sys.meta_path == hooks_before
+    assert hf.is_registered() and ExpertsInterface._global_mapping["mok"] is hf.mok_experts_forward
+    hf.register()
+    assert hf.register_if_installed()
+    assert dict(ExpertsInterface._global_mapping) == {**before, "mok": hf.mok_experts_forward}
+
+
+def test_register_if_installed_without_transformers(monkeypatch):
+    """Without transformers installed, enable()'s registration step does nothing and says so; register() raises
+    an ImportError telling what to install."""
+    for name in [n for n in sys.modules if n == "transformers" or n.startswith("transformers.")]:
+        monkeypatch.delitem(sys.modules, name)  # every one restored by monkeypatch afterwards
+    # None in sys.modules: find_spec("transformers") is None and `import transformers...` raises ImportError
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert hf.register_if_installed() is False
+    assert not hf.is_registered()
+    with pytest.raises(ImportError, match="pip install transformers"):
+        hf.register()
 
 
 def test_unknown_name_still_rejected():
@@ -608,7 +642,8 @@ def _finetune_example():
 
 
 # The CI shapes of examples/finetune_hf.py: the compiled Qwen3-MoE test below compiles exactly the graph the
-# example compiles, so the example's test finds it in the Inductor cache of this session.
+# example compiles, inside mok_inductor.enabled() as the example does (the same passes, so the same cache key),
+# so the example's test finds it in the Inductor cache.
 _CI_ARGS = dict(preset="tiny", layers=1, batch=4, seq=32)
 
 
@@ -671,10 +706,11 @@ def test_compiled_fullgraph_forward_backward(kind, backend):
         loss.backward()
         return loss.detach()
 
-    if backend == "inductor":
-        loss, codes = run_and_get_code(step, ids)
-    else:
-        loss = step(ids)
+    with mok_inductor.enabled():  # what a process compiling "mok" models installs (the cache key above all)
+        if backend == "inductor":
+            loss, codes = run_and_get_code(step, ids)
+        else:
+            loss = step(ids)
     assert any("mok.moe_fwd" in c for c in codes), "the compiled forward does not call mok::moe_fwd"
     assert any("mok.moe_bwd" in c for c in codes), "the compiled backward does not call mok::moe_bwd"
     assert rel(loss, ref_loss) <= 1e-4
@@ -910,7 +946,8 @@ def test_cuda_compiled_fullgraph_forward_backward(kind, triton_only):
         loss.backward()
         return loss.detach()
 
-    loss, codes = run_and_get_code(step, ids)
+    with mok_inductor.enabled():  # what a process compiling "mok" models installs
+        loss, codes = run_and_get_code(step, ids)
     names = {n for m in (moe_fwd, moe_bwd, schedule) for n in dir(m) if n.endswith("_kernel")}
     assert len(codes) >= 2, "expected a forward and a backward module"
     assert {n for n in names if n in codes[0]}, f"no mok Triton kernel in the forward code ({sorted(names)})"

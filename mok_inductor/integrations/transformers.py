@@ -1,6 +1,7 @@
 """The "mok" experts backend for Hugging Face transformers.
 
-    import mok_inductor                      # registers "mok" in transformers' ExpertsInterface
+    import mok_inductor
+    mok_inductor.enable()                    # registers "mok" in transformers' ExpertsInterface
     model = AutoModelForCausalLM.from_config(cfg, experts_implementation="mok")
     model.set_experts_implementation("mok")  # or switch an existing model
 
@@ -27,9 +28,11 @@ top_k_weights [T, K])`, the signature of transformers' `ExpertsInterface`):
 Shared experts (Qwen2-MoE's gated `shared_expert`, DeepSeek-V3/GLM4-MoE's `shared_experts`) live
 in the sparse MoE block, outside the experts function, and keep running there, as HF computes them.
 
-Registration is lazy: `register_if_installed()` (called by `import mok_inductor`) never imports
-transformers. When `transformers.integrations.moe` is already imported it registers at once;
-otherwise a one-shot meta-path finder registers right after that module is first executed.
+Registration adds one name, "mok", to transformers' ExpertsInterface and changes nothing else in transformers.
+It happens in exactly two ways: `mok_inductor.enable()` calls `register_if_installed()`, which registers when
+transformers is installed (importing `transformers.integrations.moe`) and does nothing otherwise; `register()`
+registers explicitly and raises ImportError without transformers. `import mok_inductor` never touches
+transformers, and importing this module registers nothing: no import hook, nothing patched at import.
 `discover_experts_classes()` lists every `@use_experts_implementation` class of the installed
 transformers by parsing the modeling sources (used by the tests and the docs).
 
@@ -40,13 +43,12 @@ from __future__ import annotations
 
 import ast
 import ctypes
-import importlib.abc
+import importlib
 import importlib.util
 import math
 import os
 import re
 import sys
-import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -58,115 +60,59 @@ BACKEND_NAME = "mok"
 _HF_MOE_MODULE = "transformers.integrations.moe"
 
 # ---------------------------------------------------------------------------------------------
-# Registration (lazy: importing mok_inductor must not import transformers)
+# Registration: explicit (`register()`) or through `mok_inductor.enable()` (`register_if_installed()`)
 
-_registered = False
-_lock = threading.Lock()
+
+def _experts_interface(moe_module):
+    """transformers' ExpertsInterface, or None where this transformers has none (older than 5.x)."""
+    return getattr(moe_module, "ExpertsInterface", None)
 
 
 def is_registered() -> bool:
-    """Whether "mok" has been registered in transformers' ExpertsInterface by this process."""
-    return _registered
-
-
-def _register_now(moe_module) -> None:
-    global _registered
-    with _lock:
-        if _registered:
-            return
-        # Marked here rather than with a decorator: torch.compiler.assume_constant_result imports
-        # torch._dynamo (seconds), and `import mok_inductor` must stay cheap. It marks the function
-        # object itself, so the global mok_experts_forward calls is the marked one.
-        torch.compiler.assume_constant_result(_experts_plan_at_trace_time)
-        moe_module.ExpertsInterface.register(BACKEND_NAME, mok_experts_forward)
-        _registered = True
-
-
-class _RegisterAfterExec(importlib.abc.Loader):
-    """Wraps the loader of `transformers.integrations.moe` to register "mok" right after it runs."""
-
-    def __init__(self, inner):
-        self._inner = inner
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module):
-        try:
-            self._inner.exec_module(module)
-        except BaseException:
-            _install_finder()  # the import failed: watch for the next attempt
-            raise
-        _register_now(module)
-
-    def __getattr__(self, name):  # get_resource_reader, is_package, ... of the wrapped loader
-        return getattr(self._inner, name)
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """One-shot finder: when `transformers.integrations.moe` is imported, wrap its loader."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _HF_MOE_MODULE:
-            return None
-        _remove_finder()
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _RegisterAfterExec(spec.loader)
-                return spec
-        return None
-
-
-_finder: Optional[_PostImportFinder] = None
-
-
-def _remove_finder() -> None:
-    global _finder
-    if _finder is not None and _finder in sys.meta_path:
-        sys.meta_path.remove(_finder)
-    _finder = None
-
-
-def register_if_installed() -> bool:
-    """Register "mok" with transformers' ExpertsInterface if transformers is installed.
-
-    Never imports transformers: registers now when `transformers.integrations.moe` is already
-    loaded, else installs a one-shot import hook that registers when it is. Idempotent. Returns
-    whether transformers is installed. `MOK_NO_HF_REGISTER=1` turns it off.
-    """
-    if os.environ.get("MOK_NO_HF_REGISTER", "0") == "1":
-        return False
-    if _registered:
-        return True
+    """Whether "mok" names `mok_experts_forward` in transformers' ExpertsInterface (never imports transformers)."""
     moe_module = sys.modules.get(_HF_MOE_MODULE)
-    if moe_module is not None and hasattr(moe_module, "ExpertsInterface"):
-        _register_now(moe_module)
-        return True
-    if "transformers" not in sys.modules and importlib.util.find_spec("transformers") is None:
-        return False
-    _install_finder()
-    return True
+    interface = None if moe_module is None else _experts_interface(moe_module)
+    return interface is not None and interface._global_mapping.get(BACKEND_NAME) is mok_experts_forward
 
 
-def _install_finder() -> None:
-    global _finder
-    if _finder is None and not _registered:
-        _finder = _PostImportFinder()
-        sys.meta_path.insert(0, _finder)
+def _register_in(moe_module) -> None:
+    # Marked here rather than with a decorator: torch.compiler.assume_constant_result imports torch._dynamo
+    # (seconds), which importing this module should not cost. It marks the function object itself (idempotent),
+    # so the global that mok_experts_forward calls is the marked one.
+    torch.compiler.assume_constant_result(_experts_plan_at_trace_time)
+    _experts_interface(moe_module).register(BACKEND_NAME, mok_experts_forward)
 
 
 def register() -> None:
-    """Register "mok" now, importing `transformers.integrations.moe` (ImportError if absent)."""
+    """Register "mok" in transformers' ExpertsInterface now, importing `transformers.integrations.moe`.
+    Idempotent. ImportError when transformers (>= 5.17) is not installed."""
     try:
-        import transformers.integrations.moe as moe_module
-    except ImportError as e:  # pragma: no cover - depends on the environment
+        moe_module = importlib.import_module(_HF_MOE_MODULE)
+    except ImportError as e:
         raise ImportError("the transformers integration needs `pip install transformers>=5.17`") from e
-    _register_now(moe_module)
+    if _experts_interface(moe_module) is None:
+        raise ImportError(f"{_HF_MOE_MODULE} has no ExpertsInterface: the transformers integration needs "
+                          "`pip install transformers>=5.17`")
+    _register_in(moe_module)
+
+
+def register_if_installed() -> bool:
+    """Register "mok" when transformers (with an ExpertsInterface) is installed; returns whether it did.
+
+    `mok_inductor.enable()` calls it. It imports `transformers.integrations.moe` (which imports transformers) when
+    transformers is installed, and does nothing when it is not or when it predates ExpertsInterface. Idempotent."""
+    if importlib.util.find_spec("transformers") is None:
+        return False
+    try:
+        moe_module = importlib.import_module(_HF_MOE_MODULE)
+    except ModuleNotFoundError as e:
+        if e.name != _HF_MOE_MODULE:  # a broken install is an error, not "not installed"
+            raise
+        return False
+    if _experts_interface(moe_module) is None:
+        return False
+    _register_in(moe_module)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
