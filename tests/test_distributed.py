@@ -480,6 +480,7 @@ def case_transformers_shard_experts(rank, world, seed):
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
     from mok_inductor.integrations import transformers as hf
 
+    hf.register()  # experts_implementation="mok" below
     cfg = Qwen2MoeConfig(hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
                          vocab_size=64, shared_expert_intermediate_size=24)
