@@ -1,6 +1,6 @@
 """The MoK backend for megatron-core 0.16.1 MoE layers, on CPU (and CUDA where present).
 
-Recipe of shared/MEGATRON.md section 3.4: a one-rank gloo process group, parallel_state, a
+The setup: a one-rank gloo process group, parallel_state, a
 TransformerConfig with SequentialMLP experts and a gated shared expert, the clamped SwiGLU active
 (init std 0.5, activation_func_clamp_value=4), `Router.gating` patched to a plain fp32 linear (the
 0.16.1 router moves weights to CUDA and needs TE otherwise; equivalent for moe_router_dtype="fp32").
@@ -424,7 +424,7 @@ def test_enable_is_idempotent_and_disable_restores():
     (dict(activation_func=F.gelu), ValueError, "SwiGLU"),
     (dict(glu_linear_offset=1.0), ValueError, "glu_linear_offset"),
     (dict(moe_apply_probs_on_input=True), ValueError, "moe_apply_probs_on_input"),
-    (dict(fp8="e4m3"), ValueError, "issue 8"),
+    (dict(fp8="e4m3"), ValueError, "fp8 .* is not supported"),
     (dict(tensor_model_parallel_size=2), ValueError, "tensor parallelism"),
     (dict(moe_shared_expert_overlap=True), ValueError, "moe_shared_expert_overlap"),
     (dict(add_bias_linear=True), ValueError, "add_bias_linear"),

@@ -97,7 +97,7 @@ def check_megatron_config(config) -> None:
     partial = [s for s in _scopes(getattr(config, "cuda_graph_scope", None)) if s in ("moe_router", "moe_preprocess")]
     need(not partial, f"partial MoE CUDA graphs (cuda_graph_scope {partial}) are not supported")
     need(getattr(config, "fp8", None) is None,
-         "fp8 is not supported yet (MXFP8 routed weights are issue 8); train in bf16, fp16 or fp32")
+         "fp8 (MXFP8 routed weights included) is not supported; train in bf16, fp16 or fp32")
     need(getattr(config, "fp4", None) is None, "fp4 is not supported")
     need(getattr(config, "params_dtype", torch.float32) in _PARAM_DTYPES,
          f"params_dtype must be bfloat16, float16 or float32, got {getattr(config, 'params_dtype', None)}")
@@ -167,7 +167,7 @@ class MoKMegakernel(MegatronModule):
         self.topk = config.moe_router_topk
         self.swiglu_limit = getattr(config, "activation_func_clamp_value", None)
         self.fuse_wgrad_accumulation = bool(getattr(config, "gradient_accumulation_fusion", False))
-        self.use_mxfp8_weights = False  # issue 8
+        self.use_mxfp8_weights = False  # a member of the megakernel backend interface; fp8 is refused above
         if mok_config is None:
             mok_config = getattr(config, "moe_megakernel_backend_config", None)
         if isinstance(mok_config, functional.MoKConfig):

@@ -1,4 +1,4 @@
-"""The main-grad bridge: Megatron DDP's gradient-accumulation-fusion protocol (shared/MEGATRON.md 2.3).
+"""The main-grad bridge: Megatron DDP's gradient-accumulation-fusion protocol.
 
 Megatron's DDP gives every parameter a `main_grad` buffer (float32 or bfloat16, the parameter's
 shape) and a `grad_added_to_main_grad` flag, and hooks each parameter's gradient accumulator: the hook
