@@ -1,19 +1,22 @@
 """Compile-cache keying: Inductor's FX-graph cache and the AOTAutograd cache must miss when this package changes.
 
 Neither cache hashes the Python code of a `torch.library.custom_op` (its impl, fake or autograd formula), so
-an edited `mok::moe_fwd` fake or backward could silently reuse a stale compiled graph (shared/INDUCTOR.md,
-trap 1). Both caches do hash the `uuid()` of every `CustomGraphPass` installed in `torch._inductor.config`
-(`FxGraphHashDetails`, which `AOTAutogradCacheDetails` extends, in torch 2.11 through 2.13). So:
+an edited `mok::moe_fwd` fake or backward could silently reuse a stale compiled graph. Both caches do hash the
+`uuid()` of every `CustomGraphPass` installed in `torch._inductor.config` (`FxGraphHashDetails`, which
+`AOTAutogradCacheDetails` extends, in torch 2.11 through 2.13). So:
 
-- `fingerprint()` is a sha256 of the package version and of the bytes of every `*.py` file under
-  `mok_inductor/` and `lowering/` (paths relative to the package root, sorted);
-- `install()` adds a `CacheKeyPass` (a no-op but for one torch 2.11 fix-up, see its docstring) whose `uuid()` is that fingerprint to
-  `torch._inductor.config.post_grad_custom_post_pass`, keeping whatever pass was there (appended to a list
-  on torch >= 2.12, chained in front of it in 2.11's single slot). It runs on every compile, so graphs that
-  call `mok::moe` directly, without the pattern pass, are keyed too. `import mok_inductor` calls it, so every
-  process that can build a MoK graph is keyed (`MOK_CACHE_KEY=0` skips it); `lowering` reaches this module
-  as `lowering.cache`;
-- the pattern pass (`lowering.patterns.MokPatternPass`) carries the same fingerprint in its own `uuid()`.
+- `fingerprint()` is a sha256 of the package and torch versions, of `mok_inductor.options.current()` (the
+  options decide what the traced graphs contain: which kernels, tile configs and TMA loads) and of the bytes
+  of every source file of `mok_inductor` and `mok_inductor.lowering`, found from the imported packages'
+  `__path__` (so it holds for an editable install, where `lowering/` is a folder of its own, and for a wheel,
+  where it sits inside `mok_inductor/`);
+- `install()` adds a `CacheKeyPass` (a no-op but for one torch 2.11 fix-up, see its docstring) whose `uuid()`
+  is that fingerprint to `torch._inductor.config.post_grad_custom_post_pass`, keeping whatever pass was there
+  (appended to a list on torch >= 2.12, chained in front of it in 2.11's single slot). It runs on every
+  compile, so graphs that call `mok::moe` directly, without the pattern pass, are keyed too.
+  `mok_inductor.enable()` installs it (and `backend="mok"` does for its own compiles); importing the package
+  does not, so a process that compiles MoK graphs through `backend="inductor"` must call `enable()`;
+- the pattern pass (`patterns.MokPatternPass`) carries the same fingerprint in its own `uuid()`.
 
 The key covers every compile in the process once installed (a changed package also invalidates graphs
 without MoE blocks: harmless, and cheaper than deciding per graph). A chained pass without a `uuid()` makes
@@ -33,8 +36,11 @@ try:
 except ImportError:  # pragma: no cover - torch < 2.6
     CustomGraphPass = object  # type: ignore[misc,assignment]
 
-_ROOT = Path(__file__).resolve().parent.parent
-SOURCE_PACKAGES = ("mok_inductor", "lowering")
+# The packages whose files the compiled graphs depend on, innermost first: a wheel nests lowering inside
+# mok_inductor, and each file is counted once, under the innermost package that holds it.
+SOURCE_PACKAGES = ("mok_inductor.lowering", "mok_inductor")
+# Package data that can change a traced graph (tuned tile-config tables) is hashed with the code.
+SOURCE_SUFFIXES = (".py", ".json")
 
 
 def package_version() -> str:
@@ -53,27 +59,54 @@ def package_version() -> str:
     return getattr(mok_inductor, "__version__", "unknown")
 
 
+def package_roots() -> list[tuple[str, Path]]:
+    """(package name, folder) for each folder of each source package's `__path__`, innermost package first."""
+    import importlib
+
+    roots = []
+    for name in SOURCE_PACKAGES:
+        for folder in importlib.import_module(name).__path__:
+            roots.append((name, Path(folder).resolve()))
+    return roots
+
+
+def _sources_with_names() -> dict[Path, str]:
+    """{resolved file: its name in the key, "<package>/<path inside the package folder>"}."""
+    found: dict[Path, str] = {}
+    for name, root in package_roots():
+        for p in root.rglob("*"):
+            if p.suffix not in SOURCE_SUFFIXES or "__pycache__" in p.parts or not p.is_file():
+                continue
+            found.setdefault(p.resolve(), f"{name}/{p.relative_to(root).as_posix()}")
+    return found
+
+
 def hashed_sources() -> list[Path]:
-    """Every Python source file the compiled graphs may depend on, sorted."""
-    files: list[Path] = []
-    for pkg in SOURCE_PACKAGES:
-        files.extend(p for p in (_ROOT / pkg).rglob("*.py") if "__pycache__" not in p.parts)
-    return sorted(files)
+    """Every source file the compiled graphs may depend on, each once, in the order of their names in the key
+    (which do not depend on where the packages are installed)."""
+    names = _sources_with_names()
+    return sorted(names, key=names.__getitem__)
+
+
+def options_key() -> str:
+    """The options in effect, as they enter the key."""
+    from .. import options
+
+    return repr(options.current())
 
 
 def fingerprint(files: Optional[Iterable[Path]] = None, version: Optional[str] = None) -> str:
-    """sha256 hex of the version and of (relative path, bytes) of each source file. Read afresh on each call
-    (a few dozen small files) so an edited file changes it within a running process too."""
+    """sha256 hex of the versions, the options in effect and (name, bytes) of each source file. Read afresh on
+    each call (a few dozen small files) so an edited file or a changed option changes it within a running
+    process too."""
     h = hashlib.sha256()
     h.update(f"mok-inductor {version if version is not None else package_version()}\n".encode())
     h.update(f"torch {torch.__version__}\n".encode())
+    h.update(f"options {options_key()}\n".encode())
+    names = _sources_with_names()
     for p in (hashed_sources() if files is None else files):
         p = Path(p)
-        try:
-            rel = p.resolve().relative_to(_ROOT)
-        except ValueError:
-            rel = p
-        h.update(f"{rel.as_posix()}\n".encode())
+        h.update(f"{names.get(p.resolve(), p.as_posix())}\n".encode())
         try:
             h.update(p.read_bytes())
         except OSError:
@@ -108,7 +141,7 @@ def as_tuple(p) -> tuple:
 
 class CacheKeyPass(CustomGraphPass):
     """A post-grad pass whose uuid() keys the compile caches on this package. It changes nothing in a graph
-    except, on torch 2.11, the metadata fix-up of `lowering.compat` for our dynamic-shape launches."""
+    except, on torch 2.11, the metadata fix-up of `compat` for our dynamic-shape launches."""
 
     def __init__(self, chained=None):
         self.chained = chained  # 2.11 single slot: the pass that was there, run first
@@ -117,7 +150,7 @@ class CacheKeyPass(CustomGraphPass):
     def __call__(self, graph, *args, **kwargs) -> None:
         _call_all(as_tuple(self.chained), graph, *args, **kwargs)
         # the one thing it does to graphs: torch 2.11's dynamic-shape fix-up for our Triton launches
-        from .lowering.compat import strip_eager_input_vals
+        from .compat import strip_eager_input_vals
 
         strip_eager_input_vals(graph)
 

@@ -1,7 +1,7 @@
 """Real Inductor compiles (about 20 s each on two CPU cores, so only a few): backend="mok" on a bf16
-grouped_mm Qwen3-MoE block, `mok_inductor.enable()` on an fp32 Mixtral block (transformers::grouped_mm_fallback), and the
-compile-cache keying of issue 4 item 5 (same source -> FX-graph and AOTAutograd cache hits; a changed
-package version or source file -> misses)."""
+grouped_mm Qwen3-MoE block, `mok_inductor.enable()` on an fp32 Mixtral block (transformers::grouped_mm_fallback),
+and the compile-cache keying that `enable()` installs (same sources and options -> FX-graph and AOTAutograd
+cache hits; a changed source file or changed options -> misses)."""
 
 from __future__ import annotations
 
@@ -116,45 +116,118 @@ def _compile_once():
     return dict(counters["inductor"]), dict(counters["aot_autograd"])
 
 
-def test_fingerprint_follows_version_and_every_source_byte(tmp_path):
+def test_fingerprint_follows_version_options_and_every_source_byte(tmp_path):
     extra = tmp_path / "extra.py"
     extra.write_text("A = 1\n")
     files = cache.hashed_sources() + [extra]
     base = cache.fingerprint(files)
     assert cache.fingerprint(files) == base
     assert cache.fingerprint(files, version="0.0.0+other") != base
+    with mok_inductor.options.override(autotune=not mok_inductor.options.current().autotune):
+        assert cache.fingerprint(files) != base
+    assert cache.fingerprint(files) == base
     extra.write_text("A = 2\n")
     assert cache.fingerprint(files) != base
-    assert any(p.name == "ops.py" and p.parent.name == "mok_inductor" for p in cache.hashed_sources())
-    assert any(p.name == "patterns.py" and p.parent.name == "lowering" for p in cache.hashed_sources())
+    sources = cache.hashed_sources()
+    assert len(sources) == len(set(sources))
+    assert any(p.name == "ops.py" and p.parent.name == "mok_inductor" for p in sources)
+    assert any(p.name == "patterns.py" and p.parent.name == "lowering" for p in sources)
 
 
-def test_compile_caches_key_on_package_sources(tmp_path, monkeypatch):
+_LAYOUT_PROBE = """
+import importlib.util, json, sys
+site, layout = sys.argv[1], sys.argv[2]
+sys.path.insert(0, site)
+import mok_inductor
+if layout == "editable":  # lowering/ beside mok_inductor/, mapped in as mok_inductor.lowering, as pip install -e does
+    spec = importlib.util.spec_from_file_location("mok_inductor.lowering", site + "/lowering/__init__.py",
+                                                  submodule_search_locations=[site + "/lowering"])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+from mok_inductor.lowering import cache
+names = cache._sources_with_names()
+print(json.dumps({"file": mok_inductor.__file__, "lowering": sys.modules["mok_inductor.lowering"].__file__,
+                  "names": [names[p] for p in cache.hashed_sources()], "fingerprint": cache.fingerprint()}))
+"""
+
+
+def _probe_layout(site, layout):
+    """The key's view of the packages copied under `site`, in a fresh process started there (not in the
+    checkout, whose folders `python -c` would import first)."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _LAYOUT_PROBE, str(site), layout], capture_output=True, text=True,
+                       timeout=300, cwd=site)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_fingerprint_same_in_editable_and_wheel_layouts(tmp_path):
+    """`pip install -e .` maps the repository's lowering/ in as mok_inductor.lowering; a wheel installs it as
+    mok_inductor/lowering/. The key finds the sources from the packages' `__path__`, counts each file once and
+    names it by package, so one snapshot of the sources gives one key in both layouts."""
+    import shutil
+    from pathlib import Path
+
+    import mok_inductor.lowering
+
+    skip = shutil.ignore_patterns("__pycache__")
+    editable, wheel = tmp_path / "editable", tmp_path / "wheel"
+    shutil.copytree(Path(mok_inductor.__file__).parent, editable / "mok_inductor", ignore=skip)
+    shutil.copytree(Path(mok_inductor.lowering.__file__).parent, editable / "lowering", ignore=skip)
+    shutil.copytree(editable / "mok_inductor", wheel / "mok_inductor")
+    shutil.copytree(editable / "lowering", wheel / "mok_inductor" / "lowering")
+
+    e, w = _probe_layout(editable, "editable"), _probe_layout(wheel, "wheel")
+    assert Path(e["lowering"]).parent == editable / "lowering"
+    assert Path(w["file"]).parent == wheel / "mok_inductor"
+    assert Path(w["lowering"]).parent == wheel / "mok_inductor" / "lowering"
+    n_files = sum(1 for p in editable.rglob("*") if p.suffix in cache.SOURCE_SUFFIXES)
+    assert len(w["names"]) == len(set(w["names"])) == n_files
+    assert w["names"] == e["names"]
+    assert "mok_inductor.lowering/patterns.py" in w["names"] and "mok_inductor/ops.py" in w["names"]
+    assert w["fingerprint"] == e["fingerprint"]
+    (wheel / "mok_inductor" / "lowering" / "patterns.py").write_text("# edited\n", encoding="utf-8")
+    assert _probe_layout(wheel, "wheel")["fingerprint"] != e["fingerprint"]
+
+
+def test_compile_caches_key_on_package_sources_and_options(tmp_path, monkeypatch):
     from torch._inductor import config as inductor_config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     with inductor_config.patch(fx_graph_cache=True, force_disable_caches=False), \
-            torch._functorch.config.patch(enable_autograd_cache=True):
+            torch._functorch.config.patch(enable_autograd_cache=True), mok_inductor.enabled():
         _check_hit_then_miss(tmp_path, monkeypatch)
+    assert cache.installed() is None
+
+
+def _assert_miss(ind, aot):
+    assert ind.get("fxgraph_cache_hit", 0) == 0 and ind.get("fxgraph_cache_miss", 0) >= 1, ind
+    assert aot.get("autograd_cache_hit", 0) == 0 and aot.get("autograd_cache_miss", 0) >= 1, aot
+
+
+def _assert_hit(ind, aot):
+    assert ind.get("fxgraph_cache_hit", 0) >= 1 and ind.get("fxgraph_cache_miss", 0) == 0, ind
+    assert aot.get("autograd_cache_hit", 0) >= 1 and aot.get("autograd_cache_miss", 0) == 0, aot
 
 
 def _check_hit_then_miss(tmp_path, monkeypatch):
-    cache.install()
     assert cache.installed() is not None
 
-    ind, aot = _compile_once()
-    assert ind.get("fxgraph_cache_miss", 0) >= 1 and ind.get("fxgraph_cache_hit", 0) == 0, ind
-    assert aot.get("autograd_cache_miss", 0) >= 1, aot
+    _assert_miss(*_compile_once())
+    _assert_hit(*_compile_once())  # same sources and options: both caches answer
 
-    ind, aot = _compile_once()  # same sources: both caches answer
-    assert ind.get("fxgraph_cache_hit", 0) >= 1 and ind.get("fxgraph_cache_miss", 0) == 0, ind
-    assert aot.get("autograd_cache_hit", 0) >= 1 and aot.get("autograd_cache_miss", 0) == 0, aot
+    # changed options (the traced graph may differ: other kernels, configs, loads)
+    with mok_inductor.options.override(autotune=not mok_inductor.options.current().autotune):
+        _assert_miss(*_compile_once())
+    _assert_hit(*_compile_once())  # the options as before: the first entry answers again
 
     # a changed source file in the hashed set (as an edited fake or backward would be)
     edited = tmp_path / "edited_ops.py"
     edited.write_text("# a new kernel version\n")
     sources = cache.hashed_sources()
     monkeypatch.setattr(cache, "hashed_sources", lambda: sources + [edited])
-    ind, aot = _compile_once()
-    assert ind.get("fxgraph_cache_hit", 0) == 0 and ind.get("fxgraph_cache_miss", 0) >= 1, ind
-    assert aot.get("autograd_cache_hit", 0) == 0 and aot.get("autograd_cache_miss", 0) >= 1, aot
+    _assert_miss(*_compile_once())
