@@ -1,12 +1,25 @@
-"""Everything Inductor-facing, installed as `mok_inductor.lowering`: the graph pass that swaps MoE blocks
-for `mok::moe` (`patterns`, matchers in `match_*`), the `backend="mok"` compile backend (`backend`), the
-compile-cache keying (`cache`) and torch-version shims (`compat`). Imports `mok_inductor`, never the
-reverse at import time: `mok_inductor.enable()` imports this package inside the function.
+"""Everything Inductor-facing, installed as `mok_inductor.lowering` (the repository's `lowering/` folder).
 
-Importing it registers the "mok" Dynamo backend name; nothing else changes until `enable()`.
+Modules:
+    decompose    the decomposition of the `mok::` ops into their Triton launches while AOTAutograd traces
+                 CUDA graphs, so Inductor copies our kernels into its generated code
+    patterns     the graph pass that replaces MoE blocks of Dynamo's graph with one `mok::moe` call, and its
+                 switch (`pre_grad_custom_pass`)
+    match_hf     the matchers of transformers' "grouped_mm" and "batched_mm" experts backends
+    match_titan  the matcher of a torchtitan-style grouped MoE
+    match_shared the fusion of a shared expert (and its sigmoid gate) into a matched block
+    _experts     what the grouped matchers share: the match record, the grouped-GEMM anchor, SwiGLU, routing
+    _fx          helpers for reading Dynamo FX graphs without adding guards
+    backend      `torch.compile(model, backend="mok")`: the pattern rewrite, then Inductor
+    cache        the compile-cache key over the package's sources and options, and the pass-slot helpers
+    compat       torch-version shims (a torch 2.11 post-grad fix-up for our dynamic-shape launches)
+
+It imports `mok_inductor`, never the reverse at import time: `mok_inductor.enable()` imports this package
+inside the function. Importing it registers the "mok" Dynamo backend name; nothing else changes until
+`enable()`.
 """
 
-from . import backend, cache, patterns
+from . import backend, cache, decompose, patterns
 
 backend.register()
 
@@ -17,12 +30,14 @@ def enable() -> None:
     from ..integrations import transformers as _hf
 
     cache.install()
+    decompose.install()
     patterns.enable()
     _hf.register_if_installed()
 
 
 def disable() -> None:
     patterns.disable()
+    decompose.uninstall()
     cache.uninstall()
 
 

@@ -1,8 +1,10 @@
 """`torch.compile(model, backend="mok")`: the pattern rewrite on Dynamo's graph, then Inductor.
 
-Registered twice, so the name resolves however lowering is reached: the `torch_dynamo_backends` entry point
-`mok = "lowering.backend:mok_backend"` in pyproject.toml (found by torch once the package is installed, e.g.
-`pip install -e .`), and `torch._dynamo.register_backend` when `lowering` is imported.
+Registered twice, so the name resolves however this package is reached: the `torch_dynamo_backends` entry
+point `mok = "mok_inductor.lowering.backend:mok_backend"` in pyproject.toml (found by torch once the package is
+installed, e.g. `pip install -e .`), and `torch._dynamo.register_backend` when `mok_inductor.lowering` is
+imported (by `mok_inductor.enable()`). Each compile through it installs the compile-cache key first
+(`cache.install()`, process-wide until `mok_inductor.disable()`), since Inductor looks the graph up with it.
 
 Options (`torch.compile(..., backend="mok", options={...})`):
     "mok_inner": "inductor" (default) | "aot_eager" | "eager" — what runs the rewritten graph. "aot_eager"

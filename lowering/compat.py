@@ -6,7 +6,7 @@ mutation (`decompose_triton_kernel_wrapper_functional`), and torch 2.11 does tha
 `Match.replace_by_example`, which, for a node carrying `eager_input_vals`, traces the replacement twice (with the
 eager and with the Inductor metadata) and asserts the two graphs have equally many nodes. With symbolic token
 counts they do not (the second trace adds size nodes), so every `dynamic=True` compile of a MoK graph on CUDA
-failed with a bare `AssertionError` (seen on the H200, torch 2.11.0+cu130). Later torch versions propagate the
+fails with a bare `AssertionError` on torch 2.11. Later torch versions propagate the
 eager values of these nodes separately (`post_grad._propagate_triton_eager_input_vals`) and do not trip.
 
 The fix: on a torch without that function, drop `eager_input_vals` from the functional nodes of OUR kernels
