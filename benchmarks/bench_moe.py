@@ -1,17 +1,25 @@
-"""MoK vs the contenders of shared/BENCH.md, fwd and fwd+bwd, on one GPU, in one process.
+"""One MoE layer, mok against its contenders, fwd and fwd+bwd, on one GPU, in one process.
 
-    python benchmarks/bench_moe.py --out DIR [--shapes qwen3,mixtral,...] [--routing balanced,skewed]
+    python benchmarks/bench_moe.py --out DIR [--shapes qwen3-30b-a3b,mixtral-8x7b,...] [--contenders ...]
+    python benchmarks/bench_moe.py --rounds 5 --contenders mok,mok_compiled,grouped_mm_compiled   # ratios
+    python benchmarks/bench_moe.py --check          # CPU smoke run: every contender against mok, no timing
 
-Contenders: mok (mok_inductor.moe, Triton kernels), eager (the Hugging Face loop over hit experts),
+Contenders: mok (mok_inductor.moe, Triton kernels), mok_compiled (the same under torch.compile), mok_graph
+(decode: mok's forward replayed from a CUDA graph), mok_mxfp8 / mok_mxfp8_graph (MXFP8 routed weights,
+--mxfp8), mok_pointer_loads (mok with options tma=False), eager (the Hugging Face loop over hit experts),
 grouped_mm (sort + gather + torch._grouped_mm, HF's "grouped_mm" experts backend formulation),
-grouped_mm_compiled (the same under torch.compile(fullgraph=True)), dense (one [T*K, H] x [H, 3I]
-bf16 GEMM of the same forward FLOPs: the ceiling; fwd+bwd = it and its two backward GEMMs) and, for
-decode, the floor (bytes of the touched experts' weights / measured copy bandwidth).
+grouped_mm_compiled (the same under torch.compile(fullgraph=True)), liger (Liger-Kernel's Triton fused MoE,
+when installed), dense (one [T*K, H] x [H, 3I] bf16 GEMM of the same forward FLOPs: the ceiling; fwd+bwd =
+it and its two backward GEMMs) and, for decode, the floor (bytes of the touched experts' weights / measured
+copy bandwidth).
 
-FLOPs: forward 6*T*K*H*I, fwd+bwd 18*T*K*H*I (shared/BENCH.md). Times: median of
+FLOPs: forward 6*T*K*H*I (gate and up 4*T*K*H*I, down 2*T*K*H*I), fwd+bwd 18*T*K*H*I. Times: median of
 triton.testing.do_bench (p20/p80 kept). Peak forward memory: max_memory_allocated during one
 forward (outputs and saved activations alive) minus what was allocated before. Every contender is
 checked against mok's output before it is timed. Results: a table last, bench.json (+ bench.png).
+With --rounds R, per shape and after every contender is compiled and warmed up, R rounds alternate the
+contenders' fwd+bwd (each timing at least --iters iterations), and the median, min and max of each round's
+ratio (the last contender's time over each other's) go to ratios.json: a ratio near 1 told from the noise.
 Shape legend: T tokens, H hidden, I intermediate, E experts, K routes per token.
 """
 
@@ -22,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -123,10 +132,8 @@ _compiled = {}
 
 
 def _compiled_fn(fn):
-    # dynamic=False: every shape gets its own static compile. With the default (automatic dynamic shapes) the
-    # second shape of a run recompiled with symbolic sizes, which measured slower on the H200 (session 8,
-    # benchmarks/ratio_ab.py: qwen3 fwd+bwd 13.94 ms as the run's third shape vs 10.41 as its first, mixtral
-    # 29.8 as the first vs 32.25 as the third): the baseline of every shape after the first was weakened
+    # dynamic=False: every shape gets its own static compile. With automatic dynamic shapes the second shape of
+    # a run recompiles with symbolic sizes, which measured slower: it would weaken the compiled baselines
     if fn not in _compiled:
         _compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
     return _compiled[fn]
@@ -137,8 +144,8 @@ def moe_grouped_mm_compiled(x, rw, te, w_gu, w_d):
 
 
 def moe_mok_compiled(x, rw, te, w_gu, w_d):
-    """mok under torch.compile(fullgraph=True, dynamic=False): what a compiled model gets (the Inductor
-    lowering launches the same kernels, with the first tile config of each list, see kernels/_launch.py)."""
+    """mok under torch.compile(fullgraph=True, dynamic=False): what a compiled model gets (after
+    mok_inductor.enable(), Inductor's generated code launches the same kernels, each with its first tile config)."""
     return _compiled_fn(moe_mok)(x, rw, te, w_gu, w_d)
 
 
@@ -171,7 +178,7 @@ class GraphedMok:
 
 
 class MokMxfp8:
-    """mok with MXFP8 routed weights (issue 8): the bf16 weights quantized once (outside the timing, as a
+    """mok with MXFP8 routed weights: the bf16 weights quantized once (outside the timing, as a
     trainer quantizes once per step), each quantized weight keeping its bf16 master for the weight gradients."""
 
     def __init__(self):
@@ -209,18 +216,13 @@ class GraphedMokMxfp8(GraphedMok):
 
 
 class MokPointerLoads:
-    """mok with every tile loaded by pointers (kernels.moe_fwd.TMA_KERNELS off), forward and backward: the
-    A/B of the TMA loads, and how a compiled graph's kernels load (see moe_fwd.tma_eligible)."""
+    """mok with every tile loaded by pointers (options tma=False), forward and backward: the A/B of the TMA
+    loads, and how a compiled graph's kernels load."""
 
-    @contextlib.contextmanager
     def context(self):
-        from mok_inductor.kernels import moe_fwd
+        import mok_inductor
 
-        moe_fwd.TMA_KERNELS = False
-        try:
-            yield
-        finally:
-            moe_fwd.TMA_KERNELS = True
+        return mok_inductor.options.override(tma=False)
 
     def __call__(self, x, rw, te, w_gu, w_d):
         with self.context():
@@ -361,7 +363,7 @@ def table(results):
     return "\n".join(out)
 
 
-def plot(results, path):
+def plot(results, path, gpu=""):
     """Bars of TFLOP/s per shape and contender, fwd and fwd+bwd (decode shapes are in the table only)."""
     try:
         import matplotlib
@@ -386,22 +388,109 @@ def plot(results, path):
         ax.set_xticks([j + 0.4 - w / 2 for j in range(len(keys))])
         ax.set_xticklabels([f"{s}\n{r}" for s, r in keys], fontsize=7)
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"{mode}, bf16, H200")
+        ax.set_title(f"{mode}, bf16, {gpu}")
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(names))  # below the bars
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
 
 
+def timed(fn, iters):
+    """Median ms of `fn` over do_bench's repetitions, sized for at least `iters` calls, and their count."""
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est = (time.perf_counter() - t0) * 1e3
+    q = triton.testing.do_bench(fn, warmup=max(25, 2 * est), rep=max(100, iters * est), return_mode="all")
+    return statistics.median(q), len(q)
+
+
+def interleaved(shapes, names, rounds, iters, log):
+    """fwd+bwd of `names` at each shape in `rounds` alternating rounds; ratios = the last name's ms / each."""
+    base = names[-1]
+    out = []
+    for shape in shapes:
+        T, H, I, E, K = SHAPES[shape]
+        x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, "balanced")
+        leaves, dy = grad_leaves(x, rw, w_gu, w_d)
+        steps = {c: fwd_bwd_step(CONTENDERS[c], leaves, te, dy) for c in names}
+        for c, s in steps.items():  # compile, autotune, warm up
+            t0 = time.time()
+            s()
+            torch.cuda.synchronize()
+            log(f"{shape} {c}: first call {time.time() - t0:.0f} s")
+        rows = []
+        for r in range(rounds):
+            row = {}
+            for c, s in steps.items():
+                row[c], row[c + "_n"] = timed(s, iters)
+            for c in names[:-1]:
+                row[c + "_ratio"] = row[base] / row[c]
+            rows.append(row)
+            log(f"  round {r + 1}: " + ", ".join(f"{c} {row[c]:.3f} ms ({row[c + '_n']} its)" for c in names)
+                + "; " + ", ".join(f"{c} {row[c + '_ratio']:.3f}x" for c in names[:-1]))
+        res = dict(shape=shape, base=base, median_ms={c: statistics.median(r[c] for r in rows) for c in steps},
+                   rounds=rows)
+        for c in names[:-1]:
+            ratios = [r[c + "_ratio"] for r in rows]
+            res[c] = dict(median_ratio=statistics.median(ratios), min_ratio=min(ratios), max_ratio=max(ratios))
+            log(f"{shape}: fwd+bwd {base} / {c} median {res[c]['median_ratio']:.3f}x (min {min(ratios):.3f}, "
+                f"max {max(ratios):.3f}); {c} {res['median_ms'][c]:.3f} ms, {base} {res['median_ms'][base]:.3f} ms")
+        out.append(res)
+        del steps, leaves
+        torch.cuda.empty_cache()
+    return out
+
+
+def check(contenders):
+    """CPU smoke run: each contender's forward (and fwd+bwd) at a tiny shape against mok's output."""
+    T, H, I, E, K = 64, 64, 32, 8, 2
+    x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, "balanced", device="cpu")
+    leaves, dy = grad_leaves(x, rw, w_gu, w_d)
+    with torch.no_grad():
+        y_mok = moe_mok(x, rw, te, w_gu, w_d).float()
+    bad = []
+    for c in contenders:
+        f = CONTENDERS[c]
+        with torch.no_grad():
+            err = ((f(x, rw, te, w_gu, w_d).float() - y_mok).norm() / y_mok.norm()).item()
+        grads = fwd_bwd_step(f, leaves, te, dy)()
+        # MXFP8 differs from bf16 by the weights' e4m3 rounding (a few percent), the others by bf16 rounding
+        ok = err < (1e-1 if "mxfp8" in c else 2e-2) and all(torch.isfinite(g).all() for g in grads)
+        print(f"  {c:>20}: relative error against mok {err:.1e}, fwd+bwd ran: {'ok' if ok else 'FAILED'}")
+        if not ok:
+            bad.append(c)
+    if bad:
+        raise SystemExit(f"--check failed: {', '.join(bad)}")
+
+
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--routing", default="balanced")
-    p.add_argument("--skewed-shapes", default="qwen3-30b-a3b")
-    p.add_argument("--contenders", default="mok,grouped_mm,grouped_mm_compiled,eager")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated: {', '.join(SHAPES)}")
+    p.add_argument("--routing", default="balanced", help="balanced and/or skewed")
+    p.add_argument("--skewed-shapes", default="qwen3-30b-a3b", help="also time these shapes with skewed routing")
+    p.add_argument("--contenders", default="mok,grouped_mm,grouped_mm_compiled,eager",
+                   help=f"comma-separated: {', '.join(CONTENDERS)}")
     p.add_argument("--mxfp8", action="store_true", help="add mok with MXFP8 routed weights (mok_mxfp8)")
+    p.add_argument("--rounds", type=int, default=0, help="interleaved fwd+bwd rounds instead of the one-pass "
+                   "table; the last contender is the baseline (ratios.json)")
+    p.add_argument("--iters", type=int, default=20, help="with --rounds: at least this many iterations a round")
+    p.add_argument("--check", action="store_true", help="CPU smoke run of the contenders at a tiny shape")
     args = p.parse_args()
+    import mok_inductor
+
+    # compiled graphs need it to inline mok's Triton kernels; the graph pass it also installs leaves the
+    # grouped_mm contenders as they are (their gate/up halves are slices, not one chunk)
+    mok_inductor.enable()
+    if args.check:
+        check(["mok", "mok_pointer_loads", "mok_compiled", "mok_mxfp8", "grouped_mm", "grouped_mm_compiled",
+               "eager"])
+        return
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "bench.log"), "a")
 
@@ -416,6 +505,11 @@ def main():
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, git=sha,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     log(f"{meta}")
+    if args.rounds:
+        out = interleaved(args.shapes.split(","), args.contenders.split(","), args.rounds, args.iters, log)
+        with open(os.path.join(args.out, "ratios.json"), "w") as f:
+            json.dump(dict(meta=dict(meta, rounds=args.rounds, iters=args.iters), results=out), f, indent=1)
+        return
     results = []
     plan = [(s, r) for s in args.shapes.split(",") for r in args.routing.split(",")]
     plan += [(s, "skewed") for s in args.skewed_shapes.split(",") if s and (s, "skewed") not in plan]
@@ -432,7 +526,7 @@ def main():
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump(dict(meta=meta, results=[dataclasses.asdict(x) for x in results]), f, indent=1)
     log(table(results))
-    plot(results, os.path.join(args.out, "bench.png"))
+    plot(results, os.path.join(args.out, "bench.png"), meta["gpu"])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,146 @@
+"""Where one MoE layer's time goes: `mok_inductor.moe` at a shape of bench_moe.py, forward or forward and
+backward, profiled kernel by kernel with torch.profiler after a warm-up (compilation and autotuning stay out).
+
+    python benchmarks/profile_moe.py --shapes qwen3-30b-a3b [--mode fwd+bwd] [--mxfp8] [--compiled]
+                                     [--options autotune=0,tma=0] [--iters 10] [--out DIR]
+    python benchmarks/profile_moe.py --device cpu --shapes tiny     # CPU smoke run (the reference's ops)
+
+For each shape: a table of kernels (calls and device milliseconds per layer call, share of the device time),
+the device time summed over kernels, and the wall time per call (the difference is launch gaps and host
+time). `--options` sets `mok_inductor.options` fields for the run (see docs/api.md); `--compiled` profiles
+`torch.compile(mok_inductor.moe)` after `mok_inductor.enable()`. Writes `profile.json` under --out.
+Only the public API is used, so kernel names are whatever the installed version launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import mok_inductor  # noqa: E402
+from bench_moe import SHAPES, make_inputs  # noqa: E402
+
+SMOKE_SHAPES = {"tiny": (64, 64, 32, 8, 2)}  # T, H, I, E, K
+
+
+def parse_options(text: str) -> dict:
+    """"autotune=0,tma=0,two_pass_min_rows=512" -> changes for mok_inductor.options.override."""
+    fields = {f.name: f.type for f in dataclasses.fields(mok_inductor.options.Options)}
+    changes = {}
+    for item in filter(None, text.split(",")):
+        name, _, raw = item.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--options: unknown option {name!r}; known: {', '.join(sorted(fields))}")
+        kind = str(fields[name])
+        changes[name] = (raw not in ("0", "false", "False", "no", "off")) if "bool" in kind else \
+            int(raw) if "int" in kind else raw
+    return changes
+
+
+def layer_call(shape, mode, mxfp8, compiled, device):
+    """A no-argument callable running one layer call (fwd, or fwd+bwd) on fresh random inputs."""
+    T, H, I, E, K = shape
+    x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, "balanced", device=device)
+    leaves = [t.detach().clone().requires_grad_(mode == "fwd+bwd") for t in (x, rw, w_gu, w_d)]
+    gu, d = leaves[2], leaves[3]
+    if mxfp8:
+        from mok_inductor import mxfp8 as mx
+
+        gu, d = mx.quantize(gu), mx.quantize(d)  # once, as a trainer quantizes once per step
+    fn = mok_inductor.moe
+    if compiled:
+        mok_inductor.enable()
+        fn = torch.compile(mok_inductor.moe, fullgraph=True, dynamic=False)
+    dy = torch.randn_like(x)
+
+    def call():
+        if mode == "fwd":
+            with torch.no_grad():
+                return fn(leaves[0], leaves[1], te, gu, d)
+        y = fn(leaves[0], leaves[1], te, gu, d)
+        return torch.autograd.grad(y, [leaves[0], leaves[1], leaves[2], leaves[3]], dy, allow_unused=True)
+
+    return call
+
+
+def profile(call, iters, device):
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(3):  # compile, autotune, warm caches
+        call()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    sync()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / iters
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            call()
+        sync()
+    rows = []
+    for ev in prof.key_averages():
+        if device == "cuda":
+            us = getattr(ev, "self_device_time_total", None)
+            if us is None:
+                us = getattr(ev, "self_cuda_time_total", 0.0)
+            if not us or ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+        else:  # the reference's aten ops, self CPU time
+            us = ev.self_cpu_time_total
+            if not us or not ev.key.startswith("aten::"):
+                continue
+        rows.append(dict(kernel=ev.key, calls=ev.count / iters, ms=us / 1e3 / iters))
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    for r in rows:
+        r["share"] = r["ms"] / total if total else 0.0
+    return dict(wall_ms=wall_ms, kernel_ms=total, kernels=rows)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="qwen3-30b-a3b", help=f"comma-separated: {', '.join(SHAPES)}, tiny")
+    p.add_argument("--mode", default="fwd+bwd", choices=("fwd", "fwd+bwd"))
+    p.add_argument("--mxfp8", action="store_true", help="MXFP8 routed weights (mok_inductor.mxfp8.quantize)")
+    p.add_argument("--compiled", action="store_true", help="torch.compile(mok_inductor.moe) after enable()")
+    p.add_argument("--options", default="", help="mok_inductor.options changes, e.g. autotune=0,tma=0")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--top", type=int, default=25, help="print this many kernels per shape")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = p.parse_args()
+    changes = parse_options(a.options)
+    shapes = {**SHAPES, **SMOKE_SHAPES}
+    meta = dict(device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", torch=torch.__version__,
+                mode=a.mode, mxfp8=a.mxfp8, compiled=a.compiled, options=changes,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    print(meta, flush=True)
+    out = []
+    with mok_inductor.options.override(**changes):
+        for name in a.shapes.split(","):
+            res = profile(layer_call(shapes[name], a.mode, a.mxfp8, a.compiled, a.device), a.iters, a.device)
+            out.append(dict(shape=name, **res))
+            print(f"== {name} {shapes[name]} (T, H, I, E, K), {a.mode}: wall {res['wall_ms']:.3f} ms per call, "
+                  f"kernels {res['kernel_ms']:.3f} ms")
+            print(f"| kernel | calls | ms | share |\n| --- | --- | --- | --- |")
+            for r in res["kernels"][:a.top]:
+                print(f"| {r['kernel'][:70]} | {r['calls']:g} | {r['ms']:.4f} | {r['share']:.1%} |")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "profile.json"), "w") as f:
+        json.dump(dict(meta=meta, results=out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
