@@ -1,10 +1,11 @@
-"""The MoK op inside Inductor-compiled graphs (issue 4).
+"""The MoK op inside Inductor-compiled graphs, with `mok_inductor.enable()` in effect (what compiled graphs need:
+the decomposition into our Triton launches, the cache key and its torch 2.11 fix-up).
 
 CPU (CI): the compiled forward and backward graphs call the CPU implementation (the mok:: ops appear in the
 generated code as calls) and equal eager bitwise.
-CUDA (the H200, skipped without CUDA): the Triton kernels of mok_inductor.kernels appear in Inductor's
-generated code (no opaque fallback), no graph break, no recompilation over three token counts, CUDA-graph
-replay (mode="reduce-overhead") equals eager over 100 replays with fresh inputs in every dtype with the shared
+CUDA (skipped without CUDA): the Triton kernels of mok_inductor.kernels appear in Inductor's generated code (no
+opaque fallback), no graph break, no recompilation over three token counts, CUDA-graph replay
+(mode="reduce-overhead") equals eager over 100 replays with fresh inputs in every dtype with the shared
 expert, stride-0 incoming gradients, and max-autotune.
 """
 
@@ -17,6 +18,12 @@ from torch._inductor.utils import run_and_get_code
 import mok_inductor
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _enabled():
+    with mok_inductor.enabled():
+        yield
 
 
 def make_inputs(T, H=64, I=32, Is=48, E=6, K=2, dtype=torch.float32, device="cpu", shared=True, seed=0):
@@ -186,14 +193,14 @@ def test_cuda_mxfp8_decode_graphs_replay_equals_eager(offset):
 
 def test_dynamic_shape_fixup_strips_only_our_symbolic_launches():
     """torch 2.11 asserts while decomposing functional Triton nodes that carry `eager_input_vals` under symbolic
-    shapes (kernels/_inductor_compat.py): the fix-up drops that entry from OUR kernels' symbolic nodes only."""
+    shapes (lowering/compat.py): the fix-up drops that entry from OUR kernels' symbolic nodes only."""
     import triton
     import triton.language as tl
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from mok_inductor.kernels import moe_fwd
-    from mok_inductor.lowering import compat as _inductor_compat
+    from mok_inductor.lowering import compat
 
     @triton.jit
     def foreign_kernel(x_ptr, n, BLOCK: tl.constexpr):
@@ -210,6 +217,6 @@ def test_dynamic_shape_fixup_strips_only_our_symbolic_launches():
         node = g.call_function(hop, (), {"kernel_idx": kernel_side_table.add_kernel(kernel), "kwargs": {}})
         node.meta["eager_input_vals"] = vals
         nodes[name] = node
-    assert _inductor_compat.strip_eager_input_vals(g, force=True) == 1
+    assert compat.strip_eager_input_vals(g, force=True) == 1
     assert "eager_input_vals" not in nodes["ours_symbolic"].meta
     assert "eager_input_vals" in nodes["ours_static"].meta and "eager_input_vals" in nodes["foreign_symbolic"].meta

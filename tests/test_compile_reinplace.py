@@ -2,8 +2,7 @@
 pass turns each back into an in-place launch unless the tensors it writes cannot be reused; the rest it
 clones (and scatters back into their base when they are views). A kernel that writes two views of one
 gradient buffer was such a case: the paired gate/up weight gradient cost three extra copies of the
-[E, 2I, H] gradient per compiled backward (found with this probe; mok under torch.compile measured 18-22%
-slower than eager on the H200, docs/benchmarks.md run 10).
+[E, 2I, H] gradient per compiled backward, which made the compiled layer slower than eager.
 
 The probe traces the schedule, forward and backward ops the way AOTAutograd does (fake tensors, functional
 mode) into the kernels' graph, runs Inductor's reinplacing pass on it and reports what is still copied. It
@@ -50,7 +49,7 @@ def _probe(variant: str) -> dict:
         import mok_inductor.kernels  # noqa: F401
 
         torch.cuda.is_available = real
-        os.environ["MOK_BACKEND"] = "triton"
+        mok_inductor.options.set_default(backend="triton")  # the kernels, not the CPU reference, for CPU tensors
     from torch._functorch.aot_autograd import aot_export_module
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import lowering  # noqa: F401  (registers backend="mok")
+import mok_inductor.lowering  # noqa: F401  (registers backend="mok")
 from _pattern_models import MODELS, SEQ, VOCAB, build, loss_and_grads, rel
 
 import transformers  # noqa: F401  (a pinned test dependency: its absence must fail, not skip)

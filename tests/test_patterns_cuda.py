@@ -1,4 +1,4 @@
-"""The pattern pass on CUDA (the H200; skipped without CUDA), compiled with Inductor.
+"""The pattern pass on CUDA (skipped without CUDA), compiled with Inductor.
 
 The CPU matrix of tests/test_patterns.py on the GPU: every model of `_pattern_models.MODELS` (real transformers
 classes from tiny configs) x transformers' "grouped_mm" and "batched_mm" experts backends x float32 and
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
-import lowering  # noqa: F401  (registers backend="mok")
+import mok_inductor.lowering  # noqa: F401  (registers backend="mok")
 import mok_inductor
 from _pattern_models import MODELS, SEQ, VOCAB, build, rel
 from oracle import oracle_moe

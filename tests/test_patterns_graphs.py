@@ -126,7 +126,7 @@ def test_near_miss_is_left_alone(case, impl, caplog):
     experts = make_experts(impl, **kwargs)
     x, idx, w = routing_inputs(torch.bfloat16)
     ref = experts(x, idx, w)
-    with caplog.at_level(logging.INFO, logger="lowering.patterns"):
+    with caplog.at_level(logging.INFO, logger="mok_inductor.lowering.patterns"):
         gm, records, out = rewritten(experts, x, idx, w)
     assert counters["mok_inductor"]["moe_replaced"] == 0
     assert not any(r.replaced for r in records)
@@ -256,7 +256,7 @@ def test_sentinel_masks_canonical_and_near_misses(variant, caplog):
     def f(x, idx, w, gate_up, down):
         return _sentinel_block(x, idx, w, gate_up, down, variant)
 
-    with caplog.at_level(logging.INFO, logger="lowering.patterns"):
+    with caplog.at_level(logging.INFO, logger="mok_inductor.lowering.patterns"):
         gm, records, out = rewritten(f, x, idx, w, gate_up, down)
     if not variant:
         assert counters["mok_inductor"]["moe_replaced"] == 1, [str(r) for r in records]
@@ -280,7 +280,7 @@ def test_grouped_mm_outside_a_moe_block_is_left_alone(caplog):
     def f(x, w, offs):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).sum(0)
 
-    with caplog.at_level(logging.INFO, logger="lowering.patterns"):
+    with caplog.at_level(logging.INFO, logger="mok_inductor.lowering.patterns"):
         gm, records, out = rewritten(f, x, w, offs)
     assert counters["mok_inductor"]["moe_replaced"] == 0
     assert any("not a cumsum" in r.detail for r in records), [str(r) for r in records]
@@ -563,8 +563,67 @@ def test_enable_chains_the_pass_already_installed(lists, monkeypatch):
             assert not lowering.patterns.is_enabled()
 
 
+_SWITCH_PROBE = """
+import sys
+import torch
+from torch._inductor import config
+import torch._dynamo.backends.registry as registry
+
+before = (config.pre_grad_custom_pass, config.post_grad_custom_post_pass, list(sys.meta_path))
+import mok_inductor
+import mok_inductor.ops
+
+after_import = (config.pre_grad_custom_pass, config.post_grad_custom_post_pass, list(sys.meta_path))
+assert after_import[0] is before[0] and after_import[1] is before[1], "import installed a pass"
+assert after_import[2] == before[2], "import changed sys.meta_path"
+assert "mok_inductor.lowering" not in sys.modules, "import imported the lowering package"
+assert "mok" not in registry._COMPILER_FNS, "import registered the Dynamo backend"
+
+from mok_inductor.lowering import cache, patterns
+
+
+def ours():
+    return (cache.find_in_slot(config.pre_grad_custom_pass, patterns.MokPatternPass),
+            cache.find_in_slot(config.post_grad_custom_post_pass, cache.CacheKeyPass))
+
+
+assert ours() == (None, None)
+mok_inductor.enable()
+pattern_pass, key_pass = ours()
+assert pattern_pass is not None and pattern_pass.active and key_pass is not None
+assert key_pass.uuid() == "mok-cache-key:" + cache.fingerprint()
+mok_inductor.enable()  # idempotent
+assert ours() == (pattern_pass, key_pass)
+mok_inductor.disable()
+assert config.pre_grad_custom_pass is before[0] and config.post_grad_custom_post_pass is before[1]
+assert ours() == (None, None)
+
+with mok_inductor.enabled():
+    assert all(p is not None for p in ours())
+assert config.pre_grad_custom_pass is before[0] and config.post_grad_custom_post_pass is before[1]
+
+mok_inductor.enable()
+with mok_inductor.enabled():  # nested in an enable(): leaves it enabled
+    pass
+assert all(p is not None for p in ours())
+mok_inductor.disable()
+assert config.pre_grad_custom_pass is before[0] and config.post_grad_custom_post_pass is before[1]
+print("ok")
+"""
+
+
+def test_import_installs_nothing_and_enable_disable_restore():
+    """In a fresh process: `import mok_inductor` leaves Inductor's pass slots and the import machinery as they
+    were; `enable()` installs the pattern pass and the cache key, `disable()` and `enabled()` restore."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _SWITCH_PROBE], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
 def test_backend_is_found_by_name_in_a_fresh_process():
-    """`torch.compile(backend="mok")` without importing lowering: the installed entry point (pip install -e .).
+    """`torch.compile(backend="mok")` without importing mok_inductor: the installed entry point (pip install -e .).
     This needs the package installed in the interpreter running the tests (a PYTHONPATH checkout has no entry
     point); the failure message says which of the two is wrong."""
     import subprocess
@@ -574,7 +633,7 @@ def test_backend_is_found_by_name_in_a_fresh_process():
     code = ("import torch, sys\n"
             "f = torch.compile(lambda x: x * 2, backend='mok', options={'mok_inner': 'eager'})\n"
             "assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))\n"
-            "assert 'lowering' in sys.modules\n")
+            "assert 'mok_inductor.lowering' in sys.modules\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     installed = [ep.value for ep in entry_points(group="torch_dynamo_backends") if ep.name == "mok"]
     if not installed:
