@@ -168,7 +168,7 @@ def _clamp_bounds(n):
 
 
 def swiglu(h: fx.Node, nodes: set):
-    """h = silu(gate) * up -> (gate, up, swiglu_limit); the clamped SwiGLU of SPEC 1 gives the limit."""
+    """h = silu(gate) * up -> (gate, up, swiglu_limit); the clamped SwiGLU of docs/semantics.md gives the limit."""
     h = strip_noop_casts(h)
     if not _is_mul(h) or len(h.args) != 2:
         raise Reject(f"{h.name}: the down GEMM input is not silu(gate) * up ({h.target})")

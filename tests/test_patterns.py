@@ -9,7 +9,7 @@ graphs is covered by tests/test_patterns_graphs.py (aot_eager) and tests/test_pa
 Checked per case: the counter equals the number of sparse MoE blocks; logits and every parameter gradient
 match. fp32: relative Frobenius error <= 1e-4 against eager fp32. bf16: the compiled model's error against
 an fp32 eager copy of the same weights is at most 2x eager bf16's own error (+1e-3), so the MoK path is no
-worse than the PyTorch bf16 path it replaces (STYLE point 7).
+worse than the PyTorch bf16 path it replaces.
 """
 
 from __future__ import annotations

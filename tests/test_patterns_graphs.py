@@ -136,6 +136,22 @@ def test_near_miss_is_left_alone(case, impl, caplog):
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
+def test_log_patterns_option_prints_each_decision(capsys):
+    """options.log_patterns prints every match and rejection to stderr; off, the pass prints nothing."""
+    x, idx, w = routing_inputs(torch.bfloat16)
+    for log in (False, True):
+        with mok_inductor.options.override(log_patterns=log):
+            rewritten(make_experts("grouped_mm", act="gelu"), x, idx, w)
+            rewritten(make_experts("grouped_mm"), x, idx, w)
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.startswith("[mok_patterns] ")]
+        if log:
+            assert any("rejected" in ln and "activation gelu" in ln for ln in lines), err
+            assert any(ln.startswith("[mok_patterns] replaced hf_grouped_mm") for ln in lines), err
+        else:
+            assert lines == [], err
+
+
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
 def test_canonical_twin_of_the_near_misses_is_replaced(impl):
     """The same harness with the default flags is replaced, so the near-miss tests can fail."""
@@ -149,7 +165,7 @@ def test_canonical_twin_of_the_near_misses_is_replaced(impl):
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
 def test_clamped_swiglu_becomes_swiglu_limit(impl):
-    """silu(gate.clamp(max=L)) * up.clamp(-L, L) is MoK's swiglu_limit (SPEC 1); L small so it clips."""
+    """silu(gate.clamp(max=L)) * up.clamp(-L, L) is MoK's swiglu_limit (docs/semantics.md); L small so it clips."""
     limit = 0.3
     experts = make_experts(impl, dtype=torch.float32, clamp=(limit, -limit, limit))
     x, idx, w = routing_inputs(torch.float32)
