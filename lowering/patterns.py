@@ -235,8 +235,8 @@ def _ours() -> Optional[MokPatternPass]:
 
 
 def enable() -> None:
-    """Install the pass in `torch._inductor.config.pre_grad_custom_pass` (idempotent, keeps what is there)."""
-    cache.install()
+    """Install the pass in `torch._inductor.config.pre_grad_custom_pass` (idempotent, keeps what is there).
+    `mok_inductor.enable()` installs it together with the cache key."""
     ours = _ours()
     if ours is not None:
         ours.active = True
