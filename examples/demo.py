@@ -100,6 +100,7 @@ def main():
     print(f"path: {mok_inductor.path_name(inputs['x'])} "
           f"({'Triton kernels' if mok_inductor.path_name(inputs['x']) == 'triton' else 'CPU implementation'})")
 
+    mok_inductor.enable()  # compiled graphs: Inductor copies the Triton kernels into its generated code
     compiled = torch.compile(mok_inductor.moe, fullgraph=True)
     worst = 0.0
     for name, fn in (("eager", mok_inductor.moe), ("torch.compile", compiled)):
