@@ -3,8 +3,10 @@
 Registered twice, so the name resolves however this package is reached: the `torch_dynamo_backends` entry
 point `mok = "mok_inductor.lowering.backend:mok_backend"` in pyproject.toml (found by torch once the package is
 installed, e.g. `pip install -e .`), and `torch._dynamo.register_backend` when `mok_inductor.lowering` is
-imported (by `mok_inductor.enable()`). Each compile through it installs the compile-cache key first
-(`cache.install()`, process-wide until `mok_inductor.disable()`), since Inductor looks the graph up with it.
+imported (by `mok_inductor.enable()`). A compile through it first installs what its graphs need and
+`mok_inductor.enable()` would otherwise provide: the compile-cache key (`cache.install()`: Inductor looks the
+graph up with it) and the decomposition of the `mok::` ops into their Triton launches (`decompose.install()`),
+both process-wide until `mok_inductor.disable()`. The pattern pass itself runs here, not from the pre-grad slot.
 
 Options (`torch.compile(..., backend="mok", options={...})`):
     "mok_inner": "inductor" (default) | "aot_eager" | "eager" — what runs the rewritten graph. "aot_eager"
@@ -19,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import cache, patterns
+from . import cache, decompose, patterns
 
 
 def mok_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None,
@@ -27,6 +29,7 @@ def mok_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str]
     options = dict(options or {})
     inner = options.pop("mok_inner", "inductor")
     cache.install()
+    decompose.install()
     patterns.rewrite(gm.graph)
     gm.recompile()
     if inner == "eager":
