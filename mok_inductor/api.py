@@ -13,6 +13,7 @@ import torch
 
 from . import _checks
 from . import mxfp8 as _mxfp8
+from . import options as _options
 from . import ops as _ops  # noqa: F401  (registers the mok:: ops)
 
 
@@ -28,8 +29,9 @@ def moe(
     shared_output_gate: Optional[torch.Tensor] = None,
     swiglu_limit: Optional[float] = None,
     group=None,
+    options=None,
 ) -> torch.Tensor:
-    """A Mixture-of-Experts layer with SwiGLU experts (shared/SPEC.md section 1).
+    """A Mixture-of-Experts layer with SwiGLU experts (docs/api.md).
 
     Args:
         x: [..., H] activations, float32, bfloat16 or float16. Leading dims are flattened into T tokens.
@@ -49,10 +51,23 @@ def moe(
             each rank passes its own tokens, global expert ids in [-1, E_local * world_size), and the
             weights of its E_local experts (rank r owns [r*E_local, (r+1)*E_local)). None, or a group
             of one rank, is the one-device call.
+        options: optional `mok_inductor.Options`, or a dict of changes to the current ones, for this eager
+            call (e.g. {"backend": "reference"}). Not under torch.compile: there, wrap the compiled call in
+            `with mok_inductor.options.override(...)`.
 
     Returns:
         [..., H] in x.dtype: shared(x) * gate(x) + sum_k router_weights[k] * expert_{top_experts[k]}(x).
     """
+    if options is not None:
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                "options: a per-call options= cannot be traced by torch.compile (the compiled graph would not "
+                "depend on it); wrap the call of the compiled function in `with mok_inductor.options.override(...)`"
+            )
+        with _options.override(options):
+            return moe(x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj=shared_gate_up_proj,
+                       shared_down_proj=shared_down_proj, shared_output_gate=shared_output_gate,
+                       swiglu_limit=swiglu_limit, group=group)
     # Kinds first, so a wrong kind gets a TypeError naming it rather than a dispatcher error.
     mx = _mxfp8.is_quantized_arg(gate_up_proj) or _mxfp8.is_quantized_arg(down_proj)
     for name, t in (("x", x), ("router_weights", router_weights), ("top_experts", top_experts),
@@ -88,22 +103,12 @@ def moe(
                                  gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate,
                                  swiglu_limit, group=group)
             return y.view(x.shape)
-    if mx:  # MXFP8 routed weights: mok::moe_mxfp8 (ops.py), each weight as (data, scale, data_t, scale_t, master)
-        y = _ops.call_moe_mxfp8(
-            x.reshape(-1, H), router_weights.reshape(-1, K), top_experts.reshape(-1, K),
-            *_mxfp8.op_args("gate_up_proj", gate_up_proj), *_mxfp8.op_args("down_proj", down_proj),
-            shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit,
-        )
-        return y.view(x.shape)
-    y = _ops.call_moe(
-        x.reshape(-1, H),
-        router_weights.reshape(-1, K),
-        top_experts.reshape(-1, K),
-        gate_up_proj,
-        down_proj,
-        shared_gate_up_proj,
-        shared_down_proj,
-        shared_output_gate,
-        swiglu_limit,
-    )
+    args = (x.reshape(-1, H), router_weights.reshape(-1, K), top_experts.reshape(-1, K))
+    tail = (shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit)
+    if mx:  # each routed weight as (data, scale, data_t, scale_t, master): the optional MXFP8 arguments of mok::moe
+        gu, gus, gut, gust, gum = _mxfp8.op_args("gate_up_proj", gate_up_proj)
+        d, ds, dt, dst, dm = _mxfp8.op_args("down_proj", down_proj)
+        y = _ops.call_moe(*args, gu, d, *tail, gus, gut, gust, ds, dt, dst, gum, dm)
+    else:
+        y = _ops.call_moe(*args, gate_up_proj, down_proj, *tail)
     return y.view(x.shape)

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from . import _checks, ops, reference
+from .types import GradBuffers, RoutedOperands, Schedule
 
 __all__ = ["EPPlan", "EPForwardState", "group_size", "plan", "forward", "backward", "moe"]
 
@@ -80,7 +81,7 @@ class EPPlan(NamedTuple):
     slot_TJ: torch.Tensor  # int64 [T, J] (J = min(K, W)): row of token t's j-th destination rank; S = none
     pair_TK: torch.Tensor  # int64 [T, K]: the sent row carrying route (t, k); S for a -1 route
     top_experts_RK: torch.Tensor  # int32 [R, K], local expert ids of the received rows (-1 = elsewhere)
-    schedule_R: reference.Schedule  # the local schedule of top_experts_RK over the E_local experts
+    schedule_R: Schedule  # the local schedule of top_experts_RK over the E_local experts
 
     @property
     def num_sent(self) -> int:
@@ -188,7 +189,7 @@ def plan(top_experts: torch.Tensor, num_local_experts: int, group, *, hidden_siz
     pair_TK = pos_pad_TW1.gather(1, dest_TK)
 
     top_experts_RK = _all_to_all(local_ids_SK.to(torch.int32), send_splits, recv_splits, group)
-    schedule_R = reference.Schedule(*torch.ops.mok.schedule(top_experts_RK, El))
+    schedule_R = Schedule(*torch.ops.mok.schedule(top_experts_RK, El))
     return EPPlan(group, W, rank, El, T, K, send_splits, recv_splits, token_S, local_mask_SK, slot_TJ, pair_TK,
                   top_experts_RK, schedule_R)
 
@@ -232,17 +233,15 @@ def _slot_sum(acc_TX: torch.Tensor, rows_SX: torch.Tensor, slot_TJ: torch.Tensor
     return acc_TX
 
 
-def _dummy_routed(x: torch.Tensor):
-    """A one-expert placeholder for the shared-only megakernel call (no route reads it)."""
-    H = x.shape[1]
+def _shared_only_call(x: torch.Tensor):
+    """(router weights, top_experts, schedule, routed operands) of a megakernel call that runs only the shared
+    expert: no route, and a one-expert placeholder that no route reads."""
+    T, H = x.shape
+    none_T1 = torch.full((T, 1), -1, dtype=torch.int32, device=x.device)
+    zeros_T1 = torch.zeros(T, 1, dtype=torch.float32, device=x.device)
+    sched = Schedule(*torch.ops.mok.schedule(none_T1, 1))
     g = x.new_zeros(1, _DUMMY_I, H)
-    return g, g, x.new_zeros(1, H, _DUMMY_I)
-
-
-def _no_routes(x: torch.Tensor):
-    T = x.shape[0]
-    te = torch.full((T, 1), -1, dtype=torch.int32, device=x.device)
-    return torch.zeros(T, 1, dtype=torch.float32, device=x.device), te
+    return zeros_T1, none_T1, sched, RoutedOperands.of_weights(g, g, x.new_zeros(1, H, _DUMMY_I))
 
 
 def forward(p: EPPlan, x: torch.Tensor, router_weights: torch.Tensor, w_gate, w_up, w_down,
@@ -250,24 +249,20 @@ def forward(p: EPPlan, x: torch.Tensor, router_weights: torch.Tensor, w_gate, w_
             s_down: Optional[torch.Tensor] = None, s_out_gate: Optional[torch.Tensor] = None,
             swiglu_limit: Optional[float] = None):
     """y [T, H] (x.dtype) and the EPForwardState for `backward`. Collective (three all_to_alls)."""
-    impl = ops.impl_module(x)
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     x_SH = x[p.token_S]
     rw_f = router_weights.to(torch.promote_types(router_weights.dtype, torch.float32))
     rw_SK = torch.where(p.local_mask_SK, rw_f[p.token_S], torch.zeros((), dtype=rw_f.dtype, device=x.device))
     x_RH = _all_to_all(x_SH, p.send_splits, p.recv_splits, p.group)
     rw_RK = _all_to_all(rw_SK, p.send_splits, p.recv_splits, p.group)
-    res = impl.moe_forward(x_RH, rw_RK, p.top_experts_RK, p.schedule_R, w_gate, w_up, w_down,
-                           None, None, None, None, swiglu_limit)
+    res = ops.forward(x_RH, rw_RK, p.top_experts_RK, p.schedule_R, RoutedOperands.of_weights(w_gate, w_up, w_down),
+                      swiglu_limit=swiglu_limit)
     y_SH = _all_to_all(res.y_TH, p.recv_splits, p.send_splits, p.group, pad=True)
 
     T, H = x.shape
     if s_gate is not None:
-        zeros_T1, none_T1 = _no_routes(x)
-        dg, du, dd = _dummy_routed(x)
-        sched = reference.Schedule(*torch.ops.mok.schedule(none_T1, 1))
-        sres = impl.moe_forward(x, zeros_T1, none_T1, sched, dg, du, dd, s_gate, s_up, s_down, s_out_gate,
-                                swiglu_limit)
+        zeros_T1, none_T1, sched, dummy = _shared_only_call(x)
+        sres = ops.forward(x, zeros_T1, none_T1, sched, dummy, s_gate, s_up, s_down, s_out_gate, swiglu_limit)
         acc = sres.y_TH.to(acc_dtype)  # the shared expert first, then the ranks' partial sums, ascending
         gu_shared = sres.gu_shared_T2Is
     else:
@@ -279,31 +274,29 @@ def forward(p: EPPlan, x: torch.Tensor, router_weights: torch.Tensor, w_gate, w_
 
 def backward(p: EPPlan, state: EPForwardState, dy: torch.Tensor, x: torch.Tensor, router_weights: torch.Tensor,
              w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None, s_out_gate=None,
-             swiglu_limit: Optional[float] = None, *, grads: reference.GradBuffers, accumulate: bool = False):
+             swiglu_limit: Optional[float] = None, *, grads: GradBuffers, accumulate: bool = False):
     """(dx [T, H] x.dtype, d router_weights [T, K] float32). The local experts' weight gradients and
     the shared expert's go into `grads` (written, or ADDED when `accumulate`), as in
-    `reference.moe_backward`. Collective (three all_to_alls), no host synchronisation."""
-    impl = ops.impl_module(x)
+    `ops.backward`. Collective (three all_to_alls), no host synchronisation."""
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     T, H = x.shape
     dy = dy.to(x.dtype)
     dy_RH = _all_to_all(dy[p.token_S], p.send_splits, p.recv_splits, p.group)
-    routed = reference.GradBuffers(grads.d_gate, grads.d_up, grads.d_down)
-    res = impl.moe_backward(dy_RH, state.x_RH, state.rw_RK, p.top_experts_RK, p.schedule_R, w_gate, w_up, w_down,
-                            state.gu_N2I, None, None, None, None, None, swiglu_limit, grads=routed,
-                            accumulate=accumulate)
+    routed = GradBuffers(grads.d_gate, grads.d_up, grads.d_down, d_gate_up=grads.d_gate_up)
+    res = ops.backward(dy_RH, state.x_RH, state.rw_RK, p.top_experts_RK, p.schedule_R,
+                       RoutedOperands.of_weights(w_gate, w_up, w_down), state.gu_N2I, swiglu_limit=swiglu_limit,
+                       grads=routed, accumulate=accumulate)
     dx_SH = _all_to_all(res.dx_TH, p.recv_splits, p.send_splits, p.group, pad=True)
     drw_SK = _all_to_all(res.d_router_weights_TK.to(state.rw_RK.dtype), p.recv_splits, p.send_splits, p.group, pad=True)
 
     if s_gate is not None:
-        zeros_T1, none_T1 = _no_routes(x)
-        dg, du, dd = _dummy_routed(x)
-        sched = reference.Schedule(*torch.ops.mok.schedule(none_T1, 1))
-        shared_grads = reference.GradBuffers(torch.zeros_like(dg), torch.zeros_like(du), torch.zeros_like(dd),
-                                             grads.d_s_gate, grads.d_s_up, grads.d_s_down, grads.d_s_out_gate)
-        sres = impl.moe_backward(dy, x, zeros_T1, none_T1, sched, dg, du, dd, x.new_zeros(T, 2 * _DUMMY_I),
-                                 s_gate, s_up, s_down, s_out_gate, state.gu_shared_T2Is, swiglu_limit,
-                                 grads=shared_grads, accumulate=accumulate)
+        zeros_T1, none_T1, sched, dummy = _shared_only_call(x)
+        # the placeholder's gradients are zeros (accumulated into, never read)
+        shared = GradBuffers.allocate(grads._replace(d_gate=None, d_up=None, d_down=None, d_gate_up=None),
+                                      dummy.gate.data, dummy.up.data, dummy.down.data, zero=True)
+        sres = ops.backward(dy, x, zeros_T1, none_T1, sched, dummy, x.new_zeros(T, 2 * _DUMMY_I), s_gate, s_up,
+                            s_down, s_out_gate, state.gu_shared_T2Is, swiglu_limit, grads=shared,
+                            accumulate=accumulate)
         acc = sres.dx_TH.to(acc_dtype)
     else:
         acc = torch.zeros(T, H, dtype=acc_dtype, device=x.device)
@@ -337,22 +330,15 @@ class _EPMoE(torch.autograd.Function):
     def backward(ctx, dy):
         x, rw, gate_up, down, sgu, sd, sog = ctx.saved_tensors
         w_gate, w_up = ops.split_gate_up(gate_up)
-        d_gate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
-        d_down = torch.empty_like(down, memory_format=torch.contiguous_format)
-        d_gate, d_up = ops.split_gate_up(d_gate_up)
-        s_gate = s_up = d_sgu = d_sd = d_sog = d_s_gate = d_s_up = None
+        s_gate = s_up = None
         if sgu is not None:
             s_gate, s_up = ops.split_gate_up(sgu)
-            d_sgu = torch.empty_like(sgu, memory_format=torch.contiguous_format)
-            d_sd = torch.empty_like(sd, memory_format=torch.contiguous_format)
-            d_s_gate, d_s_up = ops.split_gate_up(d_sgu)
-        if sog is not None:
-            d_sog = torch.empty_like(sog, memory_format=torch.contiguous_format)
-        grads = reference.GradBuffers(d_gate, d_up, d_down, d_s_gate, d_s_up, d_sd, d_sog)
+        grads = GradBuffers.allocate(None, None, None, down, None, None, sd, sog, gate_up=gate_up, s_gate_up=sgu)
         dx, drw = backward(ctx.plan, ctx.state, dy, x, rw, w_gate, w_up, down, s_gate, s_up, sd, sog, ctx.limit,
                            grads=grads, accumulate=False)
         ctx.plan = ctx.state = None
-        return dx, drw.to(rw.dtype), d_gate_up, d_down, d_sgu, d_sd, d_sog, None, None
+        return dx, drw.to(rw.dtype), grads.d_gate_up, grads.d_down, grads.d_s_gate_up, grads.d_s_down, \
+            grads.d_s_out_gate, None, None
 
 
 @torch.compiler.disable

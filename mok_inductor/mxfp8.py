@@ -1,4 +1,4 @@
-"""MXFP8 weights (OCP Microscaling, shared/SPEC.md section 6): quantize and dequantize.
+"""MXFP8 weights (OCP Microscaling): quantize and dequantize.
 
 A weight [..., M, K] whose reduction dim is K (the last, contiguous one) is stored as float8_e4m3fn data
 [..., M, K] and one power-of-two scale per 32 consecutive elements along K, kept as its biased E8M0
@@ -11,7 +11,7 @@ scaled element lies in [-448, 448], e4m3's finite range, and the block's largest
 mantissa bits; an all-zero block gets e = -127. The scale is taken over a block's finite elements; NaN
 stays NaN and +-Inf becomes e4m3's NaN (it has no Inf), so non-finite values propagate as NaN.
 
-Consumers (issue 8):
+Consumers:
 - `mok_inductor.moe` takes an `MXFP8Weight` (or a list of E per-expert ones) in place of a routed
   `gate_up_proj` / `down_proj`. The forward GEMMs read the row-wise pair; backward reads only the
   column-wise pair, for the data gradient (dx, and dy @ down, which gives d router_weights and the
@@ -21,7 +21,7 @@ Consumers (issue 8):
   `master=`; `with_master(q, w)` attaches one later). The weight gradient, computed from the activations
   and dy exactly as for a bf16 weight (it needs no weights), is accumulated into `master.grad`, as if the
   dequantized weight had been used. Without a master no weight gradient is computed.
-- `mok_inductor.functional` takes MoK's (data, scale) tuples (section 1.6 of shared/MEGATRON.md).
+- `mok_inductor.functional` takes MoK's (data, scale) tuples (docs/megatron.md).
 - On the CPU (and in the reference path) the weights are dequantized to x.dtype and the one reference
   implementation runs; on CUDA `mok_inductor.kernels` reads e4m3 data + E8M0 scales in its
   GEMMs' K loops.
@@ -54,7 +54,7 @@ class MXFP8Weight(NamedTuple):
 
 def _quantize_lastdim(w: torch.Tensor, block: int = BLOCK):
     """(float8 data, uint8 E8M0 scales) of `w` with `block`-element blocks along its last dim (MX: 32; other
-    lengths for benchmarks/fp8_prefill_ceiling.py's comparisons)."""
+    lengths for comparisons of other block lengths)."""
     *lead, k = w.shape
     blocks = w.float().reshape(*lead, k // block, block)
     finite = torch.isfinite(blocks)
@@ -167,15 +167,6 @@ def routed_operands(gate_up, down) -> RoutedOperands:
     return RoutedOperands(gate, up, Operand(dd, ds), gate_t, up_t, down_t)
 
 
-def dequantized_weights(ops: RoutedOperands, dtype: torch.dtype):
-    """(forward (gate, up, down), dgrad (gate, up, down) or None) as weights in their usual orientation
-    ([E, I, H], [E, I, H], [E, H, I]) in `dtype`: what the reference implementation computes with."""
-    fwd = tuple(o.dequantized(dtype) for o in (ops.gate, ops.up, ops.down))
-    if ops.gate_t is None or ops.down_t is None:
-        return fwd, None
-    return fwd, tuple(transposed_payload(o.dequantized(dtype)) for o in (ops.gate_t, ops.up_t, ops.down_t))
-
-
 # ---------------------------------------------------------------------------------------------
 # Validation of a routed weight given as (data, scale, data_t, scale_t, master) tensors (metadata only)
 
@@ -276,7 +267,7 @@ def _dt_name(dtype: torch.dtype) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# mok_inductor.moe's routed-weight arguments -> the five tensors of mok::moe_mxfp8
+# mok_inductor.moe's routed-weight arguments -> mok::moe's (weight, scale, data_t, scale_t, master)
 
 
 class _StackedMasters(torch.autograd.Function):
@@ -306,9 +297,10 @@ def _live_master(m):
 def op_args(name: str, w) -> tuple:
     """(data, scale, data_t, scale_t, master) of a routed weight: an MXFP8Weight with 3-D data [E, M, K], a
     list of E MXFP8Weights with 2-D data [M, K] (stacked: one copy of the quantized bytes), or a plain
-    tensor (scale None; it is its own master). The master is passed only when it requires grad."""
+    tensor (scale and master None: it receives its own gradient). The master is passed only when it
+    requires grad."""
     if isinstance(w, torch.Tensor):
-        return (w, None, None, None, _live_master(w))
+        return (w, None, None, None, None)
     if isinstance(w, MXFP8Weight):
         if w.data is None:
             raise ValueError(f"{name}: the MXFP8 weight has no row-wise data (quantized with rowwise=False)")

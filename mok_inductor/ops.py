@@ -1,9 +1,10 @@
-"""The `mok::` operators: schemas, fake kernels and autograd formulas, side by side.
+"""The `mok::` operators and the one entry into the implementations.
 
-    mok::moe        the user-facing op (CompositeImplicitAutograd): validates, then
-                    schedule -> moe_fwd. Its autograd and fake come from the two ops below,
-                    so compiled graphs hold mok::schedule + mok::moe_fwd forward and
-                    mok::moe_bwd backward.
+Ops (schemas, fakes and the autograd formula side by side below):
+
+    mok::moe        the user-facing op (CompositeImplicitAutograd): validates, then schedule -> moe_fwd.
+                    Its autograd and fake come from the two ops below, so compiled graphs hold
+                    mok::schedule + mok::moe_fwd forward and mok::moe_bwd backward.
     mok::schedule   top_experts [T, K] -> (sorted_routes [N], expert_offsets [E+1], route_slots [N]),
                     int32, deterministic (a stable sort of the flat route index). Not differentiable.
     mok::moe_fwd    -> (y [T, H], gu [N, 2I], gu_shared [T, 2Is] or [0, 0]). y is differentiable;
@@ -11,8 +12,22 @@
                     and sorted slot order, gu_shared in float32), are the saved activations (marked
                     non-differentiable).
     mok::moe_bwd    -> (dx, d_router_weights, d_gate_up_proj, d_down_proj, d_shared_gate_up_proj,
-                    d_shared_down_proj, d_shared_output_gate); the shared gradients are [0]-shaped
-                    when there is no shared expert / gate.
+                    d_shared_down_proj, d_shared_output_gate); an absent gradient is [0]-shaped (no shared
+                    expert / gate; an MXFP8 weight without a master).
+
+MXFP8 routed weights are the same ops with optional arguments (`mok_inductor.mxfp8`): `gate_up_proj` /
+`down_proj` then hold float8_e4m3fn data [E, M, K] and `*_scale` its uint8 E8M0 scales [E, M, K/32]
+(the row-wise pair the forward reads); `*_t` / `*_scale_t` the column-wise pair [E, K, M], [E, K, M/32]
+(the backward's data-gradient GEMMs read it); `*_master` the tensor that receives the weight gradient
+(straight-through: the weight the MXFP8 one was quantized from; without a master no weight gradient is
+computed). The ops never read a master's values. gate_up and down may differ in kind (one MXFP8, one
+plain); a plain weight receives its own gradient.
+
+What is saved for backward: x, router_weights, top_experts, the schedule, the weights (MXFP8: data and
+scales of both layouts), gu and gu_shared. What is recomputed: no GEMM of the forward; h = swiglu(g, u)
+elementwise from gu in the backward kernel, the shared output gate sigmoid(x @ w^T), and never y_tk or s_t
+(their inner products with dy come from <dy @ down, h>). Memory: the saved routed activation is 2*N*I
+elements (N*I if h were saved), plus 2*T*Is for the shared expert.
 
 Registration: the ops are defined on one `torch.library.Library("mok", "DEF")` with explicit schemas;
 the implementations sit at CompositeExplicitAutograd, fakes via `register_fake`, and moe_fwd's autograd
@@ -22,19 +37,12 @@ only refuses double backward with a clear error. `call_moe` is the entry the use
 or under torch.func.grad/vjp the same composite body applied from Python. mok::moe has a vmap rule
 (tokens batched, weights shared).
 
-What is saved for backward: x, router_weights, top_experts, the schedule, the weights, gu and
-gu_shared. What is recomputed: no GEMM of the forward; h = swiglu(g, u) elementwise from gu in the
-backward kernel, the shared output gate sigmoid(x @ w^T), and never y_tk or s_t (their inner products
-with dy come from <dy @ down, h>). Memory: the saved routed activation is 2*N*I elements (N*I when h
-was saved), plus 2*T*Is for the shared expert.
-
-Implementations: CPU tensors run `mok_inductor.reference` (vectorised PyTorch, float32
-accumulation). CUDA tensors run the Triton kernels of `mok_inductor.kernels` when that backend
-provides them (see `_triton_backend`), otherwise the reference. `MOK_BACKEND=reference|triton|auto`
-overrides the choice (`triton` on CPU tensors needs `TRITON_INTERPRET=1`). Under torch.compile, a
-FunctionalTensorMode rule decomposes the ops into their Triton launches on CUDA (so Inductor emits the
-kernels in its generated code, as `torch.library.triton_op` does) and keeps them opaque on the CPU,
-where the compiled graph calls the reference.
+Implementations: `forward` / `backward` / `schedule` below are the one entry into them, used by the ops,
+the MoK functional ABI and expert parallelism alike. They run the Triton kernels of `mok_inductor.kernels`
+or the PyTorch reference (`mok_inductor.reference`, on MXFP8 weights dequantized to x.dtype), as
+`use_triton` decides from `mok_inductor.options.current().backend` and the device. Under torch.compile the
+ops stay opaque (the compiled graph calls them) unless `mok_inductor.enable()` installed the
+decomposition into their Triton launches (`mok_inductor.lowering.decompose`).
 
 Shape legend: T tokens, H hidden, I intermediate, Is shared intermediate, E experts, K routes per
 token, N = T*K.
@@ -42,14 +50,13 @@ token, N = T*K.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
-from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from . import _checks, reference
+from . import _checks, options, reference
+from .types import BackwardResult, ForwardResult, GradBuffers, RoutedOperands, Schedule, transposed_payload
 
 _lib = torch.library.Library("mok", "DEF")
 
@@ -57,8 +64,8 @@ _lib = torch.library.Library("mok", "DEF")
 # Backend choice
 
 
-def _triton_backend():
-    """The Triton kernel module, or None when it cannot run here (no triton, or not provided yet)."""
+def kernels_module():
+    """The Triton kernel module, or None when it cannot run here (no triton; no CUDA and no interpreter)."""
     try:
         from . import kernels
     except ImportError:
@@ -67,19 +74,16 @@ def _triton_backend():
 
 
 def use_triton(t: Tensor) -> bool:
-    """Whether an op on tensors like `t` runs the Triton kernels."""
-    choice = os.environ.get("MOK_BACKEND", "auto")
-    if choice not in ("auto", "reference", "triton"):
-        raise ValueError(f"MOK_BACKEND: expected auto, reference or triton, got {choice!r}")
-    if choice == "reference":
+    """Whether an op on tensors like `t` runs the Triton kernels (`options.current().backend`)."""
+    choice = options.current().backend
+    if choice == "reference" or (choice == "auto" and t.device.type != "cuda"):
         return False
-    if _triton_backend() is None:
+    if kernels_module() is None:
         if choice == "triton":
-            raise RuntimeError("MOK_BACKEND=triton, but the Triton kernels are not available (is triton installed?)")
+            raise RuntimeError("options.backend='triton', but the Triton kernels are not available here (is triton "
+                               "installed? CPU tensors need TRITON_INTERPRET=1)")
         return False
-    if choice == "triton":
-        return True
-    return t.device.type == "cuda"
+    return True
 
 
 def path_name(t: Tensor) -> str:
@@ -87,54 +91,116 @@ def path_name(t: Tensor) -> str:
     return "triton" if use_triton(t) else "reference"
 
 
-def impl_module(t: Tensor):
-    """The implementation for tensors like `t`: `mok_inductor.kernels` or `mok_inductor.reference`.
-    Both expose build_schedule / moe_forward / moe_backward with the same signatures."""
-    return _triton_backend() if use_triton(t) else reference
+# ---------------------------------------------------------------------------------------------
+# The one entry into the implementations
 
 
-def _register_functional_rule(op_name: str, triton_fn) -> None:
-    """Decompose `op` into `triton_fn` (its Triton launches) while AOTAutograd functionalizes CUDA
-    tensors, so Inductor sees user-defined Triton kernels; leave it opaque otherwise."""
+def split_gate_up(w_E2IH):
+    """Zero-copy gate and up row views of a combined FC1 ([..., 2I, H] -> two [..., I, H]; a sequence of
+    per-expert [2I, H] tensors -> two sequences)."""
+    if not isinstance(w_E2IH, Tensor):
+        i = w_E2IH[0].shape[-2] // 2
+        return tuple(p.narrow(-2, 0, i) for p in w_E2IH), tuple(p.narrow(-2, i, i) for p in w_E2IH)
+    i = w_E2IH.shape[-2] // 2
+    return w_E2IH.narrow(-2, 0, i), w_E2IH.narrow(-2, i, i)
 
-    def rule(mode, func, types, args, kwargs):
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch._subclasses.functional_tensor import FunctionalTensor
 
-        if any(t not in (Tensor, FakeTensor, FunctionalTensor) for t in types):
-            return NotImplemented
-        first = args[0]
-        if first.device.type == "cuda" and use_triton(first):
-            with mode:
-                return triton_fn(*args, **kwargs)
-        return mode.__torch_dispatch__(func, types, args, kwargs)
+def _reference_weights(operands: RoutedOperands, dtype: torch.dtype, backward: bool):
+    """(gate, up, down) for the reference in their usual orientation, MXFP8 dequantized to `dtype`, and, for
+    backward, the data-gradient GEMMs' weights when they differ from those (MXFP8 column-wise), else None."""
+    fwd = tuple(o.dequantized(dtype) for o in operands[:3])
+    if not backward or not any(o.quantized for o in operands[3:]):
+        return fwd, None
+    return fwd, tuple(transposed_payload(o.dequantized(dtype)) for o in operands[3:])
 
-    torch.library.register_torch_dispatch(op_name, FunctionalTensorMode, rule, lib=_lib)
+
+def schedule(top_experts: Tensor, num_experts: int) -> Schedule:
+    """The expert schedule of `top_experts` [T, K] (ids in [-1, E); checked: eagerly on the CPU, by a
+    device-side assert on CUDA)."""
+    if use_triton(top_experts):  # the Triton schedule checks the ids itself, on the device
+        return Schedule(*kernels_module().build_schedule(top_experts, num_experts))
+    if top_experts.device.type == "cpu":
+        _checks.check_expert_ids_eager(top_experts, num_experts)
+    else:
+        ok = ((top_experts >= -1) & (top_experts < num_experts)).all()
+        torch._assert_async(ok, f"top_experts: expected expert indices in [-1, {num_experts})")
+    return Schedule(*reference.build_schedule(top_experts, num_experts))
+
+
+def forward(x, router_weights, top_experts, sched: Schedule, operands: RoutedOperands, s_gate=None, s_up=None,
+            s_down=None, s_out_gate=None, swiglu_limit=None) -> ForwardResult:
+    """The MoE forward on routed weights given as `operands` (bf16 or MXFP8, 3-D or split per expert; only
+    the row-wise gate, up, down are read) and an optional shared expert (s_gate, s_up [Is, H], s_down
+    [H, Is], s_out_gate [1, H])."""
+    if use_triton(x):
+        return kernels_module().forward(x, router_weights, top_experts, sched, operands, s_gate, s_up, s_down,
+                                        s_out_gate, swiglu_limit)
+    (wg, wu, wd), _ = _reference_weights(operands, x.dtype, backward=False)
+    return reference.moe_forward(x, router_weights, top_experts, sched, wg, wu, wd, s_gate, s_up, s_down,
+                                 s_out_gate, swiglu_limit)
+
+
+def backward(dy, x, router_weights, top_experts, sched: Schedule, operands: RoutedOperands, gu, s_gate=None,
+             s_up=None, s_down=None, s_out_gate=None, gu_shared=None, swiglu_limit=None, *,
+             grads: Optional[GradBuffers] = None, accumulate: bool = False) -> BackwardResult:
+    """The MoE backward from the forward's saved `gu` / `gu_shared`. The data-gradient GEMMs read the
+    column-wise operands (gate_t, up_t, down_t). Weight gradients go into `grads` (written, or ADDED when
+    `accumulate`; a None routed entry: not wanted); None allocates them all in x.dtype."""
+    if operands.gate_t is None or operands.down_t is None:
+        which = "gate_up" if operands.gate_t is None else "down"
+        raise ValueError(f"{which}: the backward needs the column-wise MXFP8 data (quantize with columnwise=True)")
+    if grads is None:
+        grads = GradBuffers.allocate(None, operands.gate.data, operands.up.data, operands.down.data, s_gate, s_up,
+                                     s_down, s_out_gate, dtype=x.dtype)
+    if use_triton(x):
+        return kernels_module().backward(dy, x, router_weights, top_experts, sched, operands, gu, s_gate, s_up,
+                                         s_down, s_out_gate, gu_shared, swiglu_limit, grads=grads,
+                                         accumulate=accumulate)
+    (wg, wu, wd), dgrad = _reference_weights(operands, x.dtype, backward=True)
+    return reference.moe_backward(dy, x, router_weights, top_experts, sched, wg, wu, wd, gu, s_gate, s_up, s_down,
+                                  s_out_gate, gu_shared, swiglu_limit, grads=grads, accumulate=accumulate,
+                                  dgrad=dgrad)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops' arguments
+
+# MXFP8 arguments of moe_fwd / moe_bwd, after the common ones (moe_fwd adds the two masters)
+_MX_NAMES = ("gate_up_scale", "gate_up_t", "gate_up_scale_t", "down_scale", "down_t", "down_scale_t")
+_MASTER_NAMES = ("gate_up_master", "down_master")
+_MX_SCHEMA = ", ".join(f"Tensor? {n}=None" for n in _MX_NAMES)
+_MASTER_SCHEMA = ", ".join(f"Tensor? {n}=None" for n in _MASTER_NAMES)
+
+
+def _pad(mx, n=6):
+    mx = tuple(mx)
+    return mx + (None,) * (n - len(mx))
+
+
+def routed_operands(gate_up_proj, down_proj, mx=()) -> RoutedOperands:
+    """The operands of the ops' routed arguments: the combined FC1 [E, 2I, H] and down [E, H, I], plain
+    or (with the MXFP8 arguments `mx`, in `_MX_NAMES` order) MXFP8."""
+    from . import mxfp8
+
+    gus, gut, gust, ds, dt, dst = _pad(mx)
+    return mxfp8.routed_operands((gate_up_proj, gus, gut, gust), (down_proj, ds, dt, dst))
+
+
+def _shared(shared_gate_up_proj):
+    return split_gate_up(shared_gate_up_proj) if shared_gate_up_proj is not None else (None, None)
 
 
 # ---------------------------------------------------------------------------------------------
 # mok::schedule
 
-
-def _schedule_impl(top_experts: Tensor, num_experts: int, impl=None):
-    impl = impl or impl_module(top_experts)
-    if impl is reference:
-        if top_experts.device.type == "cpu":
-            _checks.check_expert_ids_eager(top_experts, num_experts)
-        else:
-            _assert_expert_ids_on_device(top_experts, num_experts)
-    # the Triton schedule checks the ids itself, on the device
-    return tuple(impl.build_schedule(top_experts, num_experts))
-
-
-def _assert_expert_ids_on_device(top_experts: Tensor, num_experts: int) -> None:
-    ok = ((top_experts >= -1) & (top_experts < num_experts)).all()
-    torch._assert_async(ok, f"top_experts: expected expert indices in [-1, {num_experts})")
-
-
 _lib.define("schedule(Tensor top_experts, SymInt num_experts) -> (Tensor, Tensor, Tensor)")
-_lib.impl("schedule", lambda top_experts, num_experts: _schedule_impl(top_experts, num_experts),
-          "CompositeExplicitAutograd")
+
+
+def schedule_impl(top_experts, num_experts):
+    return tuple(schedule(top_experts, num_experts))
+
+
+_lib.impl("schedule", schedule_impl, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("mok::schedule", lib=_lib)
@@ -150,6 +216,13 @@ def _(top_experts, num_experts):
 # ---------------------------------------------------------------------------------------------
 # mok::moe_fwd
 
+_lib.define(
+    "moe_fwd(Tensor x, Tensor router_weights, Tensor top_experts, Tensor sorted_routes, Tensor expert_offsets, "
+    "Tensor route_slots, Tensor gate_up_proj, Tensor down_proj, Tensor? shared_gate_up_proj, "
+    f"Tensor? shared_down_proj, Tensor? shared_output_gate, float? swiglu_limit, {_MX_SCHEMA}, {_MASTER_SCHEMA}) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+
 
 def fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj):
     """Shapes of (y, gu, gu_shared): the one shape function of the fake and the real kernels."""
@@ -160,54 +233,29 @@ def fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj):
     return (T, H), (N, two_i), gus
 
 
-def _fwd_fake_outputs(x, top_experts, gate_up_proj, shared_gate_up_proj):
-    """Fake (y, gu, gu_shared) of the forward ops; gu_shared in `reference.shared_saved_dtype`."""
-    y, g, gs = fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj)
-    return x.new_empty(y), x.new_empty(g), x.new_empty(gs, dtype=reference.shared_saved_dtype(x.dtype))
-
-
-def split_gate_up(w_E2IH: Tensor):
-    """Zero-copy gate and up row views of a combined FC1 ([..., 2I, H] -> two [..., I, H])."""
-    i = w_E2IH.shape[-2] // 2
-    return w_E2IH.narrow(-2, 0, i), w_E2IH.narrow(-2, i, i)
-
-
-def _moe_fwd_impl(
-    impl, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-    shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit,
-):
-    w_gate, w_up = split_gate_up(gate_up_proj)
-    s_gate = s_up = None
-    if shared_gate_up_proj is not None:
-        s_gate, s_up = split_gate_up(shared_gate_up_proj)
-    out = impl.moe_forward(
-        x, router_weights, top_experts, reference.Schedule(sorted_routes, expert_offsets, route_slots),
-        w_gate, w_up, down_proj, s_gate, s_up, shared_down_proj, shared_output_gate, swiglu_limit,
-    )
+def moe_fwd_impl(x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+                 shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit, *mx_and_masters):
+    s_gate, s_up = _shared(shared_gate_up_proj)
+    out = forward(x, router_weights, top_experts, Schedule(sorted_routes, expert_offsets, route_slots),
+                  routed_operands(gate_up_proj, down_proj, mx_and_masters[:6]), s_gate, s_up, shared_down_proj,
+                  shared_output_gate, swiglu_limit)
     return tuple(out)
 
 
-def _moe_fwd_triton(*args):
-    return _moe_fwd_impl(_triton_backend(), *args)
-
-
-_lib.define(
-    "moe_fwd(Tensor x, Tensor router_weights, Tensor top_experts, Tensor sorted_routes, Tensor expert_offsets, "
-    "Tensor route_slots, Tensor gate_up_proj, Tensor down_proj, Tensor? shared_gate_up_proj, "
-    "Tensor? shared_down_proj, Tensor? shared_output_gate, float? swiglu_limit) -> (Tensor, Tensor, Tensor)"
-)
-_lib.impl("moe_fwd", lambda *args: _moe_fwd_impl(impl_module(args[0]), *args), "CompositeExplicitAutograd")
+_lib.impl("moe_fwd", moe_fwd_impl, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("mok::moe_fwd", lib=_lib)
 def _(x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-      shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit):
-    return _fwd_fake_outputs(x, top_experts, gate_up_proj, shared_gate_up_proj)
+      shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit, *mx_and_masters):
+    y, g, gs = fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj)
+    return x.new_empty(y), x.new_empty(g), x.new_empty(gs, dtype=reference.shared_saved_dtype(x.dtype))
 
 
 class _MoeFwdFunction(torch.autograd.Function):
-    """The autograd formula of mok::moe_fwd (registered at its Autograd key). A Function with a
-    separate setup_context, so torch.func transforms (grad, vjp) work through it."""
+    """The autograd formula of mok::moe_fwd (registered at its Autograd key). A Function with a separate
+    setup_context, so torch.func transforms (grad, vjp) work through it. The weight gradient of an MXFP8
+    weight goes to its master argument; of a plain weight, to the weight."""
 
     @staticmethod
     def forward(*args):
@@ -217,35 +265,50 @@ class _MoeFwdFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-         shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit) = inputs
+         shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit, *rest) = inputs
+        mx, (gate_up_master, down_master) = _pad(rest[:6]), _pad(rest[6:8], 2)
         _, gu, gu_shared = output
         ctx.mark_non_differentiable(gu, gu_shared)
         ctx.set_materialize_grads(False)
         ctx.swiglu_limit = swiglu_limit
+        ctx.num_inputs = len(inputs)
         ctx.has_shared = shared_gate_up_proj is not None
         ctx.has_gate = shared_output_gate is not None
+        ctx.gate_up_mx = mx[0] is not None
+        ctx.down_mx = mx[3] is not None
+        # an MXFP8 weight's gradient is computed only for a master to receive it
+        ctx.gate_up_grad = not ctx.gate_up_mx or gate_up_master is not None
+        ctx.down_grad = not ctx.down_mx or down_master is not None
         ctx.save_for_backward(
             x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-            shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared,
+            shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, *mx,
         )
 
     @staticmethod
     def backward(ctx, dy, _dgu, _dgu_shared):
         (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-         shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared) = ctx.saved_tensors
+         shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, *mx) = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(x)
+        quantized = ctx.gate_up_mx or ctx.down_mx
+        extra = (*mx, ctx.gate_up_grad, ctx.down_grad) if quantized else ()
         dx, drw, dgu, dd, dsgu, dsd, dsg = torch.ops.mok.moe_bwd(
             dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj,
             down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, ctx.swiglu_limit,
+            *extra,
         )
-        return (
-            dx, drw, None, None, None, None, dgu, dd,
+        grads = [
+            dx, drw, None, None, None, None,
+            None if ctx.gate_up_mx else dgu,
+            None if ctx.down_mx else dd,
             dsgu if ctx.has_shared else None,
             dsd if ctx.has_shared else None,
             dsg if ctx.has_gate else None,
             None,
-        )
+        ]
+        grads += [None] * 6 + [dgu if ctx.gate_up_mx and ctx.gate_up_grad else None,
+                               dd if ctx.down_mx and ctx.down_grad else None]
+        return tuple(grads[:ctx.num_inputs])
 
 
 _lib.impl("moe_fwd", _MoeFwdFunction.apply, "Autograd")
@@ -254,96 +317,85 @@ _lib.impl("moe_fwd", _MoeFwdFunction.apply, "Autograd")
 # ---------------------------------------------------------------------------------------------
 # mok::moe_bwd
 
+_lib.define(
+    "moe_bwd(Tensor dy, Tensor x, Tensor router_weights, Tensor top_experts, Tensor sorted_routes, "
+    "Tensor expert_offsets, Tensor route_slots, Tensor gate_up_proj, Tensor down_proj, Tensor? shared_gate_up_proj, "
+    "Tensor? shared_down_proj, Tensor? shared_output_gate, Tensor gu, Tensor gu_shared, float? swiglu_limit, "
+    f"{_MX_SCHEMA}, bool gate_up_grad=True, bool down_grad=True) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+
 
 def bwd_output_shapes(x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj,
-                      shared_output_gate):
+                      shared_output_gate, gate_up_grad=True, down_grad=True):
     """Shapes of moe_bwd's outputs: the one shape function of the fake and the real kernels."""
     empty = (0,)
     return (
         tuple(x.shape),
         tuple(router_weights.shape),
-        tuple(gate_up_proj.shape),
-        tuple(down_proj.shape),
+        tuple(gate_up_proj.shape) if gate_up_grad else empty,
+        tuple(down_proj.shape) if down_grad else empty,
         tuple(shared_gate_up_proj.shape) if shared_gate_up_proj is not None else empty,
         tuple(shared_down_proj.shape) if shared_down_proj is not None else empty,
         tuple(shared_output_gate.shape) if shared_output_gate is not None else empty,
     )
 
 
-def _moe_bwd_impl(
-    impl, dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-    shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, swiglu_limit,
-):
-    w_gate, w_up = split_gate_up(gate_up_proj)
-    s_gate = s_up = None
-    if shared_gate_up_proj is not None:
-        s_gate, s_up = split_gate_up(shared_gate_up_proj)
-    wdt = gate_up_proj.dtype
-    d_gate_up = torch.empty(gate_up_proj.shape, dtype=wdt, device=x.device)
-    d_down = torch.empty(down_proj.shape, dtype=wdt, device=x.device)
+def _bwd_args(args):
+    """(the 15 common arguments, the six MXFP8 ones, gate_up_grad, down_grad) of moe_bwd."""
+    common, rest = args[:15], args[15:]
+    mx = _pad(rest[:6])
+    flags = tuple(rest[6:8]) + (True, True)[len(rest[6:8]):]
+    return common, mx, flags[0], flags[1]
+
+
+def moe_bwd_impl(*args):
+    common, mx, gate_up_grad, down_grad = _bwd_args(args)
+    (dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+     shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, swiglu_limit) = common
+    s_gate, s_up = _shared(shared_gate_up_proj)
+    grads = GradBuffers.allocate(None, None, None, down_proj if down_grad else None, s_gate, s_up, shared_down_proj,
+                                 shared_output_gate, gate_up=gate_up_proj if gate_up_grad else None,
+                                 s_gate_up=shared_gate_up_proj, dtype=x.dtype,
+                                 out_gate_dtype=None if shared_output_gate is None else shared_output_gate.dtype)
+    out = backward(dy, x, router_weights, top_experts, Schedule(sorted_routes, expert_offsets, route_slots),
+                   routed_operands(gate_up_proj, down_proj, mx), gu, s_gate, s_up, shared_down_proj,
+                   shared_output_gate, gu_shared, swiglu_limit, grads=grads)
     # absent gradients are [0]-shaped, and distinct tensors (op outputs must not alias each other)
-    d_sgu, d_sd, d_sg = x.new_empty(0), x.new_empty(0), x.new_empty(0)
-    if shared_gate_up_proj is not None:
-        d_sgu = torch.empty(shared_gate_up_proj.shape, dtype=wdt, device=x.device)
-        d_sd = torch.empty(shared_down_proj.shape, dtype=wdt, device=x.device)
-    if shared_output_gate is not None:
-        d_sg = torch.empty(shared_output_gate.shape, dtype=shared_output_gate.dtype, device=x.device)
-    d_gate, d_up = split_gate_up(d_gate_up)
-    d_s_gate, d_s_up = split_gate_up(d_sgu) if shared_gate_up_proj is not None else (None, None)
-    grads = reference.GradBuffers(
-        d_gate, d_up, d_down, d_s_gate, d_s_up,
-        d_sd if shared_gate_up_proj is not None else None,
-        d_sg if shared_output_gate is not None else None,
-        d_gate_up=d_gate_up, d_s_gate_up=d_sgu if shared_gate_up_proj is not None else None,
-    )
-    out = impl.moe_backward(
-        dy, x, router_weights, top_experts, reference.Schedule(sorted_routes, expert_offsets, route_slots),
-        w_gate, w_up, down_proj, gu, s_gate, s_up, shared_down_proj, shared_output_gate, gu_shared, swiglu_limit,
-        grads=grads,
-    )
-    return out.dx_TH, out.d_router_weights_TK.to(router_weights.dtype), d_gate_up, d_down, d_sgu, d_sd, d_sg
+    def given(t):
+        return t if t is not None else x.new_empty(0)
+
+    return (out.dx_TH, out.d_router_weights_TK.to(router_weights.dtype), given(grads.d_gate_up),
+            given(grads.d_down), given(grads.d_s_gate_up), given(grads.d_s_down), given(grads.d_s_out_gate))
 
 
-def _moe_bwd_triton(*args):
-    return _moe_bwd_impl(_triton_backend(), *args)
+_lib.impl("moe_bwd", moe_bwd_impl, "CompositeExplicitAutograd")
 
 
-_lib.define(
-    "moe_bwd(Tensor dy, Tensor x, Tensor router_weights, Tensor top_experts, Tensor sorted_routes, "
-    "Tensor expert_offsets, Tensor route_slots, Tensor gate_up_proj, Tensor down_proj, Tensor? shared_gate_up_proj, "
-    "Tensor? shared_down_proj, Tensor? shared_output_gate, Tensor gu, Tensor gu_shared, float? swiglu_limit) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
-)
-_lib.impl("moe_bwd", lambda *args: _moe_bwd_impl(impl_module(args[1]), *args), "CompositeExplicitAutograd")
+def _no_double_backward(*args):
+    """moe_bwd's Autograd kernel: it is not differentiable, and says so when a double backward is asked for."""
+    if (torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+            and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
+        raise RuntimeError(
+            "mok::moe does not support double backward: its backward (mok::moe_bwd) is not differentiable "
+            "(call backward without create_graph=True)"
+        )
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.mok.moe_bwd(*args)
 
 
-def _no_double_backward(bwd_op: str, public_op: str):
-    """The Autograd kernel of a backward op that is not differentiable: it says so when someone asks for a
-    double backward, and otherwise runs the op below Autograd."""
-
-    def kernel(*args):
-        if (torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
-                and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
-            raise RuntimeError(
-                f"mok::{public_op} does not support double backward: its backward (mok::{bwd_op}) is not "
-                "differentiable (call backward without create_graph=True)"
-            )
-        with torch._C._AutoDispatchBelowAutograd():
-            return getattr(torch.ops.mok, bwd_op)(*args)
-
-    return kernel
-
-
-_lib.impl("moe_bwd", _no_double_backward("moe_bwd", "moe"), "Autograd")
+_lib.impl("moe_bwd", _no_double_backward, "Autograd")
 
 
 @torch.library.register_fake("mok::moe_bwd", lib=_lib)
-def _(dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-      shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, swiglu_limit):
-    shapes = bwd_output_shapes(x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj,
-                               shared_down_proj, shared_output_gate)
-    dtypes = (x.dtype, router_weights.dtype, gate_up_proj.dtype, down_proj.dtype, gate_up_proj.dtype,
-              down_proj.dtype, shared_output_gate.dtype if shared_output_gate is not None else x.dtype)
+def _(*args):
+    common, _mx, gate_up_grad, down_grad = _bwd_args(args)
+    (dy, x, router_weights, _te, _sr, _eo, _rs, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj,
+     shared_output_gate, _gu, _gus, _limit) = common
+    shapes = bwd_output_shapes(x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj,
+                               shared_output_gate, gate_up_grad, down_grad)
+    dtypes = (x.dtype, router_weights.dtype) + (x.dtype,) * 4 + (
+        shared_output_gate.dtype if shared_output_gate is not None else x.dtype,)
     return tuple(x.new_empty(s, dtype=d) for s, d in zip(shapes, dtypes))
 
 
@@ -353,19 +405,64 @@ def _(dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_s
 _lib.define(
     "moe(Tensor x, Tensor router_weights, Tensor top_experts, Tensor gate_up_proj, Tensor down_proj, "
     "Tensor? shared_gate_up_proj=None, Tensor? shared_down_proj=None, Tensor? shared_output_gate=None, "
-    "float? swiglu_limit=None) -> Tensor"
+    f"float? swiglu_limit=None, {_MX_SCHEMA}, {_MASTER_SCHEMA}) -> Tensor"
 )
 
 
+def _logical(x, data, master):
+    """A stand-in with the logical weight's shape, x's dtype and device, for the common checks."""
+    if master is not None:
+        return master
+    if data.dtype == torch.float8_e4m3fn:
+        return x.new_empty(()).expand(data.shape)
+    return data
+
+
+def _check_mxfp8(x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj,
+                 shared_output_gate, mx, masters):
+    """The checks of the MXFP8 form: each routed weight's data, scales and master; the common checks on
+    stand-ins of the logical weights; the column-wise data when a backward will run."""
+    from . import mxfp8
+
+    gus, gut, gust, ds, dt, dst = mx
+    gum, dm = masters
+    _checks.require_tensor("x", x)
+    _checks.require_dtype("x", x, _checks.ACTIVATION_DTYPES)
+    for name, data, scale, master in (("gate_up_proj", gate_up_proj, gus, gum), ("down_proj", down_proj, ds, dm)):
+        if scale is None and master is not None:
+            raise ValueError(f"{name}: a master weight is for an MXFP8 weight (with scales); a plain weight receives "
+                             "its own gradient")
+    mxfp8.check_weight("gate_up_proj", gate_up_proj, gus, gut, gust, gum, x.dtype, x.device, split_rows=True)
+    mxfp8.check_weight("down_proj", down_proj, ds, dt, dst, dm, x.dtype, x.device)
+    if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad
+            for t in (x, router_weights, gate_up_proj, down_proj, gum, dm, shared_gate_up_proj, shared_down_proj,
+                      shared_output_gate)):
+        for name, scale, data_t in (("gate_up_proj", gus, gut), ("down_proj", ds, dt)):
+            if scale is not None and data_t is None:
+                raise ValueError(
+                    f"{name}: the backward needs the column-wise MXFP8 data (quantize with columnwise=True), or run "
+                    "under torch.no_grad()"
+                )
+    return _logical(x, gate_up_proj, gum), _logical(x, down_proj, dm)
+
+
 def _moe_composite(x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj=None,
-                   shared_down_proj=None, shared_output_gate=None, swiglu_limit=None):
-    _checks.check_moe_args(x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj,
-                           shared_down_proj, shared_output_gate, swiglu_limit)
-    num_experts = gate_up_proj.shape[0]
-    sorted_routes, expert_offsets, route_slots = torch.ops.mok.schedule(top_experts, num_experts)
+                   shared_down_proj=None, shared_output_gate=None, swiglu_limit=None, *mx_and_masters):
+    mx, masters = _pad(mx_and_masters[:6]), _pad(mx_and_masters[6:8], 2)
+    quantized = any(t is not None for t in mx + masters)
+    gu_w, d_w = gate_up_proj, down_proj
+    if quantized:
+        gu_w, d_w = _check_mxfp8(x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj,
+                                 shared_output_gate, mx, masters)
+    _checks.check_moe_args(x, router_weights, top_experts, gu_w, d_w, shared_gate_up_proj, shared_down_proj,
+                           shared_output_gate, swiglu_limit)
+    sorted_routes, expert_offsets, route_slots = torch.ops.mok.schedule(top_experts, gate_up_proj.shape[0])
     args = (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
             shared_gate_up_proj, shared_down_proj, shared_output_gate,
             None if swiglu_limit is None else float(swiglu_limit))
+    if quantized:
+        args += mx + masters
     if _needs_autograd(args):
         y, _, _ = _MoeFwdFunction.apply(*args)
     else:  # inference: the forward op alone, without the Function's per-call cost (host-bound decode)
@@ -403,10 +500,6 @@ def call_moe(*args):
 
 _lib.impl("moe", _moe_composite, "CompositeImplicitAutograd")
 
-_register_functional_rule("mok::schedule", lambda te, e: _schedule_impl(te, e, _triton_backend()))
-_register_functional_rule("mok::moe_fwd", _moe_fwd_triton)
-_register_functional_rule("mok::moe_bwd", _moe_bwd_triton)
-
 
 # ---------------------------------------------------------------------------------------------
 # vmap over mok::moe: tokens are independent, so a batch of token sets with shared weights is one
@@ -415,7 +508,7 @@ _register_functional_rule("mok::moe_bwd", _moe_bwd_triton)
 
 _BATCHABLE = ("x", "router_weights", "top_experts")
 _MOE_ARG_NAMES = ("x", "router_weights", "top_experts", "gate_up_proj", "down_proj", "shared_gate_up_proj",
-                  "shared_down_proj", "shared_output_gate", "swiglu_limit")
+                  "shared_down_proj", "shared_output_gate", "swiglu_limit") + _MX_NAMES + _MASTER_NAMES
 
 
 def _moe_vmap(info, in_dims, *args):
@@ -442,238 +535,3 @@ def _moe_vmap(info, in_dims, *args):
 
 
 torch.library.register_vmap("mok::moe", _moe_vmap)
-
-
-# ---------------------------------------------------------------------------------------------
-# MXFP8 routed weights (issue 8): mok::moe_mxfp8 (user-facing, composite), mok::moe_fwd_mxfp8,
-# mok::moe_bwd_mxfp8.
-#
-# Each routed weight is four tensors, `W, W_scale, W_t, W_scale_t`: float8_e4m3fn data [E, M, K] with
-# uint8 E8M0 scales [E, M, K/32] and the optional column-wise pair [E, K, M], [E, K, M/32]
-# (mok_inductor.mxfp8); or, with W_scale None, a plain float weight in x.dtype (so gate_up and down may
-# differ in kind). Weight gradients go to the `*_master` arguments (straight-through: the bf16 weight
-# the MXFP8 one was quantized from; for a plain weight, the weight itself). The ops never read a
-# master's values. Forward reads the row-wise data; backward the column-wise gate/up/down (dx, dy @ down
-# -> d router weights and dh); it recomputes no gate/up GEMM (the forward saved gu). CPU tensors
-# dequantize to x.dtype and run `mok_inductor.reference`; CUDA runs `mok_inductor.kernels.forward/backward`
-# on the quantized operands.
-
-from . import mxfp8 as _mx  # noqa: E402
-
-_MX_FWD_W = ("Tensor gate_up, Tensor? gate_up_scale, Tensor? gate_up_t, Tensor? gate_up_scale_t, "
-             "Tensor? gate_up_master, Tensor down, Tensor? down_scale, Tensor? down_t, Tensor? down_scale_t, "
-             "Tensor? down_master")
-_MX_BWD_W = ("Tensor gate_up, Tensor? gate_up_scale, Tensor? gate_up_t, Tensor? gate_up_scale_t, "
-             "Tensor down, Tensor? down_scale, Tensor? down_t, Tensor? down_scale_t")
-
-
-def _mxfp8_kernels():
-    from . import kernels
-
-    return kernels
-
-
-def mxfp8_forward(x, router_weights, top_experts, schedule, operands, s_gate=None, s_up=None, s_down=None,
-                  s_out_gate=None, swiglu_limit=None, *, triton_=None) -> reference.ForwardResult:
-    """The forward with routed weights given as `mxfp8.RoutedOperands`: the Triton kernels, or the
-    reference on the weights dequantized to x.dtype (`triton_`: force one; default `use_triton(x)`)."""
-    if use_triton(x) if triton_ is None else triton_:
-        return _mxfp8_kernels().forward(x, router_weights, top_experts, schedule, operands, s_gate, s_up, s_down,
-                                        s_out_gate, swiglu_limit)
-    (wg, wu, wd), _ = _mx.dequantized_weights(operands, x.dtype)
-    return reference.moe_forward(x, router_weights, top_experts, schedule, wg, wu, wd, s_gate, s_up, s_down,
-                                 s_out_gate, swiglu_limit)
-
-
-def mxfp8_backward(dy, x, router_weights, top_experts, schedule, operands, gu_N2I, s_gate=None, s_up=None,
-                   s_down=None, s_out_gate=None, gu_shared_T2Is=None, swiglu_limit=None, *, grads, accumulate=False,
-                   triton_=None) -> reference.BackwardResult:
-    """The backward with routed weights given as `mxfp8.RoutedOperands` (column-wise operands needed).
-    `grads`: destinations; a None routed entry means that weight gradient is not wanted."""
-    if operands.gate_t is None or operands.down_t is None:
-        which = "gate_up" if operands.gate_t is None else "down"
-        raise ValueError(f"{which}: the backward needs the column-wise MXFP8 data (quantize with columnwise=True)")
-    if use_triton(x) if triton_ is None else triton_:
-        return _mxfp8_kernels().backward(dy, x, router_weights, top_experts, schedule, operands, gu_N2I, s_gate,
-                                         s_up, s_down, s_out_gate, gu_shared_T2Is, swiglu_limit, grads=grads,
-                                         accumulate=accumulate)
-    (wg, wu, wd), dgrad = _mx.dequantized_weights(operands, x.dtype)
-    return reference.moe_backward(dy, x, router_weights, top_experts, schedule, wg, wu, wd, gu_N2I, s_gate, s_up,
-                                  s_down, s_out_gate, gu_shared_T2Is, swiglu_limit, grads=grads,
-                                  accumulate=accumulate, dgrad=dgrad)
-
-
-def _mx_fwd_impl(use_tri, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots,
-                 gu, gus, gut, gust, gum, d, ds, dt, dst, dm, shared_gate_up_proj, shared_down_proj,
-                 shared_output_gate, swiglu_limit):
-    operands = _mx.routed_operands((gu, gus, gut, gust), (d, ds, dt, dst))
-    s_gate = s_up = None
-    if shared_gate_up_proj is not None:
-        s_gate, s_up = split_gate_up(shared_gate_up_proj)
-    out = mxfp8_forward(x, router_weights, top_experts, reference.Schedule(sorted_routes, expert_offsets, route_slots),
-                        operands, s_gate, s_up, shared_down_proj, shared_output_gate, swiglu_limit, triton_=use_tri)
-    return tuple(out)
-
-
-_lib.define(f"moe_fwd_mxfp8(Tensor x, Tensor router_weights, Tensor top_experts, Tensor sorted_routes, "
-            f"Tensor expert_offsets, Tensor route_slots, {_MX_FWD_W}, Tensor? shared_gate_up_proj, "
-            f"Tensor? shared_down_proj, Tensor? shared_output_gate, float? swiglu_limit) -> (Tensor, Tensor, Tensor)")
-_lib.impl("moe_fwd_mxfp8", lambda *args: _mx_fwd_impl(use_triton(args[0]), *args), "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("mok::moe_fwd_mxfp8", lib=_lib)
-def _(x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gu, gus, gut, gust, gum, d, ds,
-      dt, dst, dm, shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit):
-    return _fwd_fake_outputs(x, top_experts, gu, shared_gate_up_proj)
-
-
-class _MoeFwdMxfp8Function(torch.autograd.Function):
-    """The autograd formula of mok::moe_fwd_mxfp8: the weight gradients go to the master arguments."""
-
-    @staticmethod
-    def forward(*args):
-        with torch._C._AutoDispatchBelowAutograd():
-            return torch.ops.mok.moe_fwd_mxfp8(*args)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        (x, rw, te, sr, eo, rs, gu, gus, gut, gust, gum, d, ds, dt, dst, dm, sgu, sd, sg, limit) = inputs
-        _, gu_N2I, gu_shared_T2Is = output
-        ctx.mark_non_differentiable(gu_N2I, gu_shared_T2Is)
-        ctx.set_materialize_grads(False)
-        ctx.swiglu_limit = limit
-        ctx.has_shared = sgu is not None
-        ctx.has_gate = sg is not None
-        ctx.gate_up_grad = gum is not None
-        ctx.down_grad = dm is not None
-        ctx.save_for_backward(x, rw, te, sr, eo, rs, gu, gus, gut, gust, d, ds, dt, dst, sgu, sd, sg, gu_N2I,
-                              gu_shared_T2Is)
-
-    @staticmethod
-    def backward(ctx, dy, _dgu, _dgu_shared):
-        (x, rw, te, sr, eo, rs, gu, gus, gut, gust, d, ds, dt, dst, sgu, sd, sg, gu_N2I,
-         gu_shared_T2Is) = ctx.saved_tensors
-        if dy is None:
-            dy = torch.zeros_like(x)
-        dx, drw, dgu, dd, dsgu, dsd, dsg = torch.ops.mok.moe_bwd_mxfp8(
-            dy, x, rw, te, sr, eo, rs, gu, gus, gut, gust, d, ds, dt, dst, sgu, sd, sg, gu_N2I, gu_shared_T2Is,
-            ctx.swiglu_limit, ctx.gate_up_grad, ctx.down_grad,
-        )
-        none4 = (None, None, None, None)
-        return (
-            dx, drw, None, None, None, None, *none4, dgu if ctx.gate_up_grad else None, *none4,
-            dd if ctx.down_grad else None,
-            dsgu if ctx.has_shared else None, dsd if ctx.has_shared else None, dsg if ctx.has_gate else None, None,
-        )
-
-
-_lib.impl("moe_fwd_mxfp8", _MoeFwdMxfp8Function.apply, "Autograd")
-
-
-def _mx_bwd_impl(use_tri, dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots,
-                 gu, gus, gut, gust, d, ds, dt, dst, shared_gate_up_proj, shared_down_proj, shared_output_gate,
-                 gu_N2I, gu_shared_T2Is, swiglu_limit, gate_up_grad, down_grad):
-    operands = _mx.routed_operands((gu, gus, gut, gust), (d, ds, dt, dst))
-    s_gate = s_up = None
-    if shared_gate_up_proj is not None:
-        s_gate, s_up = split_gate_up(shared_gate_up_proj)
-    wdt = x.dtype
-    d_gate_up = torch.empty(gu.shape if gate_up_grad else (0,), dtype=wdt, device=x.device)
-    d_down = torch.empty(d.shape if down_grad else (0,), dtype=wdt, device=x.device)
-    d_sgu, d_sd, d_sg = x.new_empty(0), x.new_empty(0), x.new_empty(0)
-    if shared_gate_up_proj is not None:
-        d_sgu = torch.empty(shared_gate_up_proj.shape, dtype=wdt, device=x.device)
-        d_sd = torch.empty(shared_down_proj.shape, dtype=wdt, device=x.device)
-    if shared_output_gate is not None:
-        d_sg = torch.empty(shared_output_gate.shape, dtype=shared_output_gate.dtype, device=x.device)
-    d_gate, d_up = split_gate_up(d_gate_up) if gate_up_grad else (None, None)
-    d_s_gate, d_s_up = split_gate_up(d_sgu) if shared_gate_up_proj is not None else (None, None)
-    grads = reference.GradBuffers(
-        d_gate, d_up, d_down if down_grad else None, d_s_gate, d_s_up,
-        d_sd if shared_gate_up_proj is not None else None, d_sg if shared_output_gate is not None else None,
-        d_gate_up=d_gate_up if gate_up_grad else None,
-        d_s_gate_up=d_sgu if shared_gate_up_proj is not None else None,
-    )
-    out = mxfp8_backward(dy, x, router_weights, top_experts, reference.Schedule(sorted_routes, expert_offsets,
-                         route_slots), operands, gu_N2I, s_gate, s_up, shared_down_proj, shared_output_gate,
-                         gu_shared_T2Is, swiglu_limit, grads=grads, triton_=use_tri)
-    return out.dx_TH, out.d_router_weights_TK.to(router_weights.dtype), d_gate_up, d_down, d_sgu, d_sd, d_sg
-
-
-_lib.define(f"moe_bwd_mxfp8(Tensor dy, Tensor x, Tensor router_weights, Tensor top_experts, Tensor sorted_routes, "
-            f"Tensor expert_offsets, Tensor route_slots, {_MX_BWD_W}, Tensor? shared_gate_up_proj, "
-            f"Tensor? shared_down_proj, Tensor? shared_output_gate, Tensor gu, Tensor gu_shared, float? swiglu_limit, "
-            f"bool gate_up_grad, bool down_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-_lib.impl("moe_bwd_mxfp8", lambda *args: _mx_bwd_impl(use_triton(args[1]), *args), "CompositeExplicitAutograd")
-
-
-_lib.impl("moe_bwd_mxfp8", _no_double_backward("moe_bwd_mxfp8", "moe_mxfp8"), "Autograd")
-
-
-@torch.library.register_fake("mok::moe_bwd_mxfp8", lib=_lib)
-def _(dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gu, gus, gut, gust, d, ds,
-      dt, dst, shared_gate_up_proj, shared_down_proj, shared_output_gate, gu_N2I, gu_shared_T2Is, swiglu_limit,
-      gate_up_grad, down_grad):
-    empty = (0,)
-    return (
-        x.new_empty(x.shape), router_weights.new_empty(router_weights.shape),
-        x.new_empty(gu.shape if gate_up_grad else empty), x.new_empty(d.shape if down_grad else empty),
-        x.new_empty(shared_gate_up_proj.shape if shared_gate_up_proj is not None else empty),
-        x.new_empty(shared_down_proj.shape if shared_down_proj is not None else empty),
-        (shared_output_gate.new_empty(shared_output_gate.shape) if shared_output_gate is not None
-         else x.new_empty(empty)),
-    )
-
-
-_lib.define(f"moe_mxfp8(Tensor x, Tensor router_weights, Tensor top_experts, {_MX_FWD_W}, "
-            "Tensor? shared_gate_up_proj=None, Tensor? shared_down_proj=None, Tensor? shared_output_gate=None, "
-            "float? swiglu_limit=None) -> Tensor")
-
-
-def _logical(x, data, master):
-    """A stand-in with the logical weight's shape, x's dtype and device, for the common checks."""
-    if master is not None:
-        return master
-    if data.dtype == torch.float8_e4m3fn:
-        return x.new_empty(()).expand(data.shape)
-    return data
-
-
-def _moe_mxfp8_composite(x, router_weights, top_experts, gu, gus, gut, gust, gum, d, ds, dt, dst, dm,
-                         shared_gate_up_proj=None, shared_down_proj=None, shared_output_gate=None,
-                         swiglu_limit=None):
-    _checks.require_tensor("x", x)
-    _checks.require_dtype("x", x, _checks.ACTIVATION_DTYPES)
-    _mx.check_weight("gate_up_proj", gu, gus, gut, gust, gum, x.dtype, x.device, split_rows=True)
-    _mx.check_weight("down_proj", d, ds, dt, dst, dm, x.dtype, x.device)
-    _checks.check_moe_args(x, router_weights, top_experts, _logical(x, gu, gum), _logical(x, d, dm),
-                           shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit)
-    if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad
-            for t in (x, router_weights, gum, dm, shared_gate_up_proj, shared_down_proj, shared_output_gate)):
-        for name, scale, data_t in (("gate_up_proj", gus, gut), ("down_proj", ds, dt)):
-            if scale is not None and data_t is None:
-                raise ValueError(
-                    f"{name}: the backward needs the column-wise MXFP8 data (quantize with columnwise=True), or run "
-                    "under torch.no_grad()"
-                )
-    num_experts = gu.shape[0]
-    sorted_routes, expert_offsets, route_slots = torch.ops.mok.schedule(top_experts, num_experts)
-    y, _, _ = _MoeFwdMxfp8Function.apply(
-        x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gu, gus, gut, gust, gum, d, ds,
-        dt, dst, dm, shared_gate_up_proj, shared_down_proj, shared_output_gate,
-        None if swiglu_limit is None else float(swiglu_limit),
-    )
-    return y
-
-
-def call_moe_mxfp8(*args):
-    """Run mok::moe_mxfp8 (or, under torch.func.grad / vjp, its composite body from Python)."""
-    if _under_functorch_autodiff():
-        return _moe_mxfp8_composite(*args)
-    return torch.ops.mok.moe_mxfp8(*args)
-
-
-_lib.impl("moe_mxfp8", _moe_mxfp8_composite, "CompositeImplicitAutograd")
-_register_functional_rule("mok::moe_fwd_mxfp8", lambda *args: _mx_fwd_impl(True, *args))
-_register_functional_rule("mok::moe_bwd_mxfp8", lambda *args: _mx_bwd_impl(True, *args))

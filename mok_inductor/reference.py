@@ -1,6 +1,6 @@
 """The MoK computation in plain PyTorch: the CPU path, and the oracle for the Triton kernels.
 
-This is the one reference implementation of shared/SPEC.md section 1 in the package. The op
+This is the one reference implementation of the MoE layer (docs/semantics.md) in the package. The op
 registration (`mok_inductor.ops`) calls it for CPU tensors; the kernel tests compare the Triton
 kernels against it; the tests in `tests/` check it against an independent float64 loop.
 

@@ -39,37 +39,66 @@ class ForwardResult(NamedTuple):
 
 class GradBuffers(NamedTuple):
     """Destinations of the weight gradients. Routed entries: a 3-D tensor or a sequence of E 2-D
-    tensors (views of a combined buffer are fine); shared entries: 2-D tensors or None when absent."""
+    tensors (views of a combined buffer are fine), or None when that gradient is not wanted; shared
+    entries: 2-D tensors, or None when absent. `allocate` is the one place that builds them."""
 
-    d_gate: Weight  # [E, I, H]
-    d_up: Weight  # [E, I, H]
-    d_down: Weight  # [E, H, I]
+    d_gate: Optional[Weight]  # [E, I, H]
+    d_up: Optional[Weight]  # [E, I, H]
+    d_down: Optional[Weight]  # [E, H, I]
     d_s_gate: Optional[torch.Tensor] = None  # [Is, H]
     d_s_up: Optional[torch.Tensor] = None  # [Is, H]
     d_s_down: Optional[torch.Tensor] = None  # [H, Is]
     d_s_out_gate: Optional[torch.Tensor] = None  # [1, H]
-    # The one buffer [E, 2I, H] (shared: [2Is, H]) whose row halves d_gate and d_up are, when they are: the
-    # Triton kernels then write it as one destination. (Under torch.compile a kernel writing two views of
-    # one buffer is not reinplaced: Inductor clones both views and scatters them back, three extra copies
-    # of the gradient; found by tracing the backward's graph through Inductor's reinplacing pass.)
-    d_gate_up: Optional[torch.Tensor] = None
+    # The one buffer [E, 2I, H] (or E x [2I, H]; shared: [2Is, H]) whose row halves d_gate and d_up are, when
+    # they are: the Triton kernels then write it as one destination. Under torch.compile a kernel writing two
+    # views of one buffer is not reinplaced: Inductor clones both views and scatters them back, three extra
+    # copies of the gradient.
+    d_gate_up: Optional[Weight] = None
     d_s_gate_up: Optional[torch.Tensor] = None
 
     @staticmethod
-    def allocate(grads, w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate) -> "GradBuffers":
-        """Fill the None entries of `grads` (or all, when `grads` is None) with fresh tensors shaped
-        and typed like the weights they are the gradients of."""
-        given = grads if grads is not None else GradBuffers(None, None, None)
+    def allocate(given: Optional["GradBuffers"], w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None,
+                 s_out_gate=None, *, gate_up=None, s_gate_up=None, dtype: Optional[torch.dtype] = None,
+                 out_gate_dtype: Optional[torch.dtype] = None, zero: bool = False) -> "GradBuffers":
+        """The gradient destinations: the entries of `given` that are set, fresh buffers for the others.
 
-        def fresh(w):
+        A fresh buffer is contiguous, shaped like the weight it is the gradient of (`w_gate` ... `s_out_gate`:
+        a 3-D tensor or a sequence of E 2-D tensors; None means no destination), in `dtype` (default: that
+        weight's own; `out_gate_dtype` for the shared output gate), zero-filled when `zero` (the caller
+        accumulates into the given ones). `gate_up` / `s_gate_up`: the combined FC1 whose row halves the gate
+        and up weights are; when neither half is given, the two are allocated as one buffer like it and
+        `d_gate_up` / `d_s_gate_up` is that buffer."""
+        given = given if given is not None else GradBuffers(None, None, None)
+        make = torch.zeros_like if zero else torch.empty_like
+
+        def fresh(w, dt=dtype):
             if w is None:
                 return None
             if isinstance(w, torch.Tensor):
-                return torch.empty_like(w, memory_format=torch.contiguous_format)
-            return [torch.empty_like(p, memory_format=torch.contiguous_format) for p in w]
+                return make(w, dtype=dt or w.dtype, memory_format=torch.contiguous_format)
+            return tuple(make(p, dtype=dt or p.dtype, memory_format=torch.contiguous_format) for p in w)
 
-        weights = (w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate)
-        return given._replace(**{f: fresh(w) for f, b, w in zip(GradBuffers._fields, given, weights) if b is None})
+        def halves(buf):
+            if isinstance(buf, torch.Tensor):
+                i = buf.shape[-2] // 2
+                return buf.narrow(-2, 0, i), buf.narrow(-2, i, i)
+            i = buf[0].shape[-2] // 2
+            return tuple(p.narrow(-2, 0, i) for p in buf), tuple(p.narrow(-2, i, i) for p in buf)
+
+        out = given._asdict()
+        for combined, like, names in ((given.d_gate_up, gate_up, ("d_gate", "d_up", "d_gate_up")),
+                                      (given.d_s_gate_up, s_gate_up, ("d_s_gate", "d_s_up", "d_s_gate_up"))):
+            if combined is None and like is not None and out[names[0]] is None and out[names[1]] is None:
+                buf = fresh(like)
+                out[names[0]], out[names[1]] = halves(buf)
+                out[names[2]] = buf
+        likes = dict(d_gate=w_gate, d_up=w_up, d_down=w_down, d_s_gate=s_gate, d_s_up=s_up, d_s_down=s_down)
+        for name, like in likes.items():
+            if out[name] is None:
+                out[name] = fresh(like)
+        if out["d_s_out_gate"] is None:
+            out["d_s_out_gate"] = fresh(s_out_gate, out_gate_dtype or dtype)
+        return GradBuffers(**out)
 
 
 class BackwardResult(NamedTuple):
@@ -132,3 +161,16 @@ class RoutedOperands(NamedTuple):
     gate_t: Optional[Operand]
     up_t: Optional[Operand]
     down_t: Optional[Operand]
+
+    @staticmethod
+    def of_weights(gate: Weight, up: Weight, down: Weight) -> "RoutedOperands":
+        """The operands of float weights gate, up [E, I, H] and down [E, H, I] (3-D, or sequences of E 2-D
+        tensors): the weights row-wise, their transposes column-wise (no copy)."""
+        return RoutedOperands(Operand(gate, None), Operand(up, None), Operand(down, None),
+                              Operand(transposed_payload(gate), None), Operand(transposed_payload(up), None),
+                              Operand(transposed_payload(down), None))
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any operand is MXFP8."""
+        return any(o is not None and o.quantized for o in self)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import mok_inductor
 from mok_inductor import functional as mf
 from mok_inductor import reference
 from oracle import oracle_moe
@@ -336,21 +337,21 @@ def test_split_layouts_run_on_the_kernels(layout, monkeypatch):
     tests/conftest.py): the reference implementation is not called, and the results match the oracle."""
     from mok_inductor import reference
 
-    monkeypatch.setenv("MOK_BACKEND", "triton")
     monkeypatch.setattr(reference, "moe_forward", None)
     monkeypatch.setattr(reference, "moe_backward", None)
     p = make_problem(DEV, torch.bfloat16, limit=1.5)
-    y, out, _ = run(p, layout)
-    check_against_oracle(p, y, out, TOL[torch.bfloat16])
-    if layout == "split_combined":
-        fc1_mg = [torch.randn(2 * I, H, device=DEV) for _ in range(E)]
-        fc2_mg = [torch.randn(H, I, device=DEV) for _ in range(E)]
-        before1, before2 = [t.clone() for t in fc1_mg], [t.clone() for t in fc2_mg]
-        run(p, layout, main_grads=(None, fc1_mg[0], None, fc1_mg[0], None, fc2_mg[0]),
-            main_grad_storage_tables=(fc1_mg, fc1_mg, fc2_mg))
-        for e in range(E):
-            assert rel(fc1_mg[e] - before1[e], out[2][e]) <= 1e-2
-            assert rel(fc2_mg[e] - before2[e], out[4][e]) <= 1e-2
+    with mok_inductor.options.override(backend="triton"):
+        y, out, _ = run(p, layout)
+        check_against_oracle(p, y, out, TOL[torch.bfloat16])
+        if layout == "split_combined":
+            fc1_mg = [torch.randn(2 * I, H, device=DEV) for _ in range(E)]
+            fc2_mg = [torch.randn(H, I, device=DEV) for _ in range(E)]
+            before1, before2 = [t.clone() for t in fc1_mg], [t.clone() for t in fc2_mg]
+            run(p, layout, main_grads=(None, fc1_mg[0], None, fc1_mg[0], None, fc2_mg[0]),
+                main_grad_storage_tables=(fc1_mg, fc1_mg, fc2_mg))
+            for e in range(E):
+                assert rel(fc1_mg[e] - before1[e], out[2][e]) <= 1e-2
+                assert rel(fc2_mg[e] - before2[e], out[4][e]) <= 1e-2
 
 
 def test_rejected_call_writes_nothing():

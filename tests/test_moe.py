@@ -351,24 +351,24 @@ def test_broken_implementation_is_caught(monkeypatch, breakage):
 def test_inference_runs_the_forward_op_alone(device, backend, monkeypatch):
     """Without autograd (no input requiring grad, torch.no_grad, torch.inference_mode) the composite calls
     the forward op directly instead of through its autograd.Function (the Function's per-call cost is a
-    third of mok's Python time at decode, benchmarks/decode_host.py --stub-launches); the output is bitwise
+    third of mok's Python time at decode); the output is bitwise
     that of the call recording autograd, which still goes through the Function. backend "triton" on the
     CPU: the Triton kernels under the interpreter."""
     from mok_inductor import ops
 
-    monkeypatch.setenv("MOK_BACKEND", backend)
-    case = make_case(T=9, H=32, I=16, E=5, K=2, dtype=torch.bfloat16, device=device, shared=True, gate=True,
-                     limit=0.6, drop=0.2, seed=int(torch.randint(0, 2 ** 31, ())))
-    applied = []
-    real_apply = ops._MoeFwdFunction.apply
-    monkeypatch.setattr(ops._MoeFwdFunction, "apply", lambda *a: applied.append(1) or real_apply(*a))
-    y_grad = run_moe(case)
-    assert applied == [1] and y_grad.requires_grad
-    plain = case.detached(requires_grad=False)
-    for mode in ("no input requires grad", "no_grad", "inference_mode"):
-        ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode)
-        with ctx() if ctx else torch.enable_grad():
-            y = run_moe(case if ctx else plain)
-        assert not y.requires_grad, mode
-        assert torch.equal(y, y_grad.detach()), mode
-    assert applied == [1]
+    with mok_inductor.options.override(backend=backend):
+        case = make_case(T=9, H=32, I=16, E=5, K=2, dtype=torch.bfloat16, device=device, shared=True, gate=True,
+                         limit=0.6, drop=0.2, seed=int(torch.randint(0, 2 ** 31, ())))
+        applied = []
+        real_apply = ops._MoeFwdFunction.apply
+        monkeypatch.setattr(ops._MoeFwdFunction, "apply", lambda *a: applied.append(1) or real_apply(*a))
+        y_grad = run_moe(case)
+        assert applied == [1] and y_grad.requires_grad
+        plain = case.detached(requires_grad=False)
+        for mode in ("no input requires grad", "no_grad", "inference_mode"):
+            ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode)
+            with ctx() if ctx else torch.enable_grad():
+                y = run_moe(case if ctx else plain)
+            assert not y.requires_grad, mode
+            assert torch.equal(y, y_grad.detach()), mode
+        assert applied == [1]

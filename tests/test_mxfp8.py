@@ -1,9 +1,10 @@
-"""mok_inductor.mxfp8: OCP MX quantization of weights (shared/SPEC.md section 6).
+"""mok_inductor.mxfp8: OCP MX quantization of weights, and mok_inductor.moe on MXFP8 weights.
 
 Each check derives what is right from the format's definition (e4m3: 3 mantissa bits, finite range
 +-448, subnormal spacing 2**-9; E8M0: a power-of-two scale 2**(byte - 127)), never from stored numbers.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -111,7 +112,7 @@ def test_one_layout_only_and_bad_arguments():
 
 
 # ============================================================================================
-# mok_inductor.moe with MXFP8 routed weights (issue 8 items 2-4)
+# mok_inductor.moe with MXFP8 routed weights
 #
 # The oracle: the same MoE in float64 on the dequantized weights, where every routed GEMM runs forward
 # with the row-wise dequantized weight and its data gradient with the column-wise one (what the MXFP8
@@ -288,8 +289,22 @@ BACKENDS = [
 ]
 
 
+_OPTION_SCOPES = []
+
+
+@pytest.fixture(autouse=True)
+def _options_scope():
+    """Options a test sets through `_backend` hold until the test ends."""
+    with contextlib.ExitStack() as stack:
+        _OPTION_SCOPES.append(stack)
+        try:
+            yield
+        finally:
+            _OPTION_SCOPES.pop()
+
+
 def _backend(monkeypatch, path):
-    monkeypatch.setenv("MOK_BACKEND", path)
+    _OPTION_SCOPES[-1].enter_context(mok_inductor.options.override(backend=path))
 
 
 @pytest.mark.parametrize("path,device", BACKENDS)
@@ -410,21 +425,12 @@ def test_triton_matches_reference_at_a_larger_shape_on_cuda():
     w2 = (torch.randn(e, h, i, device="cuda") * i ** -0.5).bfloat16().requires_grad_(True)
     out = {}
     for path in ("triton", "reference"):
-        os_env = dict(MOK_BACKEND=path)
-        import os
-        old = os.environ.get("MOK_BACKEND")
-        os.environ.update(os_env)
-        try:
+        with mok_inductor.options.override(backend=path):
             xx = x.clone().requires_grad_(True)
             w1.grad = w2.grad = None
             y = mok_inductor.moe(xx, rw, te, mxfp8.quantize(w1), mxfp8.quantize(w2))
             y.backward(torch.ones_like(y))
             out[path] = (y.detach(), xx.grad, w1.grad.clone(), w2.grad.clone())
-        finally:
-            if old is None:
-                os.environ.pop("MOK_BACKEND")
-            else:
-                os.environ["MOK_BACKEND"] = old
     for a, b in zip(out["triton"], out["reference"]):
         assert rel_err(a, b) <= TOLERANCE[torch.bfloat16]
 
@@ -1174,7 +1180,7 @@ def test_functional_abi_with_mxfp8_tuples_and_main_grads(monkeypatch, device, pa
 
     _backend(monkeypatch, path)
     if layout == "split-dequantized-first":  # the large-shape path (operands dequantized once per call), forced
-        monkeypatch.setattr(kernels, "MX_DEQUANTIZE_MIN_ROWS", 0)
+        _OPTION_SCOPES[-1].enter_context(mok_inductor.options.override(mx_dequantize_min_rows=0))
     p = _problem(torch.bfloat16, device, shared=True, seed=21)
     q1 = mxfp8.quantize(p["gu"])
     o1 = mxfp8.quantize(torch.randn(p["gu"].shape, generator=torch.Generator().manual_seed(3)).to(p["gu"]) * p["gu"].std())

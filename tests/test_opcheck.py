@@ -4,10 +4,13 @@ opcheck runs its default checks (schema, autograd registration, fake tensor, AOT
 dynamic shapes) on mok::moe, mok::schedule, mok::moe_fwd and mok::moe_bwd, over schema variants:
 shared expert or not, shared output gate or not, swiglu_limit or not, float32 and bfloat16.
 
+The MXFP8 form of the same ops (scales, column-wise data and masters as optional arguments) is checked
+below too.
+
 gradcheck: SPEC accepts float32, bfloat16 and float16 activations only (float64 is rejected with a
 TypeError), so the finite-difference check runs in float32 with eps=1e-3 and a matching tolerance,
 at tiny shapes, through `mok_inductor.moe`; and in float64 on the exact forward/backward pair the CPU ops
-run (ops._moe_fwd_impl / _moe_bwd_impl with the reference, which computes in float64 for float64 inputs),
+run (ops.moe_fwd_impl / moe_bwd_impl on the reference backend, which computes in float64 for float64 inputs),
 at gradcheck's default tolerances. For the clamped SwiGLU the limit is chosen away from every
 pre-activation, so no finite difference straddles the clamp's kink.
 
@@ -110,7 +113,7 @@ def test_every_mok_op_is_checked():
 
     # from the dispatcher's registry: dir(torch.ops.mok) lists only the ops already looked up
     ops = {n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("mok::")}
-    assert ops == {"moe", "schedule", "moe_fwd", "moe_bwd", "moe_mxfp8", "moe_fwd_mxfp8", "moe_bwd_mxfp8"}, sorted(ops)
+    assert ops == {"moe", "schedule", "moe_fwd", "moe_bwd"}, sorted(ops)
 
 
 def test_double_backward_is_clear():
@@ -194,28 +197,29 @@ def test_gradcheck_float64_is_rejected():
 
 
 class _ImplPair(torch.autograd.Function):
-    """The exact forward/backward pair mok::moe_fwd / mok::moe_bwd run for CPU tensors
-    (ops._moe_fwd_impl / ops._moe_bwd_impl with the reference), bypassing only the dtype check of the user
-    API, so torch.autograd.gradcheck can check the hand-written backward in float64."""
+    """The exact forward/backward pair mok::moe_fwd / mok::moe_bwd run on the reference backend
+    (ops.moe_fwd_impl / ops.moe_bwd_impl), bypassing only the dtype check of the user API, so
+    torch.autograd.gradcheck can check the hand-written backward in float64."""
 
     @staticmethod
     def forward(ctx, top_experts, limit, x, rw, gate_up, down, s_gate_up, s_down, s_gate):
-        from mok_inductor import ops, reference
+        from mok_inductor import ops
 
-        sched = reference.build_schedule(top_experts, gate_up.shape[0])
-        y, gu, gus = ops._moe_fwd_impl(reference, x, rw, top_experts, *sched, gate_up, down, s_gate_up, s_down,
-                                       s_gate, limit)
+        with mok_inductor.options.override(backend="reference"):
+            sched = tuple(ops.schedule(top_experts, gate_up.shape[0]))
+            y, gu, gus = ops.moe_fwd_impl(x, rw, top_experts, *sched, gate_up, down, s_gate_up, s_down, s_gate, limit)
         ctx.save_for_backward(x, rw, top_experts, *sched, gate_up, down, s_gate_up, s_down, s_gate, gu, gus)
         ctx.limit = limit
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        from mok_inductor import ops, reference
+        from mok_inductor import ops
 
         x, rw, te, s0, s1, s2, gate_up, down, s_gate_up, s_down, s_gate, gu, gus = ctx.saved_tensors
-        dx, drw, dgu, dd, dsgu, dsd, dsg = ops._moe_bwd_impl(reference, dy, x, rw, te, s0, s1, s2, gate_up, down,
-                                                             s_gate_up, s_down, s_gate, gu, gus, ctx.limit)
+        with mok_inductor.options.override(backend="reference"):
+            dx, drw, dgu, dd, dsgu, dsd, dsg = ops.moe_bwd_impl(dy, x, rw, te, s0, s1, s2, gate_up, down, s_gate_up,
+                                                                s_down, s_gate, gu, gus, ctx.limit)
         return None, None, dx, drw, dgu, dd, dsgu, dsd, dsg
 
 
@@ -239,23 +243,32 @@ def test_gradcheck_float64_of_the_cpu_implementation(config):
 
 
 # ---------------------------------------------------------------------------------------------
-# The MXFP8 ops (mok::moe_mxfp8, mok::moe_fwd_mxfp8, mok::moe_bwd_mxfp8): MXFP8 gate_up, and down either
-# MXFP8 or a plain bf16 weight; masters receive the weight gradients.
+# The MXFP8 form of the ops: MXFP8 gate_up, and down either MXFP8 or a plain bf16 weight (which receives its
+# own gradient); masters receive the MXFP8 weights' gradients.
+
+_MX_ORDER = ("scale", "data_t", "scale_t")
 
 
 def _mx_case(device, down_mx, shared, requires_grad=True):
+    """(case, routed weights (gate_up, down), the six MXFP8 arguments, the two masters) of the ops."""
     from mok_inductor import mxfp8
 
     c = make_case(T=5, H=32, I=32, Is=6, E=3, K=2, dtype=torch.bfloat16, device=device, shared=shared,
                   gate=shared, limit=0.7 if shared else None, drop=0.2, seed=3, requires_grad=requires_grad)
     q1 = mxfp8.quantize(c.gate_up_proj)
-    gu = (q1.data, q1.scale, q1.data_t, q1.scale_t, c.gate_up_proj if requires_grad else None)
+    weights = [q1.data]
+    mx = [q1.scale, q1.data_t, q1.scale_t]
+    masters = [c.gate_up_proj if requires_grad else None]
     if down_mx:
         q2 = mxfp8.quantize(c.down_proj)
-        d = (q2.data, q2.scale, q2.data_t, q2.scale_t, c.down_proj if requires_grad else None)
+        weights.append(q2.data)
+        mx += [q2.scale, q2.data_t, q2.scale_t]
+        masters.append(c.down_proj if requires_grad else None)
     else:
-        d = (c.down_proj, None, None, None, c.down_proj if requires_grad else None)
-    return c, gu, d
+        weights.append(c.down_proj)
+        mx += [None, None, None]
+        masters.append(None)
+    return c, tuple(weights), tuple(mx), tuple(masters)
 
 
 # opcheck's test_schema compares inputs before and after with torch.allclose, which float8 tensors do not
@@ -275,19 +288,45 @@ def _opcheck_mx(op, args):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("down_mx,shared", [(True, False), (False, True)], ids=["mx-mx", "mx-bf16-shared"])
-def test_opcheck_mxfp8_ops(device, down_mx, shared):
-    c, gu, d = _mx_case(device, down_mx, shared)
+def test_opcheck_mxfp8_form(device, down_mx, shared):
+    c, w, mx, masters = _mx_case(device, down_mx, shared)
     tail = (c.shared_gate_up_proj, c.shared_down_proj, c.shared_output_gate, c.swiglu_limit)
-    _opcheck_mx(torch.ops.mok.moe_mxfp8.default, (c.x, c.router_weights, c.top_experts, *gu, *d, *tail))
+    _opcheck_mx(torch.ops.mok.moe.default, (c.x, c.router_weights, c.top_experts, *w, *tail, *mx, *masters))
     sched = torch.ops.mok.schedule(c.top_experts, 3)
-    fwd_args = (c.x, c.router_weights, c.top_experts, *sched, *gu, *d, *tail)
-    _opcheck_mx(torch.ops.mok.moe_fwd_mxfp8.default, fwd_args)
-    c, gu, d = _mx_case(device, down_mx, shared, requires_grad=False)
+    _opcheck_mx(torch.ops.mok.moe_fwd.default, (c.x, c.router_weights, c.top_experts, *sched, *w, *tail, *mx,
+                                                *masters))
+    c, w, mx, masters = _mx_case(device, down_mx, shared, requires_grad=False)
     tail = (c.shared_gate_up_proj, c.shared_down_proj, c.shared_output_gate, c.swiglu_limit)
-    fwd_args = (c.x, c.router_weights, c.top_experts, *sched, *gu, *d, *tail)
-    y, saved, saved_shared = torch.ops.mok.moe_fwd_mxfp8(*fwd_args)
+    y, saved, saved_shared = torch.ops.mok.moe_fwd(c.x, c.router_weights, c.top_experts, *sched, *w, *tail, *mx)
     _check_saved_shapes(c, saved, saved_shared)
-    bwd_args = ((random_like(y, 1), c.x, c.router_weights, c.top_experts, *sched, *gu[:4], *d[:4], *tail[:3], saved,
-                 saved_shared, c.swiglu_limit))
+    bwd_args = (random_like(y, 1), c.x, c.router_weights, c.top_experts, *sched, *w, *tail[:3], saved, saved_shared,
+                c.swiglu_limit, *mx)
     for wgrads in ((True, True), (False, True)):
-        _opcheck_mx(torch.ops.mok.moe_bwd_mxfp8.default, bwd_args + wgrads)
+        _opcheck_mx(torch.ops.mok.moe_bwd.default, bwd_args + wgrads)
+        out = torch.ops.mok.moe_bwd(*bwd_args, *wgrads)
+        assert out[2].shape == (c.gate_up_proj.shape if wgrads[0] else (0,))
+
+
+def test_mxfp8_gradients_go_to_the_masters():
+    # the op's autograd: an MXFP8 weight's gradient arrives at its master, equal to the weight gradient of the
+    # same call on the row-wise dequantized weight (computed from the forward's activations and dy); a plain
+    # down_proj receives its own
+    from mok_inductor import mxfp8
+
+    c, w, mx, (gum, _) = _mx_case("cpu", down_mx=False, shared=True)
+    tail = (c.shared_gate_up_proj, c.shared_down_proj, c.shared_output_gate, c.swiglu_limit)
+    y = torch.ops.mok.moe(c.x, c.router_weights, c.top_experts, *w, *tail, *mx, gum, None)
+    dy = random_like(y.detach(), 4)
+    got = torch.autograd.grad(y, (gum, c.down_proj), dy)
+    deq = mxfp8.dequantize(mxfp8.quantize(c.gate_up_proj.detach())).requires_grad_(True)
+    y2 = torch.ops.mok.moe(c.x, c.router_weights, c.top_experts, deq, c.down_proj, *tail)
+    want = torch.autograd.grad(y2, (deq, c.down_proj), dy)
+    for name, a, b in zip(("gate_up master", "down_proj"), got, want):
+        assert torch.equal(a, b), name
+
+
+def test_master_of_a_plain_weight_is_rejected():
+    c, w, mx, _ = _mx_case("cpu", down_mx=False, shared=False)
+    with pytest.raises(ValueError, match="^down_proj: a master weight is for an MXFP8 weight"):
+        torch.ops.mok.moe(c.x, c.router_weights, c.top_experts, *w, None, None, None, None, *mx, None,
+                          c.down_proj)

@@ -1,4 +1,4 @@
-"""The MoK functional ABI (shared/SPEC.md section 4), with the argument order of Mixture-of-Kittens.
+"""The MoK functional ABI (docs/megatron.md), with the argument order of Mixture-of-Kittens.
 
 A bridge written for the public `mok.functional` module (Megatron-Core's `megakernel/mok` backend)
 runs on this module unchanged:
@@ -14,8 +14,8 @@ runs on this module unchanged:
 
 Everything here validates arguments (metadata only; `TypeError`/`ValueError` naming the argument,
 raised before anything is written to a caller's buffer), maps MoK's layouts onto the operands of
-the one implementation, and calls it: `mok_inductor.ops.impl_module(x)` is the Triton kernel module
-on CUDA or `mok_inductor.reference` on the CPU. No math lives in this file.
+the one implementation, and calls it: `mok_inductor.ops.forward` / `backward` (the Triton kernels on
+CUDA, the reference on the CPU, as `mok_inductor.options` says). No math lives in this file.
 
 Routed weight layouts (gate, up: [E, I, H]; down: [E, H, I]):
 - dense: a 3-D tensor (strided views are fine);
@@ -23,7 +23,7 @@ Routed weight layouts (gate, up: [E, I, H]; down: [E, H, I]):
 - combined FC1: the SAME object passed as `routed_gate` and `routed_up`, covering [E, 2I, H] (or E
   tensors [2I, H]); the gate is rows [0, I) and up rows [I, 2I) of each expert, taken as zero-copy
   views. The shared expert accepts the same aliasing ([2Is, H] passed twice).
-- MXFP8 (issue 8): MoK's (data, scale) tuples for a combined FC1 and the down weight (see `_mxfp8_routed`),
+- MXFP8: MoK's (data, scale) tuples for a combined FC1 and the down weight (see `_mxfp8_routed`),
   or split per expert as `SplitRoutedWeight`s with scales (and column-wise pairs for backward); forward reads
   the row-wise pairs, backward the column-wise ones for dgrad. Swizzled scale layouts are not supported yet.
 
@@ -56,6 +56,7 @@ from typing import Any, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ... import _checks, ops, reference
+from ...types import BackwardResult, GradBuffers, RoutedOperands
 
 __all__ = [
     "MoKConfig",
@@ -335,7 +336,7 @@ class SplitRoutedWeight(NamedTuple):
     """A descriptor of split per-expert allocations: `data` holds E 2-D tensors (e.g. Megatron's
     `weight0 ... weight{E-1}`), used in place without stacking. Owns nothing.
 
-    MXFP8 (issue 8; MoK's field names): `data` E float8_e4m3fn [M, K] and `scale` E uint8 E8M0 [M, K/32]
+    MXFP8 (MoK's field names): `data` E float8_e4m3fn [M, K] and `scale` E uint8 E8M0 [M, K/32]
     (the row-wise pairs, what forward reads); for backward also the column-wise pairs, `transposed_data`
     E [K, M] and `transposed_scale` E [K, M/32], or, with `native_columnwise=True`, Transformer Engine's
     column-wise storage E [M, K] and E [M/32, K]. `of_mxfp8` builds one from E `mxfp8.quantize` results."""
@@ -374,7 +375,7 @@ def _mxfp8_error(name: str) -> TypeError:
     )
 
 
-# MXFP8 routed weights (shared/MEGATRON.md section 1.6; logical, unswizzled scales). Forward: (data, scale)
+# MXFP8 routed weights (MoK's layout with logical, unswizzled scales). Forward: (data, scale)
 # per weight, [E, M, K] float8_e4m3fn and [E, M, K/32] uint8 (E8M0). Backward: gate/up as
 # (data, scale, data_t, scale_t) or TE's native (data, scale, col_data [E, M, K], col_scale [E, M/32, K], True);
 # down as its column-wise pair (data_t [E, K, M], scale_t [E, K, M/32]), (col_data, col_scale, True) native, or
@@ -671,7 +672,7 @@ def _check_activations(ws: MoKWorkspace, x, router_weights):
     _checks.require_tensor("x", x)
     if _is_mxfp8_piece(x):
         raise TypeError(
-            "x: expected dtype float32, bfloat16 or float16 (MXFP8 activations are not supported yet, issue 8)"
+            "x: expected dtype float32, bfloat16 or float16 (MXFP8 activations are not supported yet)"
         )
     _checks.require_dtype("x", x, _checks.ACTIVATION_DTYPES)
     _checks.require_shape("x", x, (ws.num_local_tokens, ws.hidden_size), "[T, H] (the workspace's shape)")
@@ -743,13 +744,9 @@ def forward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, x
         ctx = MoKForwardContext(state.gu_N2I, state.gu_shared_T2Is, w.s_out_gate is not None, w.s_gate is not None,
                                 limit, ws.num_local_tokens, w.E, state)
         return y, ctx
-    if mx is not None:
-        res = ops.mxfp8_forward(x, router_weights, sch.top_experts, sch.as_reference(), mx, w.s_gate, w.s_up,
-                                w.s_down, w.s_out_gate, limit)
-    else:
-        impl = ops.impl_module(x)
-        res = impl.moe_forward(x, router_weights, sch.top_experts, sch.as_reference(), w.gate, w.up, w.down,
-                               w.s_gate, w.s_up, w.s_down, w.s_out_gate, limit)
+    operands = mx if mx is not None else RoutedOperands.of_weights(w.gate, w.up, w.down)
+    res = ops.forward(x, router_weights, sch.top_experts, sch.as_reference(), operands, w.s_gate, w.s_up, w.s_down,
+                      w.s_out_gate, limit)
     ctx = MoKForwardContext(res.gu_N2I, res.gu_shared_T2Is, w.s_out_gate is not None, w.s_gate is not None, limit,
                             ws.num_local_tokens, w.E)
     return res.y_TH, ctx
@@ -835,13 +832,6 @@ def _routed_destinations(main_grads, tables, w: _Operands, H: int, device):
     return gate, up, (d[1] if d else None)
 
 
-def _fresh_like_payload(w, dtype, zero: bool):
-    make = torch.zeros_like if zero else torch.empty_like
-    if isinstance(w, torch.Tensor):
-        return make(w, dtype=dtype, memory_format=torch.contiguous_format)
-    return tuple(make(p, dtype=dtype, memory_format=torch.contiguous_format) for p in w)
-
-
 def backward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, forward_context: MoKForwardContext,
              grad_output: torch.Tensor, x: torch.Tensor, router_weights: torch.Tensor, shared_gate, shared_up,
              shared_down, routed_gate, routed_up, routed_down, swiglu_limit: Optional[float] = None,
@@ -920,33 +910,13 @@ def backward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, 
 
     given = [b for b in (dg, du, dd, *ds, gmg) if b is not None]
     accumulate = bool(given)
-    wdt = x.dtype
 
     # ---- fresh buffers for what the caller did not give (zeros when accumulating into the rest)
-    fresh_combined = None
-    if dg is None and du is None and w.routed_combined:
-        fresh_combined = _fresh_like_payload(routed_gate.data if isinstance(routed_gate, SplitRoutedWeight)
-                                             else routed_gate, wdt, accumulate)
-        kind = "dense" if isinstance(fresh_combined, torch.Tensor) else "split"
-        dg, du = _rows(kind, fresh_combined, 0, w.I), _rows(kind, fresh_combined, w.I, w.I)
-    if dg is None:
-        dg = _fresh_like_payload(w.gate, wdt, accumulate)
-    if du is None:
-        du = _fresh_like_payload(w.up, wdt, accumulate)
-    if dd is None:
-        dd = _fresh_like_payload(w.down, wdt, accumulate)
-    fresh_shared_combined = None
-    if w.s_gate is not None:
-        if ds[0] is None and ds[1] is None and w.shared_combined:
-            fresh_shared_combined = (torch.zeros if accumulate else torch.empty)(2 * w.Is, H, dtype=wdt, device=device)
-            ds[0], ds[1] = fresh_shared_combined.narrow(0, 0, w.Is), fresh_shared_combined.narrow(0, w.Is, w.Is)
-        for j, ref_w in enumerate((w.s_gate, w.s_up, w.s_down)):
-            if ds[j] is None:
-                ds[j] = _fresh_like_payload(ref_w, wdt, accumulate)
-    if w.s_out_gate is not None and gmg is None:
-        gmg = (torch.zeros if accumulate else torch.empty)(1, H, dtype=torch.float32, device=device)
-
-    grads = reference.GradBuffers(dg, du, dd, ds[0], ds[1], ds[2], gmg if w.s_out_gate is not None else None)
+    grads = GradBuffers.allocate(
+        GradBuffers(dg, du, dd, ds[0], ds[1], ds[2], gmg), w.gate, w.up, w.down, w.s_gate, w.s_up, w.s_down,
+        w.s_out_gate, gate_up=_combined_payload(routed_gate) if w.routed_combined else None,
+        s_gate_up=shared_gate if w.shared_combined else None, dtype=x.dtype, out_gate_dtype=torch.float32,
+        zero=accumulate)
     if mx is not None and ws.ep_size > 1:
         raise NotImplementedError("routed_gate: MXFP8 routed weights with expert parallelism are not supported yet")
     if ws.ep_size > 1:  # expert parallelism: the forward's exchange in reverse (collective, no host sync)
@@ -955,40 +925,32 @@ def backward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, 
         dx, d_rw = distributed.backward(sch.ep, fctx.ep, grad_output, x, router_weights, w.gate, w.up, w.down,
                                         w.s_gate, w.s_up, w.s_down, w.s_out_gate, limit, grads=grads,
                                         accumulate=accumulate)
-        res = reference.BackwardResult(dx, d_rw, grads)
-    elif mx is not None:
-        res = ops.mxfp8_backward(grad_output, x, router_weights, sch.top_experts, sch.as_reference(), mx,
-                                 fctx.gu_N2I, w.s_gate, w.s_up, w.s_down, w.s_out_gate, fctx.gu_shared_T2Is,
-                                 limit, grads=grads, accumulate=accumulate)
+        res = BackwardResult(dx, d_rw, grads)
     else:
-        impl = ops.impl_module(x)
-        res = impl.moe_backward(
-            grad_output, x, router_weights, sch.top_experts, sch.as_reference(), w.gate, w.up, w.down,
-            fctx.gu_N2I, w.s_gate, w.s_up, w.s_down, w.s_out_gate, fctx.gu_shared_T2Is, limit,
-            grads=grads, accumulate=accumulate,
-        )
+        operands = mx if mx is not None else RoutedOperands.of_weights(w.gate, w.up, w.down)
+        res = ops.backward(grad_output, x, router_weights, sch.top_experts, sch.as_reference(), operands,
+                           fctx.gu_N2I, w.s_gate, w.s_up, w.s_down, w.s_out_gate, fctx.gu_shared_T2Is, limit,
+                           grads=grads, accumulate=accumulate)
     d_rw = res.d_router_weights_TK
     if d_rw.dtype != torch.float32:
         d_rw = d_rw.float()
 
-    # ---- results: the caller's own objects where given
-    def routed_out(idx, written, fresh_combined_obj):
+    # ---- results: the caller's own objects where given; a fresh combined FC1 gradient in both slots
+    def out(idx, written, combined):
         if main_grads is not None and main_grads[idx] is not None:
             return main_grads[idx]
-        if fresh_combined_obj is not None:
-            return fresh_combined_obj
-        return written
+        return combined if combined is not None else written
 
-    d_routed_gate = routed_out(1, dg, fresh_combined)
-    d_routed_up = routed_out(3, du, fresh_combined)
-    d_routed_down = routed_out(5, dd, None)
+    fresh_gu = grads.d_gate_up if dg is None and du is None else None
+    d_routed = (out(1, grads.d_gate, fresh_gu), out(3, grads.d_up, fresh_gu), out(5, grads.d_down, None))
+    d_shared = [None, None, None]
     if w.s_gate is not None:
-        d_shared = [
-            main_grads[idx] if main_grads is not None and main_grads[idx] is not None
-            else (fresh_shared_combined if fresh_shared_combined is not None and j < 2 else ds[j])
-            for j, idx in enumerate((0, 2, 4))
-        ]
-    else:
-        d_shared = [None, None, None]
-    d_gate = gmg if w.s_out_gate is not None else None
-    return (res.dx_TH, d_rw, d_routed_gate, d_routed_up, d_routed_down, *d_shared, d_gate)
+        fresh_sgu = grads.d_s_gate_up if ds[0] is None and ds[1] is None else None
+        d_shared = [out(0, grads.d_s_gate, fresh_sgu), out(2, grads.d_s_up, fresh_sgu), out(4, grads.d_s_down, None)]
+    d_gate = grads.d_s_out_gate if w.s_out_gate is not None else None
+    return (res.dx_TH, d_rw, *d_routed, *d_shared, d_gate)
+
+
+def _combined_payload(routed_gate):
+    """The combined FC1 payload of a routed gate argument (a tensor, a sequence, or a SplitRoutedWeight)."""
+    return routed_gate.data if isinstance(routed_gate, SplitRoutedWeight) else routed_gate

@@ -1,0 +1,66 @@
+"""The decomposition of the `mok::` ops into their Triton launches while AOTAutograd traces CUDA graphs.
+
+Under torch.compile, AOTAutograd functionalizes the graph under a `FunctionalTensorMode`. The rule installed
+here runs mok::schedule, mok::moe_fwd and mok::moe_bwd's implementations inside that mode when their tensors
+are on CUDA and the Triton backend is chosen (`mok_inductor.ops.use_triton`): the graph then holds the
+Triton kernel launches themselves, and Inductor copies our kernels into its generated code (as
+`torch.library.triton_op` does) instead of calling an opaque op. Elsewhere (CPU, backend "reference") the
+ops stay opaque and the compiled graph calls them.
+
+`install()` registers the rule on a library fragment of its own, so `uninstall()` can take it away;
+`mok_inductor.lowering.enable()` / `disable()` call them. Without it the ops work the same, opaque in
+compiled graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import ops
+
+_OPS = (("schedule", ops.schedule_impl), ("moe_fwd", ops.moe_fwd_impl), ("moe_bwd", ops.moe_bwd_impl))
+_lib: Optional[torch.library.Library] = None
+
+
+def _rule(impl):
+    def rule(mode, func, types, args, kwargs):
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor
+
+        if any(t not in (Tensor, FakeTensor, FunctionalTensor) for t in types):
+            return NotImplemented
+        first = args[0]
+        if first.device.type == "cuda" and ops.use_triton(first):
+            with mode:
+                return impl(*args, **kwargs)
+        return mode.__torch_dispatch__(func, types, args, kwargs)
+
+    return rule
+
+
+def install() -> None:
+    """Register the decomposition rule of every `mok::` op that launches kernels. Idempotent."""
+    global _lib
+    if _lib is not None:
+        return
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    lib = torch.library.Library("mok", "FRAGMENT")
+    for name, impl in _OPS:
+        torch.library.register_torch_dispatch(f"mok::{name}", FunctionalTensorMode, _rule(impl), lib=lib)
+    _lib = lib
+
+
+def uninstall() -> None:
+    """Remove the rules `install` registered."""
+    global _lib
+    if _lib is not None:
+        _lib._destroy()
+        _lib = None
+
+
+def is_installed() -> bool:
+    return _lib is not None
