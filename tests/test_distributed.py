@@ -576,7 +576,7 @@ def test_megatron_backend_and_transformers_experts_over_a_group(tmp_path):
 
 
 def test_ep_benchmark_script_on_gloo(tmp_path):
-    """benchmarks/bench_ep.py (the multi-GPU run of issue 10) on 2 gloo ranks at its tiny shape: it exits 0
+    """benchmarks/bench_ep.py (the expert-parallel benchmark) on 2 gloo ranks at its tiny shape: it exits 0
     only when EP equals one rank computing every expert (forward and gradients, bf16 at 1e-2), and writes
     both contenders' times for group sizes 1 and 2."""
     import json

@@ -597,23 +597,24 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.fixture
 def triton_only(monkeypatch):
     """The CUDA path runs the Triton kernels and never the reference: counts the calls of
-    mok_inductor.kernels' build_schedule / moe_forward / moe_backward, and makes every call of
-    mok_inductor.reference's fail the test."""
+    mok_inductor.kernels' build_schedule / forward / backward, and makes every call of
+    mok_inductor.reference's build_schedule / moe_forward / moe_backward fail the test."""
     from mok_inductor import kernels, ops, reference
 
-    assert ops.use_triton(torch.empty(1, device="cuda")), "use_triton is False for CUDA tensors (MOK_BACKEND?)"
-    assert ops.impl_module(torch.empty(1, device="cuda")) is kernels
+    assert ops.use_triton(torch.empty(1, device="cuda")), "use_triton is False for CUDA tensors (options.backend?)"
+    assert ops.kernels_module() is kernels
     calls = {"schedule": 0, "forward": 0, "backward": 0}
-    for name, key in (("build_schedule", "schedule"), ("moe_forward", "forward"), ("moe_backward", "backward")):
-        def counted(*args, _real=getattr(kernels, name), _key=key, **kwargs):
+    for kname, rname, key in (("build_schedule", "build_schedule", "schedule"), ("forward", "moe_forward", "forward"),
+                              ("backward", "moe_backward", "backward")):
+        def counted(*args, _real=getattr(kernels, kname), _key=key, **kwargs):
             calls[_key] += 1
             return _real(*args, **kwargs)
 
-        def refused(*args, _name=name, **kwargs):
+        def refused(*args, _name=rname, **kwargs):
             raise AssertionError(f"mok_inductor.reference.{_name} ran on the CUDA path")
 
-        monkeypatch.setattr(kernels, name, counted)
-        monkeypatch.setattr(reference, name, refused)
+        monkeypatch.setattr(kernels, kname, counted)
+        monkeypatch.setattr(reference, rname, refused)
     return calls
 
 
