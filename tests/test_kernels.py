@@ -9,6 +9,7 @@ Shape legend: T tokens, H hidden, I intermediate, Is shared intermediate, E expe
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -19,6 +20,7 @@ import triton.language as tl
 from _helpers import TOLERANCE, make_case, random_like, record_launches, rel_err
 from oracle import oracle_moe
 
+import mok_inductor
 from mok_inductor import kernels, reference
 from mok_inductor.kernels import _launch
 from mok_inductor.kernels.moe_fwd import swizzle
@@ -28,6 +30,13 @@ pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason="needs CUDA or TRI
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def knobs():
+    """knobs(**changes): `mok_inductor.options.override(**changes)` from the call until the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(mok_inductor.options.override(**changes))
 
 
 def _args(case):
@@ -222,47 +231,24 @@ def test_forward_backward_vs_oracle(name, kw):
 @pytest.mark.parametrize("name", ["basic_fp32", "shared_gate_limit_bf16", "empty_experts_fp32", "all_dropped_bf16"])
 def test_two_pass_bwd_act_vs_oracle(name, monkeypatch):
     # the two-pass bwd_act (GEMM to float32, then the SwiGLU backward), forced at every size
-    from mok_inductor.kernels import moe_bwd
-
-    monkeypatch.setattr(moe_bwd, "TWO_PASS_MIN_ROWS", 0)
     kw = dict(CASES)[name]
     case = make_case(**kw, device=DEV, requires_grad=False, seed=len(name) + 1)
-    _check_all(case)
-
-
-@pytest.mark.parametrize("name", ["shared_gate_limit_bf16", "empty_experts_fp32", "all_dropped_bf16", "basic_fp32"])
-def test_persistent_gate_up_equals_default(name, monkeypatch):
-    # the persistent gate/up kernel (PERSISTENT_GATE_UP, an A/B candidate): a few programs loop over every
-    # tile, idle and `-1`-tail tiles included (the tail's g, u, h zero); bitwise the default kernel's
-    # forward, routed and shared, and the whole backward against the oracle
-    from mok_inductor.kernels import moe_fwd
-
-    case = make_case(**dict(CASES)[name], device=DEV, requires_grad=False, seed=8)
-    sched = kernels.build_schedule(case.top_experts, case.gate_up_proj.shape[0])
-    ref = _forward(kernels, case, sched)
-    launched = record_launches(monkeypatch)
-    monkeypatch.setattr(moe_fwd, "PERSISTENT_GATE_UP", True)
-    got = _forward(kernels, case, sched)
-    assert moe_fwd._gate_up_persistent_kernel in launched and moe_fwd._gate_up_kernel not in launched
-    for a, b in zip(got, ref):
-        if isinstance(a, torch.Tensor):
-            assert torch.equal(a, b)
-    _check_all(case)
+    with mok_inductor.options.override(two_pass_min_rows=0):
+        _check_all(case)
 
 
 @pytest.mark.parametrize("two_pass", [False, True])
 @pytest.mark.parametrize("H,I,aligned", [(80, 80, True), (36, 42, False)])
 def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
-    # the TMA descriptor loads (moe_fwd.TMA_KERNELS: weights of gate/up, bwd_act, down and dx; the sorted A
-    # rows of down and dx; the operand of the weight gradients that is not gathered) against pointer loads only: bitwise the same forward and backward, the shared
-    # expert (one [1, n, k] group) and `-1` routes included; H = 80, I = 80 give whole K steps and a tail
-    # both under the interpreter (BLOCK_K 32) and on CUDA (64); H = 36, I = 42 (72-, 84-, 168-byte bf16 rows,
-    # not 16-byte aligned) must fall back to pointer loads in every launch, equally right
+    # the TMA descriptor loads (options.tma: weights of gate/up, bwd_act, down and dx; the sorted A rows of down
+    # and dx) against pointer loads only: bitwise the same forward and backward, the shared expert (one [1, n, k]
+    # group) and `-1` routes included; H = 80, I = 80 give whole K steps and a tail both under the interpreter
+    # (BLOCK_K 32) and on CUDA (64); H = 36, I = 42 (72-, 84-, 168-byte bf16 rows, not 16-byte aligned) must fall
+    # back to pointer loads in every launch, equally right
     from mok_inductor.kernels import _launch, moe_bwd, moe_fwd
 
-    monkeypatch.setattr(moe_bwd, "TWO_PASS_MIN_ROWS", 0 if two_pass else 1 << 30)
-    monkeypatch.setattr(moe_fwd, "TMA_MIN_ROWS", 0)  # (tiny shapes; the size rule has its own test)
-    monkeypatch.setattr(moe_bwd, "WGRAD_TMA", True)  # (off by default until measured on the H200)
+    # (tma_min_rows 0: tiny shapes; the size rule has its own test)
+    knobs = dict(two_pass_min_rows=0 if two_pass else 1 << 30, tma_min_rows=0)
     case = make_case(T=19, H=H, I=I, E=4, K=2, dtype=torch.bfloat16, shared=True, gate=True, limit=0.6, drop=0.2,
                      Is=I + 4 if aligned else I, device=DEV, requires_grad=False, seed=H + two_pass)
     sched = kernels.build_schedule(case.top_experts, case.gate_up_proj.shape[0])
@@ -270,34 +256,35 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
     tma_flags, real_launch = [], _launch.launch
 
     def spy(k, *a, **kw):
-        if "TMA" in kw or "A_TMA" in kw:
-            tma_flags.append((k, kw.get("TMA") or kw.get("A_TMA") or kw.get("B_TMA")))
+        if "TMA" in kw:
+            tma_flags.append((k, kw["TMA"]))
         return real_launch(k, *a, **kw)
 
     monkeypatch.setattr(_launch, "launch", spy)
     runs = {}
     for tma in (True, False):
-        monkeypatch.setattr(moe_fwd, "TMA_KERNELS", tma)
         tma_flags.clear()
-        fwd = _forward(kernels, case, sched)
-        bwd = _backward(kernels, case, sched, fwd, dy)
+        with mok_inductor.options.override(tma=tma, **knobs):
+            fwd = _forward(kernels, case, sched)
+            bwd = _backward(kernels, case, sched, fwd, dy)
         runs[tma] = (fwd.y_TH, *_grads_by_name(case, bwd).values())
         used = {k for k, on in tma_flags if on}
-        if tma and aligned:  # every GEMM (the weight gradients: the operand not gathered)
-            assert {moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel, moe_bwd._wgrad_kernel} <= used
+        if tma and aligned:  # every GEMM but the weight gradients
+            assert {moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel} <= used
             assert used & {moe_bwd._bwd_act_kernel, moe_bwd._bwd_gemm_kernel}
         else:
             assert not used
     for a, b in zip(runs[True], runs[False]):
         assert torch.equal(a, b)
-    _check_all(case)
+    with mok_inductor.options.override(**knobs):
+        _check_all(case)
 
 
 def test_tma_only_with_many_rows_per_expert(monkeypatch):
-    # descriptors at training sizes only (moe_fwd.TMA_MIN_ROWS rows per expert on average): at decode their
+    # descriptors at training sizes only (options.tma_min_rows rows per expert on average): at decode their
     # per-launch host cost and the TMA loads of a few rows measured slower; here 2 rows per expert get
     # pointer loads, and with the bound lowered to 2 the same launches get descriptors
-    from mok_inductor.kernels import _launch, moe_fwd
+    from mok_inductor.kernels import _launch
 
     case = make_case(T=8, H=64, I=64, E=8, K=2, dtype=torch.bfloat16, device=DEV, requires_grad=False, seed=5)
     sched = kernels.build_schedule(case.top_experts, 8)
@@ -306,16 +293,15 @@ def test_tma_only_with_many_rows_per_expert(monkeypatch):
     y = _forward(kernels, case, sched).y_TH
     assert flags.count(True) == 0 and flags.count(False) == 2  # gate/up, down
     flags.clear()
-    monkeypatch.setattr(moe_fwd, "TMA_MIN_ROWS", 2)
-    assert torch.equal(_forward(kernels, case, sched).y_TH, y)
+    with mok_inductor.options.override(tma_min_rows=2):
+        assert torch.equal(_forward(kernels, case, sched).y_TH, y)
     assert flags.count(True) == 2
 
 
 @pytest.mark.parametrize("limit", [None, 0.5])
-@pytest.mark.parametrize("variant", ["two_pass", "subtile"])
-def test_two_pass_bwd_act_equals_fused(limit, variant, monkeypatch):
-    # the two-pass and the subtiled-epilogue variants against the fused kernel, same roundings: dg, du and
-    # scale * h bitwise equal; d scale summed in another fixed order
+def test_two_pass_bwd_act_equals_fused(limit, monkeypatch):
+    # the two-pass variant against the fused kernel, same roundings: dg, du and scale * h bitwise equal; d scale
+    # summed in another fixed order
     case = make_case(T=21, H=32, I=44, E=3, K=2, dtype=torch.bfloat16, limit=limit, drop=0.2, device=DEV,
                      requires_grad=False, seed=5)
     E = case.gate_up_proj.shape[0]
@@ -324,38 +310,18 @@ def test_two_pass_bwd_act_equals_fused(limit, variant, monkeypatch):
     dy = random_like(case.x, 11)
     rw = case.router_weights.float().reshape(-1)
     down_t = kernels.plain_t(case.down_proj)
-    kw = [dict(two_pass=False), dict(two_pass=True) if variant == "two_pass" else dict(two_pass=False, subtile=True)]
     from mok_inductor.kernels import moe_bwd
 
     launched = record_launches(monkeypatch)
     outs = [kernels.bwd_act(dy, down_t, fwd.gu_N2I, rw, sched.sorted_routes_N, sched.expert_offsets_E1, 2, limit,
-                            **k) for k in kw]
-    second = moe_bwd._bwd_gemm_kernel if variant == "two_pass" else moe_bwd._bwd_act_sub_kernel
-    assert launched[0] is moe_bwd._bwd_act_kernel and launched[1] is second
+                            two_pass=two) for two in (False, True)]
+    assert launched[0] is moe_bwd._bwd_act_kernel and launched[1] is moe_bwd._bwd_gemm_kernel
     n_valid = int(sched.expert_offsets_E1[-1])
     (dgu0, ds0, hs0), (dgu1, ds1, hs1) = outs
     assert torch.equal(dgu0[:n_valid], dgu1[:n_valid]) and torch.equal(hs0[:n_valid], hs1[:n_valid])
     assert rel_err(ds1, ds0) <= 1e-5
     dropped = (case.top_experts.reshape(-1) < 0).cpu()
     assert dropped.any() and torch.count_nonzero(ds1.cpu()[dropped]) == 0
-
-
-def test_unpaired_wgrads_vs_oracle(monkeypatch):
-    # PAIR_WGRAD=False: d_gate and d_up in a launch each (the A/B baseline of benchmarks/ab_backward.py)
-    from mok_inductor.kernels import moe_bwd
-
-    monkeypatch.setattr(moe_bwd, "PAIR_WGRAD", False)
-    _check_all(make_case(**dict(CASES)["shared_gate_limit_bf16"], device=DEV, requires_grad=False, seed=3))
-
-
-def test_subtiled_bwd_act_backward_vs_oracle(monkeypatch):
-    # the whole backward with the one-pass bwd_act's subtiled epilogue (SUBTILE_EPILOGUE, an A/B candidate),
-    # shared expert, gate and clamp included
-    from mok_inductor.kernels import moe_bwd
-
-    monkeypatch.setattr(moe_bwd, "SUBTILE_EPILOGUE", True)
-    monkeypatch.setattr(moe_bwd, "TWO_PASS_MIN_ROWS", 1 << 62)
-    _check_all(make_case(**dict(CASES)["shared_gate_limit_bf16"], device=DEV, requires_grad=False, seed=6))
 
 
 @pytest.mark.parametrize("kinds", [("tensor", "tensor"), ("list", "list"), ("tensor", "list"), ("none", "list"),
@@ -516,22 +482,6 @@ def test_split_per_expert_weights_read_in_place(name, combined, monkeypatch):
     _check_all(case)  # (the 3-D path itself against the oracle)
 
 
-def test_split_weights_persistent_gate_up(monkeypatch):
-    # the persistent gate/up kernel through address tables: its idle and `-1`-tail tiles index the table
-    # with e = E (clamped, nothing read): bitwise the 3-D weights' forward
-    from mok_inductor.kernels import moe_fwd
-
-    monkeypatch.setattr(moe_fwd, "PERSISTENT_GATE_UP", True)
-    case = make_case(**dict(CASES)["shared_gate_limit_bf16"], device=DEV, requires_grad=False, seed=4)
-    wg, wu, wd, sg, su, sd, sog = _args(case)
-    sched = kernels.build_schedule(case.top_experts, wg.shape[0])
-    args = (case.x, case.router_weights, case.top_experts, sched)
-    fwd3 = kernels.moe_forward(*args, wg, wu, wd, sg, su, sd, sog, case.swiglu_limit)
-    fwdl = kernels.moe_forward(*args, _split(wg), _split(wu), _split(wd), sg, su, sd, sog, case.swiglu_limit)
-    for a, b in zip(fwdl, fwd3):
-        assert torch.equal(a, b)
-
-
 def test_split_weights_of_mixed_strides_are_stacked(monkeypatch):
     # experts that differ in strides cannot share one table: they are stacked (one copy), same results
     from mok_inductor.kernels.moe_fwd import ExpertTable
@@ -553,7 +503,7 @@ def test_split_weights_of_mixed_strides_are_stacked(monkeypatch):
 
 
 @pytest.mark.parametrize("dequantize", [False, True])
-def test_split_mxfp8_weights_through_tables(dequantize, monkeypatch):
+def test_split_mxfp8_weights_through_tables(dequantize, monkeypatch, knobs):
     # split MXFP8 data and scales (kernels.forward/backward's operands) through address tables: bitwise the
     # 3-D operands' forward and backward; dequantize: the large-rows path, whose transient 3-D copy is read
     # through a table computed on the device, so repeated calls add nothing to the table cache
@@ -561,7 +511,7 @@ def test_split_mxfp8_weights_through_tables(dequantize, monkeypatch):
     from mok_inductor.kernels import moe_fwd
 
     if dequantize:
-        monkeypatch.setattr(kernels, "MX_DEQUANTIZE_MIN_ROWS", 0)
+        knobs(mx_dequantize_min_rows=0)
     case = make_case(T=12, H=64, I=32, E=3, K=2, dtype=torch.bfloat16, device=DEV, requires_grad=False, seed=5)
     qg, qd = mxfp8.quantize(case.gate_up_proj), mxfp8.quantize(case.down_proj)
     ops3 = mxfp8.routed_operands(tuple(qg[:4]), tuple(qd[:4]))

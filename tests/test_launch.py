@@ -7,25 +7,20 @@ import pytest
 import torch
 from torch._inductor import config
 
+import mok_inductor
 from mok_inductor.kernels import _launch, moe_bwd, moe_fwd
 
 KERNELS = {
     "gate_up": (moe_fwd._gate_up_kernel, moe_fwd._GATE_UP_CONFIGS),
-    "gate_up_persistent": (moe_fwd._gate_up_persistent_kernel, moe_fwd._GATE_UP_CONFIGS),
     "grouped_rows": (moe_fwd._grouped_rows_kernel, moe_fwd._GROUPED_ROWS_CONFIGS),
     "bwd_act": (moe_bwd._bwd_act_kernel, moe_bwd._BWD_ACT_CONFIGS),
     "bwd_gemm": (moe_bwd._bwd_gemm_kernel, moe_bwd._BWD_GEMM_CONFIGS),
-    "bwd_act_sub": (moe_bwd._bwd_act_sub_kernel, moe_bwd._BWD_ACT_SUB_CONFIGS),
     "wgrad": (moe_bwd._wgrad_kernel, moe_bwd._WGRAD_CONFIGS),
-    "gate_up_mx_dot": (moe_fwd._gate_up_mx_dot_kernel, moe_fwd._MX_DOT_CONFIGS),
-    "grouped_rows_mx_dot": (moe_fwd._grouped_rows_mx_dot_kernel, moe_fwd._MX_DOT_CONFIGS),
-    "gate_up_mx8": (moe_fwd._gate_up_mx8_kernel, moe_fwd._MX8_CONFIGS),
-    "grouped_rows_mx8": (moe_fwd._grouped_rows_mx8_kernel, moe_fwd._MX8_CONFIGS),
+    "gate_up_f16": (moe_fwd._gate_up_f16_kernel, moe_fwd._MX_F16_CONFIGS),
+    "grouped_rows_f16": (moe_fwd._grouped_rows_f16_kernel, moe_fwd._MX_F16_CONFIGS),
 }
-# the MXFP8 K loops' config for traced launches at few rows per expert (decode): the 8-row eager picks; the e4m3
-# pair loop's (MX_FP8_ROWS) 16-row tiles
-FEW_ROWS = {"gate_up_mx_dot": (8, 32, 256, 2, 3), "grouped_rows_mx_dot": (8, 32, 128, 1, 4),
-            "gate_up_mx8": (16, 64, 128, 4, 4), "grouped_rows_mx8": (16, 64, 128, 4, 4)}
+# the MXFP8 fp16 K loops' config for traced launches at few rows per expert (decode): the 8-row eager picks
+FEW_ROWS = {"gate_up_f16": (8, 32, 256, 2, 3), "grouped_rows_f16": (8, 32, 128, 1, 4)}
 
 
 def _blocks(c):
@@ -61,12 +56,15 @@ def test_traced_launch_configs(name):
 
 
 def test_few_rows_per_expert_choice():
-    # at most MX_FEW_ROWS sorted rows per expert on average; a symbolic row count: not, without a guard
+    # at most options.mx_few_rows sorted rows per expert on average; a symbolic row count: not, without a guard
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     E = 128
-    assert moe_fwd.few_rows_per_expert(moe_fwd.MX_FEW_ROWS * E, E)
-    assert not moe_fwd.few_rows_per_expert(moe_fwd.MX_FEW_ROWS * E + 1, E)
+    few = mok_inductor.options.current().mx_few_rows
+    assert moe_fwd.few_rows_per_expert(few * E, E)
+    assert not moe_fwd.few_rows_per_expert(few * E + 1, E)
+    with mok_inductor.options.override(mx_few_rows=few + 1):
+        assert moe_fwd.few_rows_per_expert(few * E + 1, E)
     env = ShapeEnv()
     assert not moe_fwd.few_rows_per_expert(env.create_unbacked_symint(), E) and not env.guards
 
@@ -78,13 +76,13 @@ def test_scale_words_of_traced_scales_by_their_offset():
 
     from mok_inductor.mxfp8 import Operand
 
-    def words(scale, width=4):
-        return moe_fwd.scale_words(Operand(torch.empty(0), scale), width=width)
+    def words(scale):
+        return moe_fwd.scale_words(Operand(torch.empty(0), scale))
 
     with FakeTensorMode():
         base = torch.empty(4, 64, 64, dtype=torch.uint8)
-        assert words(base) and words(base, 8)
-        assert words(base[:, :, 4:]) and not words(base[:, :, 4:], 8)  # offset 4
+        assert words(base)
+        assert words(base[:, :, 4:])  # offset 4
         assert not words(base[:, :, 2:])  # offset 2
         assert not words(base[:, :, :63].contiguous())  # rows of 63 bytes
         assert not words(base.transpose(1, 2))  # column-major rows
@@ -138,3 +136,31 @@ class _SymView:
 
     def stride(self):
         return self._stride
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_untuned_eager_variant_is_the_first_config(name):
+    # options.autotune=False: eager launches run the kernel's first eager config (one config: no benchmarking)
+    kernel, _ = KERNELS[name]
+    untuned = kernel.mok_untuned
+    assert [_blocks(c) for c in untuned.configs] == [_blocks(kernel.configs[0])]
+    assert untuned.fn is kernel.fn and untuned.keys == kernel.keys
+
+
+def test_launch_honours_options_autotune():
+    calls = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(self.name)
+
+    kernel = Kernel("tuned")
+    kernel.mok_untuned = Kernel("untuned")
+    _launch.launch(kernel, (1,), torch.empty(1))
+    with mok_inductor.options.override(autotune=False):
+        _launch.launch(kernel, (1,), torch.empty(1))
+    _launch.launch(kernel, (1,), torch.empty(1))
+    assert calls == ["tuned", "untuned", "tuned"]

@@ -55,7 +55,7 @@ except ImportError:  # pragma: no cover - triton is a dependency of torch on Lin
 
 import torch
 
-from .. import reference
+from .. import options, reference
 
 
 def _available() -> bool:
@@ -117,19 +117,16 @@ def _kernel_operands(ops: RoutedOperands, fields) -> RoutedOperands:
     return RoutedOperands(*(None if o is None else Operand(table(o.data), table(o.scale)) for o in ops))
 
 
-# MXFP8 operands are dequantized once per call (a transient x.dtype copy of the weights; moe_fwd.dequantized)
-# when there are at least this many routes per expert, and read in the GEMMs' K loops below it (decode: the
-# weight bytes are the cost). Measured on the H200: docs/benchmarks.md.
-MX_DEQUANTIZE_MIN_ROWS = 256
-
-
 def _dequantized_if_large(ops: RoutedOperands, n_routes, dtype, fields, *, symbolic: bool) -> RoutedOperands:
-    """`symbolic`: the choice when n_routes is a symbolic size (torch.compile, dynamic shapes), where the
-    forward keeps the K-loop reads (decode, no transient copy) and the backward dequantizes (training)."""
+    """MXFP8 operands dequantized once per call (a transient x.dtype copy of the weights; `dequantized`) at
+    `options.mx_dequantize_min_rows` routes per expert and more, read in the GEMMs' K loops below it (decode:
+    the weight bytes are the cost). `symbolic`: the choice when n_routes is a symbolic size (torch.compile,
+    dynamic shapes), where the forward keeps the K-loop reads (decode, no transient copy) and the backward
+    dequantizes (training)."""
     E = _num_experts(next(getattr(ops, f) for f in fields if getattr(ops, f) is not None))
     if not any(getattr(ops, f) is not None and getattr(ops, f).quantized for f in fields):
         return ops
-    if not _launch.at_least(n_routes, MX_DEQUANTIZE_MIN_ROWS * max(E, 1), symbolic):
+    if not _launch.at_least(n_routes, options.current().mx_dequantize_min_rows * max(E, 1), symbolic):
         return ops
     return ops._replace(**{f: dequantized(getattr(ops, f), dtype) for f in fields if getattr(ops, f) is not None})
 

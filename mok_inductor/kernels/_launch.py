@@ -8,27 +8,12 @@ they are launched directly (what `triton_op` does), and always directly under TR
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def autotune_enabled() -> bool:
-    return not INTERPRET and os.environ.get("MOK_AUTOTUNE", "1") != "0"
-
-
-def pick_configs(configs: list, interpret_config) -> list:
-    """All `configs` when autotuning, the first one when MOK_AUTOTUNE=0, `interpret_config` under the
-    interpreter (one small tile, the interpreter is slow)."""
-    if INTERPRET:
-        return [interpret_config]
-    if not autotune_enabled():
-        return configs[:1]
-    return configs
+from .. import options
+from ..options import INTERPRET
 
 
 def cfg(bm, bn, bk, warps, stages) -> triton.Config:
@@ -41,21 +26,23 @@ def with_pre_hook(configs: list, pre_hook) -> list:
 
 
 def autotune(configs: list, interpret_config, key: list, restore_value=None, eager_pre_hook=None, few_rows=None):
-    """`@triton.autotune` over `pick_configs(configs, interpret_config)` for eager launches, with variants kept
-    for launches traced by torch.compile (see `traced_variant`): the first config alone (Inductor's default
-    mode, which re-benchmarks every config it is given: one config keeps the compile cheap), all `configs`
-    (mode="max-autotune"), and `few_rows` alone where given (the default mode's config for launches at few rows
-    per expert: `launch(..., few_rows=True)`). The first config of each list is the one measured best at the
-    large shapes of shared/BENCH.md (benchmarks/tuned_configs.py lists the eager picks).
+    """`@triton.autotune` over `configs` for eager launches (`interpret_config` alone under the interpreter:
+    one small tile, the interpreter is slow), with its first config alone kept for eager launches under
+    `options.autotune=False` (see `launch`), and variants kept for launches traced by torch.compile (see
+    `traced_variant`): the first config alone (Inductor's default mode, which re-benchmarks every config it is
+    given: one config keeps the compile cheap), all `configs` (mode="max-autotune"), and `few_rows` alone where
+    given (the default mode's config for launches at few rows per expert: `launch(..., few_rows=True)`). The
+    first config of each list is the one measured best at the large training shapes.
     `eager_pre_hook(nargs)` runs before each eager launch with the config's meta-parameters (host TMA
     descriptors take their block shapes from it); Inductor accepts no pre-hooks, so traced launches have none."""
     extra = {"restore_value": restore_value} if restore_value else {}
 
     def deco(fn):
-        picked = pick_configs(configs, interpret_config)
+        picked = [interpret_config] if INTERPRET else configs
         if eager_pre_hook is not None:
             picked = with_pre_hook(picked, eager_pre_hook)
         eager = triton.autotune(configs=picked, key=key, **extra)(fn)
+        eager.mok_untuned = eager if len(picked) == 1 else triton.autotune(configs=picked[:1], key=key, **extra)(fn)
         eager.mok_traced_variants = (triton.autotune(configs=configs[:1], key=key, **extra)(fn),
                                      triton.autotune(configs=configs, key=key, **extra)(fn),
                                      None if few_rows is None else triton.autotune(configs=[few_rows], key=key,
@@ -95,9 +82,12 @@ def without_pointers(tensors) -> bool:
 
 
 def launch(kernel, grid, *args, few_rows: bool = False, **kwargs) -> None:
-    """kernel[grid](*args, **kwargs), through wrap_triton when traced (`few_rows`: see `traced_variant`)."""
+    """kernel[grid](*args, **kwargs), through wrap_triton when traced (`few_rows`: see `traced_variant`); an
+    eager launch under `options.autotune=False` runs the kernel's first tile config."""
     if not INTERPRET and traced(args):
         torch.library.wrap_triton(traced_variant(kernel, few_rows))[grid](*args, **kwargs)
+    elif not options.current().autotune:
+        getattr(kernel, "mok_untuned", kernel)[grid](*args, **kwargs)
     else:
         kernel[grid](*args, **kwargs)
 
@@ -136,7 +126,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 # Host-side integer helpers in plain Python: Triton 3.6's triton.cdiv and triton.next_power_of_2 are
 # constexpr functions, whose per-call argument unwrapping costs several microseconds on a launch path run
-# about ten times per forward (benchmarks/decode_host.py: the eager decode forward is host-bound)
+# about ten times per forward (the eager decode forward is host-bound)
 
 
 def cdiv(a, b):

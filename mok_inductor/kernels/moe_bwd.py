@@ -5,7 +5,7 @@ elementwise pass), and the grouped weight-gradient GEMM with the main-grad accum
         (x.dtype, sorted rows), dscale_PN (partial <dy_t @ down[e], h> per I-tile, at the route: d router
         weights without y_tk), hs_NI = rw * h (the down weight gradient's operand); h is recomputed from
         g, u elementwise, no GEMM is recomputed
-      or, with many rows per expert (TWO_PASS_MIN_ROWS): --_bwd_gemm_kernel--> dh_NI (float32, transient)
+      or, with many rows per expert (`options.two_pass_min_rows`): --_bwd_gemm_kernel--> dh_NI (float32, transient)
         --_swiglu_bwd_kernel--> the same dgu, hs and d scale (the fused epilogue's register pressure keeps
         its GEMM to 64-wide tiles; the plain GEMM runs 128 x 128)
     dgu_N2I --grouped_rows (gate[e], up[e])--> dx per route --combine over k--> dx_TH
@@ -27,14 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import options
 from . import _launch
 from ._launch import cfg, mma, to_out
-from .moe_fwd import (GROUP_M, _tile_ids, _tile_rows, clamp_gu, grouped_rows, plain_t, row_desc, row_tiles_worst,
-                      rowdot, swizzle, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile,
-                      w_tma_tile)
+from .moe_fwd import (GROUP_M, _tile_ids, _tile_rows, clamp_gu, grouped_rows, plain_t, row_tiles_worst, rowdot,
+                      swizzle, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile, w_tma_tile)
 
-# (Register pressure: the epilogue holds acc, g, u, h and the gradients, so tiles of 128 x 128 spilled
-# 370-390 bytes on the H200; these are the configs that did not, or nearly not)
+# (Register pressure: the epilogue holds acc, g, u, h and the gradients, so tiles of 128 x 128 spill; these
+# are the configs that did not, or nearly not)
 _BWD_ACT_CONFIGS = [cfg(64, 128, 64, 8, 3), cfg(128, 64, 64, 8, 4), cfg(64, 64, 64, 4, 4), cfg(64, 128, 64, 8, 4),
                     cfg(128, 64, 64, 8, 3), cfg(64, 64, 128, 4, 3)]
 _BWD_ACT_INTERPRET = cfg(16, 16, 32, 1, 1)
@@ -49,15 +49,8 @@ def _min_block_n(configs) -> int:
 _BWD_ACT_MIN_BLOCK_N = _min_block_n(_BWD_ACT_CONFIGS)
 
 
-# SUBTILE: the fused epilogue over two column halves of the tile one after the other, so that a 128-wide
-# tile's epilogue holds half of g, u, h and the gradients at a time (an A/B candidate against the two
-# passes, not yet measured on the H200: benchmarks/breakdown.py times it)
-_BWD_ACT_SUB_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4), cfg(64, 128, 64, 4, 4),
-                        cfg(128, 64, 64, 8, 3)]
-_BWD_ACT_SUB_MIN_BLOCK_N = _min_block_n(_BWD_ACT_SUB_CONFIGS)
-
 # The two-pass variant's GEMM holds only its accumulator: the large tiles of a plain GEMM; 128 x 256 first,
-# the eager autotuner's pick at every shape of shared/BENCH.md (benchmarks/tuned_configs.py, session 9)
+# the eager autotuner's pick at the training shapes
 _BWD_GEMM_CONFIGS = [cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4), cfg(64, 128, 64, 4, 4),
                      cfg(128, 64, 64, 4, 4)]
 _SWIGLU_BWD_BLOCK = (16, 32) if _launch.INTERPRET else (32, 256)  # (rows, columns per step) of the second pass
@@ -77,7 +70,7 @@ def _bwd_act_body(
     wd_desc, w_rows,  # TMA: the host descriptor of down^T's 2-D view and its R (moe_fwd.tma_weights)
     M, H, I, E, TOPK, limit,
     SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, MX_D: tl.constexpr, STORE_ACC: tl.constexpr,
-    SUBTILE: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
+    DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
     GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -119,19 +112,8 @@ def _bwd_act_body(
     if STORE_ACC:  # the two-pass variant: dy @ down in float32, the SwiGLU backward in _swiglu_bwd_kernel
         tl.store(dh_ptr + rows64 * I + cols[None, :], acc, mask=omask)
         return
-    if SUBTILE:  # the two column halves one after the other (acc [M, N] -> [M, N/2, 2] -> two [M, N/2])
-        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        cols0 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-        cols1 = cols0 + BLOCK_N // 2
-        part = _swiglu_bwd_tile(acc0, rows64, cols0, rmask[:, None] & (cols0 < I)[None, :], route, rmask, gu_ptr,
-                                stride_gm, stride_gn, scale_ptr, dgu_ptr, stride_om, stride_on, hs_ptr, I, limit,
-                                HAS_SCALE, HAS_LIMIT, DOT_PREC)
-        part += _swiglu_bwd_tile(acc1, rows64, cols1, rmask[:, None] & (cols1 < I)[None, :], route, rmask, gu_ptr,
-                                 stride_gm, stride_gn, scale_ptr, dgu_ptr, stride_om, stride_on, hs_ptr, I, limit,
-                                 HAS_SCALE, HAS_LIMIT, DOT_PREC)
-    else:
-        part = _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr,
-                                dgu_ptr, stride_om, stride_on, hs_ptr, I, limit, HAS_SCALE, HAS_LIMIT, DOT_PREC)
+    part = _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr,
+                            dgu_ptr, stride_om, stride_on, hs_ptr, I, limit, HAS_SCALE, HAS_LIMIT, DOT_PREC)
     tl.store(dscale_ptr + pid_n * stride_sp + route, part, mask=rmask)
 
 
@@ -141,8 +123,6 @@ _bwd_act_kernel = _launch.autotune(_BWD_ACT_CONFIGS, _BWD_ACT_INTERPRET, key=_BW
                                    eager_pre_hook=_tma_hook)(_bwd_act_body)
 _bwd_gemm_kernel = _launch.autotune(_BWD_GEMM_CONFIGS, _BWD_ACT_INTERPRET, key=_BWD_ACT_KEY,
                                     eager_pre_hook=_tma_hook)(_bwd_act_body)
-_bwd_act_sub_kernel = _launch.autotune(_BWD_ACT_SUB_CONFIGS, _BWD_ACT_INTERPRET, key=_BWD_ACT_KEY,
-                                       eager_pre_hook=_tma_hook)(_bwd_act_body)
 
 
 @triton.jit
@@ -206,34 +186,23 @@ def _swiglu_bwd_kernel(
     tl.store(dscale_ptr + route, total, mask=rmask)
 
 
-# Two passes (a plain GEMM writing dy @ down in float32, then the SwiGLU backward elementwise) when there
-# are at least this many rows per expert: the fused epilogue's register pressure holds the GEMM to
-# 64-wide tiles (measured on the H200: see docs/benchmarks.md); below it, one launch is cheaper.
-TWO_PASS_MIN_ROWS = 256
-# The one-pass bwd_act with the subtiled epilogue where one pass runs (below TWO_PASS_MIN_ROWS, or with it
-# set out of reach): off until measured (benchmarks/ab_backward.py's switch)
-SUBTILE_EPILOGUE = False
-# d_gate and d_up in one wgrad launch (one GEMM over both halves of dgu, one gathered x tile); False: one
-# launch each (benchmarks/ab_backward.py's A/B switch)
-PAIR_WGRAD = True
+# Two passes (a plain GEMM writing dy @ down in float32, then the SwiGLU backward elementwise) at
+# `options.two_pass_min_rows` rows per expert and more: the fused epilogue's register pressure holds the GEMM
+# to 64-wide tiles; below it, one launch is cheaper.
 
 
-def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, single=False, two_pass=None,
-            subtile=False):
+def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, single=False, two_pass=None):
     """-> (dgu [M, 2I] dy.dtype, dscale [routes] float32 = <dy @ down[e], h> per route, hs [M, I] = scale * h
     in dy.dtype (h without a scale)). down_t: the down weight's transpose as an `mxfp8.Operand` read as
-    [E, I, H]; gu: the forward's saved [g | u]. two_pass: None picks by rows per expert (shapes only);
-    subtile: the one-pass kernel with its epilogue over column halves (_BWD_ACT_SUB_CONFIGS; not chosen by
-    default)."""
+    [E, I, H]; gu: the forward's saved [g | u]. two_pass: None picks by rows per expert (shapes only)."""
     M = gu_M2I.shape[0]
     I = gu_M2I.shape[1] // 2
     E, _, H = down_t.data.shape
     dev, dtype = gu_M2I.device, dy_TH.dtype  # dy is in the activation dtype (gu may be float32)
     n_routes = M if single else routes_N.numel()
     if two_pass is None:  # (dynamic shapes: two passes, the choice at training sizes)
-        two_pass = _launch.at_least(M, TWO_PASS_MIN_ROWS * (1 if single else E), symbolic=True)
-    subtile = subtile and not two_pass
-    P = 1 if two_pass else _launch.cdiv(I, _BWD_ACT_SUB_MIN_BLOCK_N if subtile else _BWD_ACT_MIN_BLOCK_N)
+        two_pass = _launch.at_least(M, options.current().two_pass_min_rows * (1 if single else E), symbolic=True)
+    P = 1 if two_pass else _launch.cdiv(I, _BWD_ACT_MIN_BLOCK_N)
     dgu = torch.empty(M, 2 * I, dtype=dtype, device=dev)
     dscale_P = torch.zeros(P, n_routes, dtype=torch.float32, device=dev)
     hs = torch.empty(M, I, dtype=dtype, device=dev)
@@ -247,12 +216,12 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
     lim = 0.0 if limit is None else float(limit)
     tma = tma_weights((down_t,)) if tma_eligible(dy_TH, M, E) else None
     _launch.launch(
-        _bwd_gemm_kernel if two_pass else _bwd_act_sub_kernel if subtile else _bwd_act_kernel, grid,
+        _bwd_gemm_kernel if two_pass else _bwd_act_kernel, grid,
         dy_TH, dy_TH.stride(0), dy_TH.stride(1), routes_N, offsets_E1, *w_args(down_t),
         gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1), scale_arg,
         dgu, dgu.stride(0), dgu.stride(1), dscale_P, dscale_P.stride(0), hs, dh,
         *((None, 1) if tma is None else (tma[0][0], tma[1])),
-        M, H, I, E, topk, lim, MX_D=down_t.quantized, STORE_ACC=two_pass, SUBTILE=subtile,
+        M, H, I, E, topk, lim, MX_D=down_t.quantized, STORE_ACC=two_pass,
         TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
         GROUPS_POW2=_launch.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(down_t), **flags,
     )
@@ -271,42 +240,32 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
 # Weight gradients: dst[e][m, n] (+)= sum over expert e's rows r of A[r, m] * B[r, n]
 
 
-# 128 x 256 first (the best plain Triton GEMM at these shapes, benchmarks/ceiling.py on the H200)
+# 128 x 256 first (the best plain Triton GEMM at the training shapes)
 _WGRAD_CONFIGS = [cfg(128, 256, 64, 8, 3), cfg(256, 128, 64, 8, 3), cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4),
                   cfg(64, 128, 64, 4, 4), cfg(128, 64, 64, 4, 4), cfg(128, 128, 128, 8, 3)]
 
 
 @triton.jit
 def _wgrad_tiles(r0, hi, ks, nxt, tokens_ptr, a_ptr, stride_ar, a_cols, mmask, b_ptr, stride_br, b_cols, nmask,
-                 a_desc, b_desc, pid_m, pid_n, GATHER: tl.constexpr, A_GATHER: tl.constexpr,
-                 B_GATHER: tl.constexpr, OFF32: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
-                 MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 GATHER: tl.constexpr, A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, OFF32: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     """The row step r0 of `_wgrad_body`: (A^T tile [BLOCK_M, BLOCK_K], B tile [BLOCK_K, BLOCK_N], the gather
-    index of the next step). An operand by TMA (A_TMA, B_TMA: whole steps only) or by pointers, gathered by
-    token or by sorted row; MASKED: the rows past hi (the last, partial step) load zeros."""
+    index of the next step). Each operand gathered by token or read by sorted row; the rows past hi (the last,
+    partial step) load zeros."""
     rows = r0 + ks
     if GATHER:
         tok = nxt
         nxt = tl.load(tokens_ptr + rows + BLOCK_K, mask=rows + BLOCK_K < hi, other=0)
     else:
         tok = rows
-    if MASKED:
-        rmask = rows < hi
-    else:
-        rmask = rows >= 0  # (all true: a whole step)
+    rmask = rows < hi
     ar = tok if A_GATHER else rows
     br = tok if B_GATHER else rows
     if not OFF32:
         ar = ar.to(tl.int64)
         br = br.to(tl.int64)
-    if B_TMA:
-        b = b_desc.load([r0, pid_n * BLOCK_N])
-    else:
-        b = tl.load(b_ptr + br[:, None] * stride_br + b_cols, mask=rmask[:, None] & nmask[None, :], other=0.0)
-    if A_TMA:
-        a = tl.trans(a_desc.load([r0, pid_m * BLOCK_M]))
-    else:
-        a = tl.load(a_ptr + ar[None, :] * stride_ar + a_cols, mask=mmask[:, None] & rmask[None, :], other=0.0)
+    b = tl.load(b_ptr + br[:, None] * stride_br + b_cols, mask=rmask[:, None] & nmask[None, :], other=0.0)
+    a = tl.load(a_ptr + ar[None, :] * stride_ar + a_cols, mask=mmask[:, None] & rmask[None, :], other=0.0)
     return a, b, nxt
 
 
@@ -317,20 +276,16 @@ def _wgrad_body(
     tokens_ptr, offsets_ptr,  # int32 token of each sorted row [M] (the gather index), expert_offsets [E+1]
     dst_ptr, stride_de, stride_dm, stride_dn,  # dst [E, MD, ND] (any float dtype, strided)
     dst2_ptr, stride2_de, stride2_dm, stride2_dn,  # dst2 [E, MD, ND] (SPLIT): A[:, MD:]^T @ B, dst's dtype
-    a_desc, b_desc,  # TMA: host descriptors of A, B as [rows, cols] (the operand not gathered; A_TMA, B_TMA)
     MD, ND, M, E,
     SINGLE: tl.constexpr, A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
-    GATHER: tl.constexpr, SPLIT: tl.constexpr, OFF32: tl.constexpr, DOT_PREC: tl.constexpr, A_TMA: tl.constexpr,
-    B_TMA: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    GATHER: tl.constexpr, SPLIT: tl.constexpr, OFF32: tl.constexpr, DOT_PREC: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of expert e's A^T @ B, reducing over its rows in order. SPLIT: A has two
     halves of MD columns (d_gate's and d_up's operands) reduced as one GEMM of 2 MD rows, each half's rows
-    stored to its own destination. (Measured on the H200, benchmarks/wgrad_ab.py: the gather index loaded
-    one step ahead, int32 offsets (OFF32, when every offset fits) and one GEMM of 2 MD rows instead of two
-    accumulators took the gate/up weight gradient from about 360 to 520-580 TFLOP/s.) A_TMA / B_TMA: that
-    operand's tiles of the whole row steps through its descriptor (rows past hi would be another expert's:
-    the last, partial step loads by pointers with the row mask)."""
+    stored to its own destination. (The gather index loaded one step ahead, int32 offsets (OFF32, when every
+    offset fits) and one GEMM of 2 MD rows instead of two accumulators took the gate/up weight gradient from
+    about 360 to 520-580 TFLOP/s.)"""
     pid = tl.program_id(0)
     e = tl.program_id(1)
     if SPLIT:
@@ -360,18 +315,9 @@ def _wgrad_body(
         nxt = tl.load(tokens_ptr + lo + ks, mask=lo + ks < hi, other=0)
     else:
         nxt = lo + ks  # (unused)
-    r_tail = lo
-    if A_TMA or B_TMA:  # the whole row steps, the descriptors' operands by TMA
-        r_tail = lo + (hi - lo) // BLOCK_K * BLOCK_K
-        for r0 in range(lo, r_tail, BLOCK_K):
-            a, b, nxt = _wgrad_tiles(r0, hi, ks, nxt, tokens_ptr, a_ptr, stride_ar, a_cols, mmask, b_ptr, stride_br,
-                                     b_cols, nmask, a_desc, b_desc, pid_m, pid_n, GATHER, A_GATHER, B_GATHER,
-                                     OFF32, A_TMA, B_TMA, False, BLOCK_M, BLOCK_N, BLOCK_K)
-            acc = mma(a.to(b.dtype), b, acc, DOT_PREC)
-    for r0 in range(r_tail, hi, BLOCK_K):
+    for r0 in range(lo, hi, BLOCK_K):
         a, b, nxt = _wgrad_tiles(r0, hi, ks, nxt, tokens_ptr, a_ptr, stride_ar, a_cols, mmask, b_ptr, stride_br,
-                                 b_cols, nmask, a_desc, b_desc, pid_m, pid_n, GATHER, A_GATHER, B_GATHER, OFF32,
-                                 False, False, True, BLOCK_M, BLOCK_N, BLOCK_K)
+                                 b_cols, nmask, GATHER, A_GATHER, B_GATHER, OFF32, BLOCK_K)
         acc = mma(a.to(b.dtype), b, acc, DOT_PREC)
     dmask = mmask[:, None] & nmask[None, :]
     e64 = e.to(tl.int64)
@@ -387,24 +333,9 @@ def _wgrad_body(
 
 
 # (SPLIT and A_GATHER in the key: at H == I the down and the gate/up weight gradients share MD, ND, M, E)
-# TMA for the weight gradients' operand that is not gathered: off, measured slower on the H200 (session 10,
-# `breakdown.py --tma-ab --wgrad-tma`: wgrad down 3.216 against 3.166 ms with pointer loads at mixtral, 1.114
-# against 1.074 at gpt-oss; gate+up 6.752 / 6.622 and 2.339 / 2.213; whole layer within noise). Kept as the
-# measured alternative (tests cover it): its loads are rows of an [M, K] operand read K-major per step.
-WGRAD_TMA = False
-
-
-def _wgrad_tma_blocks(nargs):
-    """Eager pre-hook: the row-step tiles of the descriptors, [BLOCK_K, BLOCK_M] of A and [BLOCK_K, BLOCK_N] of B."""
-    if nargs["A_TMA"]:
-        nargs["a_desc"].block_shape = [nargs["BLOCK_K"], nargs["BLOCK_M"]]
-    if nargs["B_TMA"]:
-        nargs["b_desc"].block_shape = [nargs["BLOCK_K"], nargs["BLOCK_N"]]
-
-
-_WGRAD_KEY = ["MD", "ND", "M", "E", "SPLIT", "A_GATHER", "A_TMA", "B_TMA"]
+_WGRAD_KEY = ["MD", "ND", "M", "E", "SPLIT", "A_GATHER"]
 _wgrad_kernel = _launch.autotune(_WGRAD_CONFIGS, cfg(16, 16, 16, 1, 1), key=_WGRAD_KEY,
-                                 restore_value=["dst_ptr", "dst2_ptr"], eager_pre_hook=_wgrad_tma_blocks)(_wgrad_body)
+                                 restore_value=["dst_ptr", "dst2_ptr"])(_wgrad_body)
 
 
 def _span(t) -> int:
@@ -439,17 +370,13 @@ def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, accu
     off32 = offsets_fit_int32(a, b)
     rows_out = 2 * MD if split else MD
     grid = lambda meta: (_launch.cdiv(rows_out, meta["BLOCK_M"]) * _launch.cdiv(ND, meta["BLOCK_N"]), E)
-    tma = WGRAD_TMA and a.dtype == b.dtype and tma_eligible(a, M, E)  # (block shapes: _wgrad_tma_blocks)
-    a_desc = row_desc(a) if tma and not (a_gather and not single) else None
-    b_desc = row_desc(b) if tma and not (b_gather and not single) else None
     _launch.launch(
         _wgrad_kernel, grid,
         a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), idx, offsets_E1,
         dst_EMN, dst_EMN.stride(0), dst_EMN.stride(1), dst_EMN.stride(2), d2, d2.stride(0), d2.stride(1), d2.stride(2),
-        a_desc, b_desc, MD, ND, M, E,
+        MD, ND, M, E,
         SINGLE=single, A_GATHER=a_gather, B_GATHER=b_gather, GATHER=gather, ACCUMULATE=accumulate, SPLIT=split,
-        OFF32=off32, A_TMA=a_desc is not None, B_TMA=b_desc is not None,
-        DOT_PREC=_launch.dot_precision(b.dtype), GROUP_M=GROUP_M,
+        OFF32=off32, DOT_PREC=_launch.dot_precision(b.dtype), GROUP_M=GROUP_M,
     )
     return dst_EMN
 
@@ -464,7 +391,7 @@ def wgrad_into(dsts, a, b, routes_N, offsets_E1, topk, *, a_gather, b_gather, ac
     their operands side by side): each dst a 3-D tensor, E per-expert tensors (written through a float32
     buffer, then copied or added by one multi-tensor op), or None (the gradient is not wanted, e.g. an
     MXFP8 weight without a master). Two wanted destinations of one kind and dtype share a launch (one GEMM
-    over both halves of A), unless PAIR_WGRAD is off."""
+    over both halves of A)."""
     md = a.shape[1] // len(dsts)
     live = [(d, a[:, j * md:(j + 1) * md]) for j, d in enumerate(dsts) if d is not None]
     if not live:
@@ -472,7 +399,7 @@ def wgrad_into(dsts, a, b, routes_N, offsets_E1, topk, *, a_gather, b_gather, ac
     kw = dict(a_gather=a_gather, b_gather=b_gather, single=single, n_rows=n_rows, tokens_N=tokens_N)
     split = [not isinstance(d, torch.Tensor) for d, _ in live]
     dtypes = [torch.float32 if sp else d.dtype for (d, _), sp in zip(live, split)]
-    if len(live) == 2 and (not PAIR_WGRAD or split[0] != split[1] or dtypes[0] != dtypes[1]):
+    if len(live) == 2 and (split[0] != split[1] or dtypes[0] != dtypes[1]):
         for d, part in live:
             wgrad_into((d,), part, b, routes_N, offsets_E1, topk, accumulate=accumulate, **kw)
         return
@@ -496,15 +423,14 @@ def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, 
     row halves d_gate and d_up are, written as one destination (GradBuffers.d_gate_up). Returns d scale
     [routes] float32."""
     n_rows = x_TH.shape[0] if single else None
-    dgu, dscale, hs = bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, single=single,
-                              subtile=SUBTILE_EPILOGUE)
+    dgu, dscale, hs = bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, single=single)
     d_gate, d_up, d_down = d_weights
     tokens_N = None if single else routes_N // topk  # the wgrads' gather index, once for both
     kw = dict(accumulate=accumulate, single=single, n_rows=n_rows, tokens_N=tokens_N)
     wgrad_into((d_down,), dy_TH, hs, routes_N, offsets_E1, topk, a_gather=True, b_gather=False, **kw)
-    # d_gate and d_up as one GEMM over dgu = [dg | du] (PAIR_WGRAD): both read the gathered x tile; into their
-    # common buffer when there is one (dgu^T @ x is its [2I, H] rows in order)
-    pair = (d_gate_up,) if d_gate_up is not None and PAIR_WGRAD else (d_gate, d_up)
+    # d_gate and d_up as one GEMM over dgu = [dg | du]: both read the gathered x tile; into their common buffer
+    # when there is one (dgu^T @ x is its [2I, H] rows in order)
+    pair = (d_gate_up,) if d_gate_up is not None else (d_gate, d_up)
     wgrad_into(pair, dgu, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
     grouped_rows(dgu, gate_t, dx_out, routes_N, offsets_E1, w2=up_t, scatter=scatter, single=single)
     return dscale
