@@ -15,6 +15,7 @@ import contextlib
 
 from . import options
 from .api import moe
+from .options import Options
 from .ops import path_name
 
 __version__ = "0.1.0"
@@ -51,4 +52,4 @@ def enabled():
             disable()
 
 
-__all__ = ["moe", "options", "path_name", "enable", "disable", "enabled", "__version__"]
+__all__ = ["moe", "options", "Options", "path_name", "enable", "disable", "enabled", "__version__"]

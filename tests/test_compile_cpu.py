@@ -2,7 +2,8 @@
 
 One Inductor compile (dynamic=True) serves the module: the compiled forward and backward equal eager
 for three token counts without recompiling, and an out-of-range expert id raises the op's ValueError
-from inside the compiled function. The compile costs ~20 s on two CPU cores, so it is made once.
+from inside the compiled function. The compile costs ~20 s on two CPU cores, so it is made once. None of it
+enables mok_inductor: the ops stay opaque in the compiled graph (the decomposition comes with enable()).
 
 Shape legend: T tokens, H hidden, I routed intermediate, Is shared intermediate, E experts, K routes.
 """
@@ -88,3 +89,36 @@ def test_compiled_bad_expert_id_raises(compiled):
     # T=11 is served by the dynamic graph: the error path recompiles nothing
     if frames:
         assert counter.frame_count == frames
+
+
+def test_the_decomposition_is_installed_by_enable_not_by_import():
+    # the FunctionalTensorMode rule that decomposes the ops into their Triton launches (lowering/decompose.py)
+    # is installed by mok_inductor.enable() and removed by disable(); `import mok_inductor` installs nothing.
+    # The compiled tests above run without it: the ops stay opaque in the graph. A fresh process, so no other
+    # test's enable() is seen.
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+import mok_inductor
+
+def rules():
+    find = torch._library.simple_registry.singleton.find
+    return [find("mok::" + op).torch_dispatch_rules.find(FunctionalTensorMode) is not None
+            for op in ("schedule", "moe_fwd", "moe_bwd")]
+
+print(rules())
+mok_inductor.enable()
+print(rules(), mok_inductor.lowering.decompose.is_installed())
+mok_inductor.enable()
+mok_inductor.disable()
+print(rules())
+with mok_inductor.enabled():
+    print(rules())
+print(rules())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:5] == ["[False, False, False]", "[True, True, True] True", "[False, False, False]",
+                                          "[True, True, True]", "[False, False, False]"], out.stdout + out.stderr

@@ -1,0 +1,143 @@
+"""mok_inductor.options: the one frozen Options object, its overrides and the backend choice it drives.
+
+The Triton kernels run on CPU tensors under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so
+backend "triton" and "reference" are both checked here on the CPU.
+"""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mok_inductor
+from mok_inductor import options
+from _helpers import TOLERANCE, make_case, rel_err
+
+
+def _case():
+    return make_case(T=6, H=32, I=16, E=3, K=2, dtype=torch.bfloat16, shared=True, gate=True, limit=0.8, drop=0.2,
+                     seed=7, requires_grad=False)
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    """Counts of the calls into the kernels' and the reference's forward."""
+    from mok_inductor import kernels, reference
+
+    calls = {"triton": 0, "reference": 0}
+    for mod, name, key in ((kernels, "forward", "triton"), (reference, "moe_forward", "reference")):
+        def counted(*args, _real=getattr(mod, name), _key=key, **kwargs):
+            calls[_key] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(mod, name, counted)
+    return calls
+
+
+def test_backend_reference_and_triton_on_cpu(spies):
+    c = _case()
+    x = c.x
+    assert mok_inductor.path_name(x) == "reference"  # "auto": the reference for CPU tensors
+    with mok_inductor.options.override(backend="triton"):
+        assert mok_inductor.path_name(x) == "triton"
+        y_tri = mok_inductor.moe(*c.args(), **c.kwargs())
+    assert spies == {"triton": 1, "reference": 0}
+    with mok_inductor.options.override(backend="reference"):
+        y_ref = mok_inductor.moe(*c.args(), **c.kwargs())
+    assert spies == {"triton": 1, "reference": 1}
+    assert rel_err(y_tri, y_ref) <= TOLERANCE[torch.bfloat16]
+
+
+def test_per_call_options(spies):
+    c = _case()
+    before = options.current()
+    y_tri = mok_inductor.moe(*c.args(), **c.kwargs(), options={"backend": "triton"})
+    assert spies == {"triton": 1, "reference": 0} and options.current() is before
+    y_ref = mok_inductor.moe(*c.args(), **c.kwargs(), options=mok_inductor.Options(backend="reference"))
+    assert spies == {"triton": 1, "reference": 1} and options.current() is before
+    assert rel_err(y_tri, y_ref) <= TOLERANCE[torch.bfloat16]
+    # the per-call options win over an enclosing override, for that call only
+    with options.override(backend="triton"):
+        mok_inductor.moe(*c.args(), **c.kwargs(), options={"backend": "reference"})
+        assert options.current().backend == "triton"
+    assert spies == {"triton": 1, "reference": 2}
+
+
+def test_per_call_options_are_refused_under_torch_compile():
+    c = _case()
+
+    def f(x):
+        return mok_inductor.moe(x, *c.args()[1:], **c.kwargs(), options={"backend": "reference"})
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="options: a per-call options= cannot be traced by torch.compile.*"
+                                        "mok_inductor.options.override"):
+        torch.compile(f, backend="eager", fullgraph=True)(c.x)
+
+
+def test_override_nesting_and_restore():
+    base = options.current()
+    with options.override(autotune=False) as outer:
+        assert options.current() is outer and not outer.autotune and outer.tma == base.tma
+        with options.override({"tma": False}) as inner:
+            assert options.current() is inner
+            assert (inner.autotune, inner.tma) == (False, False)  # the inner block keeps the outer change
+        assert options.current() is outer
+        with pytest.raises(RuntimeError, match="boom"):
+            with options.override(backend="reference"):
+                raise RuntimeError("boom")
+        assert options.current() is outer  # restored on an exception too
+        with options.override(mok_inductor.Options(tma_min_rows=7)) as whole:
+            assert whole == mok_inductor.Options(tma_min_rows=7)  # an Options replaces, it does not merge
+    assert options.current() is base
+
+
+def test_set_default():
+    old = options.current()
+    try:
+        new = options.set_default(two_pass_min_rows=512)
+        assert options.current() is new and new.two_pass_min_rows == 512
+        with options.override(two_pass_min_rows=8):
+            assert options.current().two_pass_min_rows == 8
+        assert options.current().two_pass_min_rows == 512
+    finally:
+        options.set_default(old)
+    assert options.current() == old
+
+
+def test_unknown_and_bad_values_are_rejected():
+    with pytest.raises(ValueError, match="^options: unknown option.* not_a_knob"):
+        with options.override(not_a_knob=1):
+            pass
+    with pytest.raises(ValueError, match="^options.backend: expected one of auto, reference, triton, got 'cuda'"):
+        mok_inductor.Options(backend="cuda")
+    with pytest.raises(TypeError, match="^options.autotune: expected a bool"):
+        mok_inductor.Options(autotune=1)
+    with pytest.raises(ValueError, match="^options.tma_min_rows: expected a non-negative int"):
+        mok_inductor.Options(tma_min_rows=-1)
+    c = _case()
+    with pytest.raises(ValueError, match="^options: unknown option"):
+        mok_inductor.moe(*c.args(), **c.kwargs(), options={"bakcend": "reference"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.current().backend = "reference"
+
+
+def test_from_env():
+    assert options.from_env({}) == mok_inductor.Options()
+    got = options.from_env({"MOK_BACKEND": "reference", "MOK_AUTOTUNE": "0", "MOK_TMA": "off",
+                            "MOK_PATTERNS_LOG": "1", "UNRELATED": "x"})
+    assert got == mok_inductor.Options(backend="reference", autotune=False, tma=False, log_patterns=True)
+    with pytest.raises(ValueError, match=r"options.backend: .*got 'gpu' \(from the environment: MOK_BACKEND='gpu'\)"):
+        options.from_env({"MOK_BACKEND": "gpu"})
+
+
+def test_the_environment_is_read_once(monkeypatch):
+    # a variable set after import changes nothing; one set before import is the process default
+    monkeypatch.setenv("MOK_BACKEND", "triton")
+    assert mok_inductor.path_name(torch.zeros(1)) == "reference"
+    code = "import torch, mok_inductor; print(mok_inductor.options.current().backend, " \
+           "mok_inductor.path_name(torch.zeros(1)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["triton", "triton"]
