@@ -60,12 +60,12 @@ def _probe(variant: str) -> dict:
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
     from mok_inductor import ops
+    from mok_inductor.lowering import decompose
 
+    decompose.install()  # what mok_inductor.enable() installs for compiled graphs
     if not cuda:  # the ops decompose into their launches for CUDA tensors only: for these CPU stand-ins too
-        for name, fn in (("mok::schedule", lambda te, e: ops._schedule_impl(te, e, ops._triton_backend())),
-                         ("mok::moe_fwd", ops._moe_fwd_triton), ("mok::moe_bwd", ops._moe_bwd_triton),
-                         ("mok::moe_fwd_mxfp8", lambda *a: ops._mx_fwd_impl(True, *a)),
-                         ("mok::moe_bwd_mxfp8", lambda *a: ops._mx_bwd_impl(True, *a))):
+        for name, fn in (("mok::schedule", ops.schedule_impl), ("mok::moe_fwd", ops.moe_fwd_impl),
+                         ("mok::moe_bwd", ops.moe_bwd_impl)):
             def rule(mode, func, types, args, kwargs, fn=fn):
                 with mode:
                     return fn(*args, **kwargs)
@@ -81,10 +81,10 @@ def _probe(variant: str) -> dict:
             s, o, slots = torch.ops.mok.schedule(te, E)
             if mx:  # MXFP8 routed weights (row-wise and column-wise data + scales), bf16 masters
                 gq, gqs, gqt, gqst, dq, dqs, dqt, dqst = q
-                y, g, gs = torch.ops.mok.moe_fwd_mxfp8(x, rw, te, s, o, slots, gq, gqs, gqt, gqst, gu, dq, dqs, dqt,
-                                                       dqst, d, sgu, sd, sg, 0.75)
-                return (y, *torch.ops.mok.moe_bwd_mxfp8(dy, x, rw, te, s, o, slots, gq, gqs, gqt, gqst, dq, dqs, dqt,
-                                                        dqst, sgu, sd, sg, g, gs, 0.75, True, True))
+                y, g, gs = torch.ops.mok.moe_fwd(x, rw, te, s, o, slots, gq, dq, sgu, sd, sg, 0.75, gqs, gqt, gqst,
+                                                 dqs, dqt, dqst, gu, d)
+                return (y, *torch.ops.mok.moe_bwd(dy, x, rw, te, s, o, slots, gq, dq, sgu, sd, sg, g, gs, 0.75, gqs,
+                                                  gqt, gqst, dqs, dqt, dqst, True, True))
             y, g, gs = torch.ops.mok.moe_fwd(x, rw, te, s, o, slots, gu, d, sgu, sd, sg, 0.75)
             return (y, *torch.ops.mok.moe_bwd(dy, x, rw, te, s, o, slots, gu, d, sgu, sd, sg, g, gs, 0.75))
 
