@@ -285,12 +285,12 @@ def baseline_with_grads(case: MoeCase, dy: torch.Tensor):
 
 
 def record_launches(monkeypatch) -> list:
-    """The kernels launched through `mok_inductor.kernels._launch.launch` from here on, in order (a list filled
+    """The kernels launched through `mok_inductor.kernels.common.launch` from here on, in order (a list filled
     as they run; every launch still runs)."""
-    from mok_inductor.kernels import _launch
+    from mok_inductor.kernels import common
 
-    launched, real = [], _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: launched.append(k) or real(k, *a, **kw))
+    launched, real = [], common.launch
+    monkeypatch.setattr(common, "launch", lambda k, *a, **kw: launched.append(k) or real(k, *a, **kw))
     return launched
 
 

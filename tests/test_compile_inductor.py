@@ -199,7 +199,7 @@ def test_dynamic_shape_fixup_strips_only_our_symbolic_launches():
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from mok_inductor.kernels import moe_fwd
+    from mok_inductor.kernels import combine
     from mok_inductor.lowering import compat
 
     @triton.jit
@@ -211,8 +211,8 @@ def test_dynamic_shape_fixup_strips_only_our_symbolic_launches():
     hop = torch.ops.higher_order.triton_kernel_wrapper_functional
     g = torch.fx.Graph()
     nodes = {}
-    for name, kernel, vals in (("ours_symbolic", moe_fwd._combine_kernel, ((), {"n": sym})),
-                               ("ours_static", moe_fwd._combine_kernel, ((), {"n": 7})),
+    for name, kernel, vals in (("ours_symbolic", combine._combine_kernel, ((), {"n": sym})),
+                               ("ours_static", combine._combine_kernel, ((), {"n": 7})),
                                ("foreign_symbolic", foreign_kernel, ((), {"n": sym}))):
         node = g.call_function(hop, (), {"kernel_idx": kernel_side_table.add_kernel(kernel), "kwargs": {}})
         node.meta["eager_input_vals"] = vals

@@ -119,9 +119,9 @@ def _probe(variant: str) -> dict:
     for n in gm.graph.nodes:
         if n.target is hop:
             consts = n.kwargs["kwargs"]  # (the launch's arguments; the constexprs among them as values)
-            if consts.get("MX_DOT"):
+            if consts.get("MX_LOOP"):
                 k = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
-                mx_launches.append([name(n), consts["MX_DOT"], [[c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
+                mx_launches.append([name(n), consts["MX_LOOP"], [[c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
                                     c.kwargs["BLOCK_K"], c.num_warps, c.num_stages] for c in k.configs]])
     return dict(kernels=kernels, clones=clones, scatters=scatters, mx=mx_launches)
 
@@ -146,12 +146,16 @@ def test_compiled_backward_writes_its_gradients_in_place(variant):
 
 def test_compiled_mxfp8_decode_reads_scale_words_on_8_row_tiles():
     # MXFP8 at decode sizes (4 routes per expert, rows scaled once): traced, the forward's K loops read the
-    # scales by words (their offsets aligned: moe_fwd.scale_words) on the 8-row configs (moe_fwd.MX_FEW_ROWS),
-    # each whole K step as one dot (MX_DOT 8, moe_fwd.MX_ONE_DOT), the backward's dx GEMM likewise; the graph
+    # scales by words (their offsets aligned: operands.scale_words) on the 8-row configs (options.mx_few_rows),
+    # each whole K step as one dot (mx_loop.MxLoop.F16_WORDS), the backward's dx GEMM likewise; the graph
     # still reinplaces as the other variants
+    from mok_inductor.kernels.mx_loop import MxLoop
+
     got = _run_probe("mxfp8-decode")
-    assert got["mx"] == [["_gate_up_kernel", 8, [[8, 32, 256, 2, 3]]], ["_grouped_rows_kernel", 8, [[8, 32, 128, 1, 4]]],
-                         ["_grouped_rows_kernel", 8, [[8, 32, 128, 1, 4]]]], got["mx"]
+    words = int(MxLoop.F16_WORDS)
+    assert got["mx"] == [["_gate_up_kernel", words, [[8, 32, 256, 2, 3]]],
+                         ["_grouped_rows_kernel", words, [[8, 32, 128, 1, 4]]],
+                         ["_grouped_rows_kernel", words, [[8, 32, 128, 1, 4]]]], got["mx"]
     assert [tuple(c) for c in got["clones"] if tuple(c) not in ALLOWED] == [] and got["scatters"] == []
 
 

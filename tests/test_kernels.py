@@ -22,8 +22,7 @@ from oracle import oracle_moe
 
 import mok_inductor
 from mok_inductor import kernels, reference
-from mok_inductor.kernels import _launch
-from mok_inductor.kernels.moe_fwd import swizzle
+from mok_inductor.kernels.common import swizzle
 from mok_inductor.ops import split_gate_up
 
 pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason="needs CUDA or TRITON_INTERPRET=1")
@@ -245,7 +244,6 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
     # group) and `-1` routes included; H = 80, I = 80 give whole K steps and a tail both under the interpreter
     # (BLOCK_K 32) and on CUDA (64); H = 36, I = 42 (72-, 84-, 168-byte bf16 rows, not 16-byte aligned) must fall
     # back to pointer loads in every launch, equally right
-    from mok_inductor.kernels import _launch, moe_bwd, moe_fwd
 
     # (tma_min_rows 0: tiny shapes; the size rule has its own test)
     knobs = dict(two_pass_min_rows=0 if two_pass else 1 << 30, tma_min_rows=0)
@@ -253,14 +251,14 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
                      Is=I + 4 if aligned else I, device=DEV, requires_grad=False, seed=H + two_pass)
     sched = kernels.build_schedule(case.top_experts, case.gate_up_proj.shape[0])
     dy = random_like(case.x, seed=3)
-    tma_flags, real_launch = [], _launch.launch
+    tma_flags, real_launch = [], kernels.common.launch
 
     def spy(k, *a, **kw):
         if "TMA" in kw:
             tma_flags.append((k, kw["TMA"]))
         return real_launch(k, *a, **kw)
 
-    monkeypatch.setattr(_launch, "launch", spy)
+    monkeypatch.setattr(kernels.common, "launch", spy)
     runs = {}
     for tma in (True, False):
         tma_flags.clear()
@@ -270,8 +268,8 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
         runs[tma] = (fwd.y_TH, *_grads_by_name(case, bwd).values())
         used = {k for k, on in tma_flags if on}
         if tma and aligned:  # every GEMM but the weight gradients
-            assert {moe_fwd._gate_up_kernel, moe_fwd._grouped_rows_kernel} <= used
-            assert used & {moe_bwd._bwd_act_kernel, moe_bwd._bwd_gemm_kernel}
+            assert {kernels.gate_up._gate_up_kernel, kernels.grouped_gemm._grouped_rows_kernel} <= used
+            assert used & {kernels.bwd_act._bwd_act_kernel, kernels.bwd_act._bwd_gemm_kernel}
         else:
             assert not used
     for a, b in zip(runs[True], runs[False]):
@@ -284,12 +282,11 @@ def test_tma_only_with_many_rows_per_expert(monkeypatch):
     # descriptors at training sizes only (options.tma_min_rows rows per expert on average): at decode their
     # per-launch host cost and the TMA loads of a few rows measured slower; here 2 rows per expert get
     # pointer loads, and with the bound lowered to 2 the same launches get descriptors
-    from mok_inductor.kernels import _launch
 
     case = make_case(T=8, H=64, I=64, E=8, K=2, dtype=torch.bfloat16, device=DEV, requires_grad=False, seed=5)
     sched = kernels.build_schedule(case.top_experts, 8)
-    flags, real_launch = [], _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: flags.append(kw.get("TMA")) or real_launch(k, *a, **kw))
+    flags, real_launch = [], kernels.common.launch
+    monkeypatch.setattr(kernels.common, "launch", lambda k, *a, **kw: flags.append(kw.get("TMA")) or real_launch(k, *a, **kw))
     y = _forward(kernels, case, sched).y_TH
     assert flags.count(True) == 0 and flags.count(False) == 2  # gate/up, down
     flags.clear()
@@ -310,12 +307,11 @@ def test_two_pass_bwd_act_equals_fused(limit, monkeypatch):
     dy = random_like(case.x, 11)
     rw = case.router_weights.float().reshape(-1)
     down_t = kernels.plain_t(case.down_proj)
-    from mok_inductor.kernels import moe_bwd
 
     launched = record_launches(monkeypatch)
-    outs = [kernels.bwd_act(dy, down_t, fwd.gu_N2I, rw, sched.sorted_routes_N, sched.expert_offsets_E1, 2, limit,
-                            two_pass=two) for two in (False, True)]
-    assert launched[0] is moe_bwd._bwd_act_kernel and launched[1] is moe_bwd._bwd_gemm_kernel
+    outs = [kernels.bwd_act.bwd_act(dy, down_t, fwd.gu_N2I, rw, sched.sorted_routes_N, sched.expert_offsets_E1, 2,
+                                    limit, two_pass=two) for two in (False, True)]
+    assert launched[0] is kernels.bwd_act._bwd_act_kernel and launched[1] is kernels.bwd_act._bwd_gemm_kernel
     n_valid = int(sched.expert_offsets_E1[-1])
     (dgu0, ds0, hs0), (dgu1, ds1, hs1) = outs
     assert torch.equal(dgu0[:n_valid], dgu1[:n_valid]) and torch.equal(hs0[:n_valid], hs1[:n_valid])
@@ -333,9 +329,8 @@ def test_wgrad_into_destination_kinds(kinds, accumulate, I, monkeypatch):
     # bf16 per-expert list, not wanted). Two destinations of one kind and dtype are one GEMM over both halves
     # of A: at I = 12 a row tile straddles the halves. Several row steps per expert (the gather index is
     # loaded one step ahead).
-    from mok_inductor.kernels import moe_bwd
 
-    real_wgrad = moe_bwd.wgrad
+    real_wgrad = kernels.wgrad.wgrad
     T, H, E, K = 41, 24, 3, 2
     gen = torch.Generator().manual_seed(1)
     te = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(DEV)
@@ -360,8 +355,8 @@ def test_wgrad_into_destination_kinds(kinds, accumulate, I, monkeypatch):
         dsts.append(None if kind == "none" else start if kind == "tensor" else start.bfloat16() if kind == "bf16"
                     else list(start.bfloat16()) if kind == "bf16list" else list(start))
     launches = []
-    monkeypatch.setattr(moe_bwd, "wgrad", lambda *a, **kw: launches.append(kw) or real_wgrad(*a, **kw))
-    moe_bwd.wgrad_into(tuple(dsts), dgu, x, sched.sorted_routes_N, sched.expert_offsets_E1, K,
+    monkeypatch.setattr(kernels.wgrad, "wgrad", lambda *a, **kw: launches.append(kw) or real_wgrad(*a, **kw))
+    kernels.wgrad.wgrad_into(tuple(dsts), dgu, x, sched.sorted_routes_N, sched.expert_offsets_E1, K,
                        a_gather=False, b_gather=True, accumulate=accumulate)
     for j, d in enumerate(dsts):
         if d is not None:
@@ -375,7 +370,6 @@ def test_wgrad_into_destination_kinds(kinds, accumulate, I, monkeypatch):
 def test_wgrad_int64_offsets_equal_int32(monkeypatch):
     # OFF32 (int32 element offsets, chosen when every operand offset fits) against the int64 path, which the
     # small shapes here would not take by themselves: bitwise equal, both gather sides
-    from mok_inductor.kernels import moe_bwd
 
     T, H, I, E, K = 37, 24, 12, 3, 2
     gen = torch.Generator().manual_seed(4)
@@ -386,12 +380,12 @@ def test_wgrad_int64_offsets_equal_int32(monkeypatch):
     outs = []
     for big in (False, True):
         if big:
-            monkeypatch.setattr(moe_bwd, "_span", lambda t: 2 ** 31)
+            monkeypatch.setattr(kernels.wgrad, "_span", lambda t: 2 ** 31)
         d_g, d_u = torch.full((E, I, H), float("nan"), device=DEV), torch.full((E, I, H), float("nan"), device=DEV)
         d_d = torch.full((E, H, I), float("nan"), device=DEV)
         kw = dict(routes_N=sched.sorted_routes_N, offsets_E1=sched.expert_offsets_E1, topk=K)
-        moe_bwd.wgrad(dgu, x, d_g, a_gather=False, b_gather=True, dst2_EMN=d_u, **kw)
-        moe_bwd.wgrad(x, dgu[:, :I], d_d, a_gather=True, b_gather=False, **kw)
+        kernels.wgrad.wgrad(dgu, x, d_g, a_gather=False, b_gather=True, dst2_EMN=d_u, **kw)
+        kernels.wgrad.wgrad(x, dgu[:, :I], d_d, a_gather=True, b_gather=False, **kw)
         outs.append((d_g, d_u, d_d))
     for a, b in zip(*outs):
         assert not a.isnan().any() and torch.equal(a, b)
@@ -442,7 +436,6 @@ def test_split_per_expert_weights_read_in_place(name, combined, monkeypatch):
     # up as row views of it) run on the kernels through address tables: bitwise the 3-D weights' outputs and
     # gradients (the same tiles in the same order), written into per-expert gradient lists (poisoned first);
     # nothing falls back to the reference or stacks the weights
-    from mok_inductor.kernels import moe_fwd
 
     case = make_case(**dict(CASES)[name], device=DEV, requires_grad=False, seed=11 + combined)
     wg, wu, wd, sg, su, sd, sog = _args(case)
@@ -456,8 +449,8 @@ def test_split_per_expert_weights_read_in_place(name, combined, monkeypatch):
     monkeypatch.setattr(reference, "moe_forward", None)  # the reference must not run
     monkeypatch.setattr(reference, "moe_backward", None)
     monkeypatch.setattr(torch, "stack", None)  # nor a copy of the weights
-    tables, real_table = [], moe_fwd.address_table
-    monkeypatch.setattr(moe_fwd, "address_table", lambda p, d: tables.append(p) or real_table(p, d))
+    tables, real_table = [], kernels.operands.address_table
+    monkeypatch.setattr(kernels.operands, "address_table", lambda p, d: tables.append(p) or real_table(p, d))
     sched = kernels.build_schedule(case.top_experts, E)
     dy = random_like(case.x, 5)
     args = (case.x, case.router_weights, case.top_experts, sched)
@@ -484,7 +477,7 @@ def test_split_per_expert_weights_read_in_place(name, combined, monkeypatch):
 
 def test_split_weights_of_mixed_strides_are_stacked(monkeypatch):
     # experts that differ in strides cannot share one table: they are stacked (one copy), same results
-    from mok_inductor.kernels.moe_fwd import ExpertTable
+    from mok_inductor.kernels.operands import ExpertTable
 
     case = make_case(T=9, H=32, I=16, E=3, K=2, dtype=torch.float32, device=DEV, requires_grad=False, seed=3)
     wg, wu, wd, *_ = _args(case)
@@ -508,7 +501,6 @@ def test_split_mxfp8_weights_through_tables(dequantize, monkeypatch, knobs):
     # 3-D operands' forward and backward; dequantize: the large-rows path, whose transient 3-D copy is read
     # through a table computed on the device, so repeated calls add nothing to the table cache
     from mok_inductor import mxfp8
-    from mok_inductor.kernels import moe_fwd
 
     if dequantize:
         knobs(mx_dequantize_min_rows=0)
@@ -533,10 +525,10 @@ def test_split_mxfp8_weights_through_tables(dequantize, monkeypatch, knobs):
     assert torch.equal(b3.dx_TH, bl.dx_TH) and torch.equal(b3.d_router_weights_TK, bl.d_router_weights_TK)
     mixed = opsl._replace(down=mxfp8.Operand(tuple(plain_down), None))  # MXFP8 gate/up, a plain split down
     kernels.forward(*args, mixed)
-    n = len(moe_fwd._TABLES)
+    n = len(kernels.operands._TABLES)
     for _ in range(3):
         kernels.forward(*args, mixed)
-    assert len(moe_fwd._TABLES) == n
+    assert len(kernels.operands._TABLES) == n
 
 
 @pytest.mark.parametrize("misaligned", [False, True])
@@ -544,8 +536,7 @@ def test_address_tables(misaligned, monkeypatch):
     # the same weights (also their transposed views, which the backward reads) reuse one device table; a 3-D
     # weight's table is computed on the device (not cached); the kernels are told the addresses are 16-byte
     # aligned only when every one is (W_TABLE 2, else 1), with the same results either way
-    from mok_inductor.kernels import _launch, moe_fwd
-    from mok_inductor.kernels.moe_fwd import ExpertTable
+    from mok_inductor.kernels.operands import ExpertTable
 
     ws = [torch.randn(4, 8, device=DEV) for _ in range(3)]
     a = ExpertTable.of(ws)
@@ -554,9 +545,9 @@ def test_address_tables(misaligned, monkeypatch):
     assert a.shape == (3, 4, 8) and a.t().shape == (3, 8, 4) and a.t().stride() == (0, 1, 8)
     assert ExpertTable.of([w.clone() for w in ws]).table is not a.table
     w3 = torch.randn(3, 4, 8, device=DEV)
-    n = len(moe_fwd._TABLES)
+    n = len(kernels.operands._TABLES)
     t3 = ExpertTable.of(w3)
-    assert t3.table.cpu().tolist() == [w3[e].data_ptr() for e in range(3)] and len(moe_fwd._TABLES) == n
+    assert t3.table.cpu().tolist() == [w3[e].data_ptr() for e in range(3)] and len(kernels.operands._TABLES) == n
 
     case = make_case(T=9, H=32, I=16, E=3, K=2, dtype=torch.bfloat16, device=DEV, requires_grad=False, seed=6)
     wg, wu, wd, *_ = _args(case)
@@ -568,8 +559,8 @@ def test_address_tables(misaligned, monkeypatch):
             return out
     else:
         split = _split
-    flags, real_launch = [], _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda k, g, *a, **kw: flags.append(kw.get("W_TABLE")) or
+    flags, real_launch = [], kernels.common.launch
+    monkeypatch.setattr(kernels.common, "launch", lambda k, g, *a, **kw: flags.append(kw.get("W_TABLE")) or
                         real_launch(k, g, *a, **kw))
     sched = kernels.build_schedule(case.top_experts, 3)
     args = (case.x, case.router_weights, case.top_experts, sched)
@@ -723,7 +714,7 @@ def _swizzle_ids_kernel(out_ptr, num_m, num_n):
 
 @pytest.mark.parametrize("num_m,num_n", [(1, 1), (3, 5), (8, 2), (9, 3), (20, 4), (17, 1)])
 def test_swizzle_covers_every_tile_once(num_m, num_n):
-    # moe_fwd.swizzle, the L2 tile order of the grouped GEMMs and the wgrad: a bijection of the tile ids
+    # kernels.common.swizzle, the L2 tile order of the grouped GEMMs and the wgrad: a bijection of the tile ids
     # onto the num_m x num_n grid, also with more row tiles than one group of 8 and a partial last group
     out = torch.full((num_m * num_n, 2), -1, dtype=torch.int32, device=DEV)
     _swizzle_ids_kernel[(num_m * num_n,)](out, num_m, num_n)
@@ -737,10 +728,9 @@ def test_swizzle_covers_every_tile_once(num_m, num_n):
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_combine_unrolled_equals_the_route_loop(monkeypatch, shared):
-    # moe_fwd.combine: the route loop unrolled (K a constant, every route's row loaded, valid or not) gives bit for
+    # kernels.combine.combine: the route loop unrolled (K a constant, every route's row loaded, valid or not) gives bit for
     # bit the loop over K whose loads wait on each route's id; both the float64 sum within float32 rounding. The
     # rows of -1 routes hold NaN (never written in the forward): they must not reach the output
-    from mok_inductor.kernels import moe_fwd
 
     g = torch.Generator().manual_seed(23)
     T, K, H = 13, 3, 200
@@ -753,11 +743,11 @@ def test_combine_unrolled_equals_the_route_loop(monkeypatch, shared):
     logit = torch.randn(T, generator=g) if shared else None
 
     def run(unroll):
-        monkeypatch.setattr(moe_fwd, "COMBINE_UNROLL_MAX", 16 if unroll else 0)
-        launched, real = [], _launch.launch
-        monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: launched.append(kw.get("TOPK_C")) or real(k, *a, **kw))
+        monkeypatch.setattr(kernels.combine, "COMBINE_UNROLL_MAX", 16 if unroll else 0)
+        launched, real = [], kernels.common.launch
+        monkeypatch.setattr(kernels.common, "launch", lambda k, *a, **kw: launched.append(kw.get("TOPK_C")) or real(k, *a, **kw))
         out = torch.full((T, H), float("nan"), device=DEV)
-        moe_fwd.combine(y.to(DEV), te.to(DEV), out, rw_N=rw.to(DEV), s_TH=None if s is None else s.to(DEV),
+        kernels.combine.combine(y.to(DEV), te.to(DEV), out, rw_N=rw.to(DEV), s_TH=None if s is None else s.to(DEV),
                         logit_T=None if logit is None else logit.to(DEV))
         assert launched == [K if unroll else 0]
         return out.cpu()

@@ -1,4 +1,4 @@
-"""The tile configs our kernels hand to Inductor when torch.compile traces them (kernels/_launch.py):
+"""The tile configs our kernels hand to Inductor when torch.compile traces them (kernels/kernels.common.py):
 Inductor re-benchmarks every config of a user-defined autotuned kernel, so the default mode gets the first
 config alone (a cheaper compile) and mode="max-autotune" gets them all. Checked on the kernel objects, on CPU;
 the CUDA compile tests (tests/test_compile_inductor.py) run both modes end to end."""
@@ -8,16 +8,16 @@ import torch
 from torch._inductor import config
 
 import mok_inductor
-from mok_inductor.kernels import _launch, moe_bwd, moe_fwd
+from mok_inductor import kernels
 
 KERNELS = {
-    "gate_up": (moe_fwd._gate_up_kernel, moe_fwd._GATE_UP_CONFIGS),
-    "grouped_rows": (moe_fwd._grouped_rows_kernel, moe_fwd._GROUPED_ROWS_CONFIGS),
-    "bwd_act": (moe_bwd._bwd_act_kernel, moe_bwd._BWD_ACT_CONFIGS),
-    "bwd_gemm": (moe_bwd._bwd_gemm_kernel, moe_bwd._BWD_GEMM_CONFIGS),
-    "wgrad": (moe_bwd._wgrad_kernel, moe_bwd._WGRAD_CONFIGS),
-    "gate_up_f16": (moe_fwd._gate_up_f16_kernel, moe_fwd._MX_F16_CONFIGS),
-    "grouped_rows_f16": (moe_fwd._grouped_rows_f16_kernel, moe_fwd._MX_F16_CONFIGS),
+    "gate_up": (kernels.gate_up._gate_up_kernel, kernels.gate_up._GATE_UP_CONFIGS),
+    "grouped_rows": (kernels.grouped_gemm._grouped_rows_kernel, kernels.grouped_gemm._GROUPED_ROWS_CONFIGS),
+    "bwd_act": (kernels.bwd_act._bwd_act_kernel, kernels.bwd_act._BWD_ACT_CONFIGS),
+    "bwd_gemm": (kernels.bwd_act._bwd_gemm_kernel, kernels.bwd_act._BWD_GEMM_CONFIGS),
+    "wgrad": (kernels.wgrad._wgrad_kernel, kernels.wgrad._WGRAD_CONFIGS),
+    "gate_up_f16": (kernels.gate_up._gate_up_f16_kernel, kernels.mx_loop._MX_F16_CONFIGS),
+    "grouped_rows_f16": (kernels.grouped_gemm._grouped_rows_f16_kernel, kernels.mx_loop._MX_F16_CONFIGS),
 }
 # the MXFP8 fp16 K loops' config for traced launches at few rows per expert (decode): the 8-row eager picks
 FEW_ROWS = {"gate_up_f16": (8, 32, 256, 2, 3), "grouped_rows_f16": (8, 32, 128, 1, 4)}
@@ -32,18 +32,18 @@ def test_traced_launch_configs(name):
     kernel, configs = KERNELS[name]
     assert len(configs) > 1
     with config.patch(max_autotune=False, max_autotune_gemm=False):
-        default = _launch.traced_variant(kernel)
+        default = kernels.common.traced_variant(kernel)
     with config.patch(max_autotune=True):
-        tuned = _launch.traced_variant(kernel)
+        tuned = kernels.common.traced_variant(kernel)
     with config.patch(max_autotune=False, max_autotune_gemm=True):
-        tuned_gemm = _launch.traced_variant(kernel)
+        tuned_gemm = kernels.common.traced_variant(kernel)
     assert [_blocks(c) for c in default.configs] == [_blocks(configs[0])]
     assert [_blocks(c) for c in tuned.configs] == [_blocks(c) for c in configs]
     assert tuned_gemm is tuned
     with config.patch(max_autotune=False, max_autotune_gemm=False):
-        few = _launch.traced_variant(kernel, few_rows=True)
+        few = kernels.common.traced_variant(kernel, few_rows=True)
     with config.patch(max_autotune=True):
-        assert _launch.traced_variant(kernel, few_rows=True) is tuned  # max-autotune benchmarks them all
+        assert kernels.common.traced_variant(kernel, few_rows=True) is tuned  # max-autotune benchmarks them all
     if name in FEW_ROWS:
         assert [_blocks(c) for c in few.configs] == [FEW_ROWS[name]] and few.fn is kernel.fn
         assert FEW_ROWS[name] in [_blocks(c) for c in configs]  # one of the eager autotuner's candidates
@@ -61,12 +61,12 @@ def test_few_rows_per_expert_choice():
 
     E = 128
     few = mok_inductor.options.current().mx_few_rows
-    assert moe_fwd.few_rows_per_expert(few * E, E)
-    assert not moe_fwd.few_rows_per_expert(few * E + 1, E)
+    assert kernels.mx_loop.few_rows_per_expert(few * E, E)
+    assert not kernels.mx_loop.few_rows_per_expert(few * E + 1, E)
     with mok_inductor.options.override(mx_few_rows=few + 1):
-        assert moe_fwd.few_rows_per_expert(few * E + 1, E)
+        assert kernels.mx_loop.few_rows_per_expert(few * E + 1, E)
     env = ShapeEnv()
-    assert not moe_fwd.few_rows_per_expert(env.create_unbacked_symint(), E) and not env.guards
+    assert not kernels.mx_loop.few_rows_per_expert(env.create_unbacked_symint(), E) and not env.guards
 
 
 def test_scale_words_of_traced_scales_by_their_offset():
@@ -77,7 +77,7 @@ def test_scale_words_of_traced_scales_by_their_offset():
     from mok_inductor.mxfp8 import Operand
 
     def words(scale):
-        return moe_fwd.scale_words(Operand(torch.empty(0), scale))
+        return kernels.operands.scale_words(Operand(torch.empty(0), scale))
 
     with FakeTensorMode():
         base = torch.empty(4, 64, 64, dtype=torch.uint8)
@@ -92,7 +92,7 @@ def test_scale_words_of_traced_scales_by_their_offset():
 
 
 def test_untuned_kernel_is_handed_over_as_is():
-    assert _launch.traced_variant(moe_fwd._combine_kernel) is moe_fwd._combine_kernel
+    assert kernels.common.traced_variant(kernels.combine._combine_kernel) is kernels.combine._combine_kernel
 
 
 def test_size_choice_adds_no_guard_on_a_symbolic_size():
@@ -100,12 +100,12 @@ def test_size_choice_adds_no_guard_on_a_symbolic_size():
     # unknown symbolic size takes the caller's choice and adds no guard (a guard would recompile across T)
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    assert _launch.at_least(300, 256, symbolic=False) and not _launch.at_least(255, 256, symbolic=True)
+    assert kernels.common.at_least(300, 256, symbolic=False) and not kernels.common.at_least(255, 256, symbolic=True)
     env = ShapeEnv()
     n = env.create_unbacked_symint()
-    assert _launch.at_least(n, 256, symbolic=True) is True
-    assert _launch.at_least(n, 256, symbolic=False) is False
-    assert _launch.at_least(n * 0 + 512, 256, symbolic=False) is True  # statically known
+    assert kernels.common.at_least(n, 256, symbolic=True) is True
+    assert kernels.common.at_least(n, 256, symbolic=False) is False
+    assert kernels.common.at_least(n * 0 + 512, 256, symbolic=False) is True  # statically known
     assert not env.guards
 
 
@@ -114,7 +114,7 @@ def test_wgrad_int32_offsets_choice():
     # memory), a column-major view, a stride-0 expansion; a symbolic size takes int64 and adds no guard
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    fits = moe_bwd.offsets_fit_int32
+    fits = kernels.wgrad.offsets_fit_int32
     rows = 2 ** 20
     assert fits(torch.empty(rows, 2 ** 11, device="meta"))  # largest offset 2**31 - 1
     assert not fits(torch.empty(rows + 1, 2 ** 11, device="meta"))
@@ -124,7 +124,7 @@ def test_wgrad_int32_offsets_choice():
     env = ShapeEnv()
     n = env.create_unbacked_symint()
     x = torch.empty(2, 2048, device="meta")
-    assert fits(x) and not moe_bwd.offsets_fit_int32(_SymView((n, 2048), (2048, 1)), x)
+    assert fits(x) and not kernels.wgrad.offsets_fit_int32(_SymView((n, 2048), (2048, 1)), x)
     assert not env.guards
 
 
@@ -159,8 +159,8 @@ def test_launch_honours_options_autotune():
 
     kernel = Kernel("tuned")
     kernel.mok_untuned = Kernel("untuned")
-    _launch.launch(kernel, (1,), torch.empty(1))
+    kernels.common.launch(kernel, (1,), torch.empty(1))
     with mok_inductor.options.override(autotune=False):
-        _launch.launch(kernel, (1,), torch.empty(1))
-    _launch.launch(kernel, (1,), torch.empty(1))
+        kernels.common.launch(kernel, (1,), torch.empty(1))
+    kernels.common.launch(kernel, (1,), torch.empty(1))
     assert calls == ["tuned", "untuned", "tuned"]

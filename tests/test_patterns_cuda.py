@@ -50,9 +50,9 @@ def _ids(cases):
 
 
 def _kernel_names():
-    from mok_inductor.kernels import moe_bwd, moe_fwd, schedule
+    from mok_inductor import kernels
 
-    return {n for m in (moe_fwd, moe_bwd, schedule) for n in dir(m) if n.endswith("_kernel")}
+    return {n for m in kernels.MODULES for n in dir(m) if n.endswith("_kernel")}
 
 
 def _check_code(codes):

@@ -918,7 +918,7 @@ def test_cuda_compiled_fullgraph_forward_backward(kind, triton_only):
 
     from torch._inductor.utils import run_and_get_code
 
-    from mok_inductor.kernels import moe_bwd, moe_fwd, schedule
+    from mok_inductor import kernels
 
     torch._dynamo.reset()
     model, _, ids = _model_and_loss(kind)
@@ -949,7 +949,7 @@ def test_cuda_compiled_fullgraph_forward_backward(kind, triton_only):
 
     with mok_inductor.enabled():  # what a process compiling "mok" models installs
         loss, codes = run_and_get_code(step, ids)
-    names = {n for m in (moe_fwd, moe_bwd, schedule) for n in dir(m) if n.endswith("_kernel")}
+    names = {n for m in kernels.MODULES for n in dir(m) if n.endswith("_kernel")}
     assert len(codes) >= 2, "expected a forward and a backward module"
     assert {n for n in names if n in codes[0]}, f"no mok Triton kernel in the forward code ({sorted(names)})"
     assert {n for n in names if n in codes[-1]}, f"no mok Triton kernel in the backward code ({sorted(names)})"

@@ -1,42 +1,47 @@
-"""The Triton kernels of the CUDA path: the same interface as `mok_inductor.reference`
-(build_schedule, moe_forward, moe_backward), computed by the kernel families below.
+"""The Triton kernels of the CUDA path, behind one entry: `forward` and `backward` over the routed weights as
+kernel operands (`mok_inductor.types.RoutedOperands`: bf16/fp16/fp32, or MXFP8 e4m3 data + E8M0 scales, 3-D
+or split per expert), `build_schedule`, and `moe_forward` / `moe_backward` (plain weights, the interface of
+`mok_inductor.reference`).
 
-    schedule.py  device schedule: per-chunk histogram -> int32 prefix sums -> stable scatter
-    moe_fwd.py   gathered gate/up GEMM (writes the saved [g | u] and h), grouped row GEMM (the down
-                 GEMM; the data gradients), combine, row dot
-    moe_bwd.py   down-dgrad GEMM with the SwiGLU backward (+ d router weights) in its epilogue or in a
-                 second pass, grouped weight-gradient GEMM (gate and up as one GEMM) with the main-grad
-                 accumulating epilogue
+Forward:
+    top_experts --build_schedule--> sorted routes, expert offsets (a stable counting sort on the device)
+    x --gate_up (gather fused)--> gu [N, 2I] (saved), h [N, I] --grouped_rows (down)--> y per route [N, H]
+      --combine (router weights, shared expert, its gate; fp32 in k order)--> y [T, H]
+Backward:
+    dy --bwd_act (dy @ down, SwiGLU backward from the saved g, u)--> dgu [N, 2I], d router weights, rw * h
+      --wgrad (down; gate and up as one GEMM)--> weight gradients (written or added into main grads)
+    dgu --grouped_rows (gate, up)--> dx per route --combine over k (+ shared dx, + the gate's logit
+      gradient)--> dx [T, H]
+Backward computes 12·N·H·I FLOPs (no GEMM is recomputed); the price is the saved activations: [N, 2I] (g
+and u) instead of h [N, I].
 
-Forward data flow: x --gate_up (gather fused)--> gu [N, 2I] (saved), h [N, I] --grouped_rows (down)--> y per
-route [N, H] --combine (router weights, shared expert, its gate; fp32 in k order)--> y [T, H].
-Backward: bwd_act (dy @ down, SwiGLU backward from the saved g, u) -> dgu [N, 2I], d router weights, rw * h;
-wgrad (down; gate and up in one launch); grouped_rows (gate, up) -> dx per route -> combine over k (+ shared
-dx, + the gate's logit gradient) -> dx [T, H]. Backward computes 12·N·H·I FLOPs (no GEMM is recomputed);
-the price is the saved activations: [N, 2I] (g and u) instead of h [N, I].
+Families, one module each:
+
+    common.py        launch plumbing (autotune configs, wrap_triton when traced), tile enumeration, swizzle
+    operands.py      weight operands: strides, split weights through address tables (`ExpertTable`), TMA
+                     descriptors, MXFP8 dequantized once per call (`dequantized`)
+    mx_loop.py       the MXFP8 K loops on the fp16 tensor cores (`MxLoop`), the activation rows in fp16
+    schedule.py      the device schedule
+    gate_up.py       the gathered gate/up GEMM, SwiGLU epilogue
+    grouped_gemm.py  the grouped row GEMM (the down GEMM; the data gradients)
+    combine.py       the combine over routes, the row dot of the shared output gate
+    bwd_act.py       the down data-gradient GEMM with the SwiGLU backward (fused or a second pass)
+    wgrad.py         the grouped weight-gradient GEMM with the accumulating epilogue
 
 Shapes only decide grids, allocations and kernel choices (worst-case tile counts; idle programs exit; a
-symbolic size decides without a guard, `_launch.at_least`), there is no
-host synchronisation, and every reduction has a fixed order (no float atomics): the ops are
-capturable in CUDA graphs and bitwise deterministic.
+symbolic size decides without a guard, `common.at_least`), there is no host synchronisation, and every
+reduction has a fixed order (no float atomics): the ops are capturable in CUDA graphs and bitwise
+deterministic.
 
-MXFP8 operands are read in the K loops (e4m3 + scales, dequantized in registers) at small rows per expert,
-and dequantized once per call into a transient x.dtype copy at large ones (MX_DEQUANTIZE_MIN_ROWS). A K loop
-on the fp8 tensor cores (bf16/fp16 activations split into two e4m3 terms, `moe_fwd.MX_FP8_DOT`) is an A/B
-candidate, off: slower on the H200 (docs/benchmarks.md, run 9). The same loop on the fp16 tensor cores (one
-exact fp16 activation term, `moe_fwd.MX_F16_DOT`) runs at decode sizes (at most `moe_fwd.MX_F16_DOT_MAX_ROWS`
-routes per expert on average), on activation rows scaled into fp16 once per call (`moe_fwd.row_f16`,
-`MX_F16_MODE` 3), the weight scales read by 32-bit words of 4 blocks where their rows allow
-(`moe_fwd.SCALE_WORDS`): 1.24x bf16 at qwen3 decode (run 16), and slower than the dequantizing loop above
-(run 14). Its form on the e4m3 tensor cores without weight conversion (activation rows split once into two
-e4m3 terms, `moe_fwd.MX_FP8_ROWS`) is an A/B candidate, off: 4% slower (run 18). On its 8-row tiles each whole K
-step is one dot on weights scaled per column and block through a 3-D view (`moe_fwd.MX_ONE_DOT`, MX_DOT 8, on):
-1.68x bf16 at qwen3 decode on the H200 (run 21), where the loop by 32-blocks was 1.30x (1.73x and 1.45x on the H100,
-run 20).
+MXFP8 operands are read in the K loops at few routes per expert and dequantized once per call into a
+transient x.dtype copy at many (`options.mx_dequantize_min_rows`). In the K loops, bf16/fp16 activations at
+decode sizes (`options.mx_f16_dot_max_rows`) run on the fp16 tensor cores (`mx_loop.MxLoop`), the rest
+dequantize each weight tile in registers. Split per-expert weights (sequences of E 2-D tensors, bf16 or MXFP8)
+are read in place through a device table of the experts' addresses (`operands.ExpertTable`; stacked instead
+while torch.compile traces, or when the experts differ in strides). Per-expert gradient destinations are
+written through one float32 buffer.
 
-Split per-expert weights (sequences of E 2-D tensors, bf16 or MXFP8) are read in place through a device
-table of the experts' addresses (`moe_fwd.ExpertTable`; stacked instead while torch.compile traces, or when
-the experts differ in strides). Per-expert gradient destinations are written through one float32 buffer.
+Tuning thresholds and switches come from `mok_inductor.options.current()` when a launch is prepared.
 
 Shape legend: T tokens, H hidden, I intermediate, Is shared intermediate, E experts, K routes per token,
 N = T*K.
@@ -44,7 +49,10 @@ N = T*K.
 
 from __future__ import annotations
 
-import os
+import torch
+
+from .. import options, reference
+from ..types import BackwardResult, ForwardResult, GradBuffers, Operand, RoutedOperands
 
 try:
     import triton  # noqa: F401
@@ -53,27 +61,17 @@ try:
 except ImportError:  # pragma: no cover - triton is a dependency of torch on Linux
     _HAVE_TRITON = False
 
-import torch
-
-from .. import options, reference
-
-
-def _available() -> bool:
-    return _HAVE_TRITON and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-AVAILABLE = _available()
-
-from ..types import Operand, RoutedOperands
+AVAILABLE = _HAVE_TRITON and (torch.cuda.is_available() or options.INTERPRET)
 
 if _HAVE_TRITON:
-    from . import _launch
-    from .moe_bwd import bwd_act, expert_backward, shared_backward, wgrad
-    from .moe_fwd import (ExpertTable, combine, dequantized, expert_mlp, flat, gate_up, grouped_rows, plain, plain_t,
-                          shared_forward)
-    from .schedule import build_schedule
-else:  # pragma: no cover
-    build_schedule = reference.build_schedule
+    from . import bwd_act, combine, common, gate_up, grouped_gemm, mx_loop, operands, wgrad  # noqa: F401
+    from .common import flat
+    from .operands import ExpertTable, dequantized, plain, plain_t
+    from . import schedule as _schedule
+    from .schedule import build_schedule  # noqa: F401
+
+    # the kernel families' modules (their `_*_kernel` objects are the Triton kernels Inductor's code names)
+    MODULES = (_schedule, operands, mx_loop, gate_up, grouped_gemm, combine, bwd_act, wgrad)
 
 
 def _plain_operands(w_gate, w_up, w_down, *, transposed: bool) -> RoutedOperands:
@@ -99,7 +97,7 @@ def _kernel_operands(ops: RoutedOperands, fields) -> RoutedOperands:
         return ops
     tensors = [t for p in payloads if not isinstance(p, ExpertTable)
                for t in ((p,) if isinstance(p, torch.Tensor) else p)]
-    traced = _launch.without_pointers(tensors)
+    traced = common.without_pointers(tensors)
 
     def split(p):  # sequences -> ExpertTable, or stacked
         if p is None or isinstance(p, (torch.Tensor, ExpertTable)):
@@ -126,7 +124,7 @@ def _dequantized_if_large(ops: RoutedOperands, n_routes, dtype, fields, *, symbo
     E = _num_experts(next(getattr(ops, f) for f in fields if getattr(ops, f) is not None))
     if not any(getattr(ops, f) is not None and getattr(ops, f).quantized for f in fields):
         return ops
-    if not _launch.at_least(n_routes, options.current().mx_dequantize_min_rows * max(E, 1), symbolic):
+    if not common.at_least(n_routes, options.current().mx_dequantize_min_rows * max(E, 1), symbolic):
         return ops
     return ops._replace(**{f: dequantized(getattr(ops, f), dtype) for f in fields if getattr(ops, f) is not None})
 
@@ -135,15 +133,41 @@ def _dequantized_if_large(ops: RoutedOperands, n_routes, dtype, fields, *, symbo
 # Forward
 
 
+def expert_mlp(x_TH, gate, up, down, gu_out, out, routes_N, offsets_E1, topk, limit, *, scatter, single=False):
+    """gu_out = [g | u] (saved for backward) and out[dest(r)] = swiglu(g, u) @ down[e]^T for each sorted
+    row r: the gate/up GEMM (which also writes h, freed on return) then the down GEMM. gate, up read as
+    [E, I, H], down as [E, H, I]. (A down GEMM applying the SwiGLU to g, u tiles in its K loop instead of
+    reading h ran at half the rate: its A operand goes through registers.)"""
+    h = torch.empty(gu_out.shape[0], gu_out.shape[1] // 2, dtype=out.dtype, device=gu_out.device)
+    gate_up.gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, h_out=h, single=single)
+    return grouped_gemm.grouped_rows(h, down, out, routes_N, offsets_E1, scatter=scatter, single=single)
+
+
+def shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_E1, swiglu_limit):
+    """The shared expert (always x.dtype weights) -> (gu_shared [T, 2Is] (empty without one), its output
+    s_TH [T, H] or None, the output gate's logits [T] float32 or None): the combine's inputs."""
+    T, H = x_TH.shape
+    if s_gate is None:
+        return x_TH.new_empty(0, 0, dtype=reference.shared_saved_dtype(x_TH.dtype)), None, None
+    dev, dtype = x_TH.device, x_TH.dtype
+    gu_shared = torch.empty(T, 2 * s_gate.shape[0], dtype=reference.shared_saved_dtype(dtype), device=dev)
+    s_TH = torch.empty(T, H, dtype=dtype, device=dev)
+    expert_mlp(x_TH, plain(s_gate[None]), plain(s_up[None]), plain(s_down[None]), gu_shared, s_TH, sorted_N,
+               offsets_E1, 1, swiglu_limit, scatter=False, single=True)
+    logit_T = combine.rowdot(x_TH, s_out_gate_1H) if s_out_gate_1H is not None else None
+    return gu_shared, s_TH, logit_T
+
+
+
 def moe_forward(x_TH, router_weights_TK, top_experts_TK, schedule, w_gate, w_up, w_down, s_gate=None,
-                s_up=None, s_down=None, s_out_gate_1H=None, swiglu_limit=None) -> reference.ForwardResult:
+                s_up=None, s_down=None, s_out_gate_1H=None, swiglu_limit=None) -> ForwardResult:
     return forward(x_TH, router_weights_TK, top_experts_TK, schedule,
                    _plain_operands(w_gate, w_up, w_down, transposed=False),
                    s_gate, s_up, s_down, s_out_gate_1H, swiglu_limit)
 
 
 def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperands, s_gate=None, s_up=None,
-            s_down=None, s_out_gate_1H=None, swiglu_limit=None) -> reference.ForwardResult:
+            s_down=None, s_out_gate_1H=None, swiglu_limit=None) -> ForwardResult:
     """The forward with the routed weights as kernel operands (`mxfp8.RoutedOperands`: bf16, or MXFP8
     row-wise data + scales read in the K loop, 3-D or split per expert)."""
     T, H = x_TH.shape
@@ -163,18 +187,65 @@ def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperan
                                               swiglu_limit)
 
     y_TH = torch.empty(T, H, dtype=dtype, device=dev)
-    combine(y_NH, flat(top_experts_TK), y_TH, rw_N=flat(router_weights_TK), s_TH=s_TH, logit_T=logit_T)
-    return reference.ForwardResult(y_TH, gu_N2I, gu_shared)
+    combine.combine(y_NH, flat(top_experts_TK), y_TH, rw_N=flat(router_weights_TK), s_TH=s_TH, logit_T=logit_T)
+    return ForwardResult(y_TH, gu_N2I, gu_shared)
 
 
 # ---------------------------------------------------------------------------------------------
 # Backward
 
 
+def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit,
+                    d_weights, dx_out, accumulate, *, scatter, single=False, d_gate_up=None):
+    """Weight gradients (d_gate, d_up, d_down) = `d_weights` (written or ADDED; None entries skipped) and
+    dx_out[dest(r)] = dg @ gate[e] + du @ up[e] of the expert MLPs whose forward saved `gu_M2I`. gate_t, up_t
+    read as [E, H, I], down_t as [E, I, H] (the transposed weights). `d_gate_up`: the [E, 2I, H] buffer whose
+    row halves d_gate and d_up are, written as one destination (GradBuffers.d_gate_up). Returns d scale
+    [routes] float32."""
+    n_rows = x_TH.shape[0] if single else None
+    dgu, dscale, hs = bwd_act.bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, single=single)
+    d_gate, d_up, d_down = d_weights
+    tokens_N = None if single else routes_N // topk  # the wgrads' gather index, once for both
+    kw = dict(accumulate=accumulate, single=single, n_rows=n_rows, tokens_N=tokens_N)
+    wgrad.wgrad_into((d_down,), dy_TH, hs, routes_N, offsets_E1, topk, a_gather=True, b_gather=False, **kw)
+    # d_gate and d_up as one GEMM over dgu = [dg | du]: both read the gathered x tile; into their common buffer
+    # when there is one (dgu^T @ x is its [2I, H] rows in order)
+    pair = (d_gate_up,) if d_gate_up is not None else (d_gate, d_up)
+    wgrad.wgrad_into(pair, dgu, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
+    grouped_gemm.grouped_rows(dgu, gate_t, dx_out, routes_N, offsets_E1, w2=up_t, scatter=scatter, single=single)
+    return dscale
+
+
+def shared_backward(x_TH, dy_TH, s_gate, s_up, s_down, s_out_gate_1H, gu_shared_T2Is, swiglu_limit, sorted_N,
+                    offsets_E1, grads, accumulate):
+    """Weight gradients of the shared expert and its output gate into `grads` (written or ADDED), and the
+    combine's inputs for dx: (dx_s [T, H] or None, bias [H] or None, bias scale [T] or None)."""
+    if s_gate is None:
+        return None, None, None
+    T, H = x_TH.shape
+    gate_T = torch.sigmoid(combine.rowdot(x_TH, s_out_gate_1H)) if s_out_gate_1H is not None else None
+    dx_s = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
+    d_weights = (grads.d_s_gate[None], grads.d_s_up[None], grads.d_s_down[None])
+    dgate_T = expert_backward(x_TH, dy_TH, plain_t(s_gate[None]), plain_t(s_up[None]), plain_t(s_down[None]),
+                              gu_shared_T2Is, gate_T, sorted_N, offsets_E1, 1, swiglu_limit, d_weights, dx_s,
+                              accumulate, scatter=False, single=True,
+                              d_gate_up=None if grads.d_s_gate_up is None else grads.d_s_gate_up[None])
+    if s_out_gate_1H is None:
+        return dx_s, None, None
+    d_logit = dgate_T * gate_T * (1.0 - gate_T)
+    d_w = d_logit[None, :] @ x_TH.float()  # [1, H] float32, a fixed-order GEMV
+    if accumulate:
+        grads.d_s_out_gate.add_(d_w)
+    else:
+        grads.d_s_out_gate.copy_(d_w)
+    return dx_s, s_out_gate_1H.reshape(-1), d_logit
+
+
+
 def moe_backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, w_gate, w_up, w_down, gu_N2I,
                  s_gate=None, s_up=None, s_down=None, s_out_gate_1H=None, gu_shared_T2Is=None, swiglu_limit=None,
-                 *, grads=None, accumulate=False) -> reference.BackwardResult:
-    grads = reference.GradBuffers.allocate(grads, w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate_1H)
+                 *, grads=None, accumulate=False) -> BackwardResult:
+    grads = GradBuffers.allocate(grads, w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate_1H)
     return backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule,
                     _plain_operands(w_gate, w_up, w_down, transposed=True),
                     gu_N2I, s_gate, s_up, s_down, s_out_gate_1H, gu_shared_T2Is, swiglu_limit, grads=grads,
@@ -183,7 +254,7 @@ def moe_backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, w_gat
 
 def backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperands, gu_N2I, s_gate=None,
              s_up=None, s_down=None, s_out_gate_1H=None, gu_shared_T2Is=None, swiglu_limit=None, *,
-             grads: reference.GradBuffers, accumulate=False) -> reference.BackwardResult:
+             grads: GradBuffers, accumulate=False) -> BackwardResult:
     """The backward with the routed weights as kernel operands (the column-wise gate_t, up_t, down_t are
     read). `grads`: destinations (3-D, per-expert lists, or None for a routed gradient not wanted)."""
     T, H = x_TH.shape
@@ -203,5 +274,5 @@ def backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, ops: Rout
                                           swiglu_limit, sorted_N, offsets_E1, grads, accumulate)
 
     dx_TH = torch.empty(T, H, dtype=dtype, device=dev)
-    combine(dx_NH, flat(top_experts_TK), dx_TH, s_TH=dx_s, bias_H=bias, bscale_T=d_logit)
-    return reference.BackwardResult(dx_TH, drw_N.view(T, K), grads)
+    combine.combine(dx_NH, flat(top_experts_TK), dx_TH, s_TH=dx_s, bias_H=bias, bscale_T=d_logit)
+    return BackwardResult(dx_TH, drw_N.view(T, K), grads)

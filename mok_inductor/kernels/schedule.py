@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch
-from ..reference import Schedule
+from . import common
+from ..types import Schedule
 
 
 @triton.jit
@@ -154,32 +154,32 @@ def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
     if N == 0:
         empty = torch.empty(0, dtype=torch.int32, device=dev)
         return Schedule(empty, torch.zeros(G, dtype=torch.int32, device=dev), empty.clone())
-    g_pow2 = _launch.next_pow2(G)
+    g_pow2 = common.next_pow2(G)
     block = _block(g_pow2)
     # One chunk more than the routes fill (it holds none: its counts are zeros). Under dynamic shapes C is a
     # symbolic expression of the token count; at C == 1 Inductor specialised the torch reductions over C
     # (then the cumsums of counts_CG, now bad_C.sum) to their size-1 case and guarded on it, so a later T
-    # with C >= 2 recompiled (seen on the H200). With C >= 2 always, no such guard.
-    C = _launch.cdiv(N, block) + 1
+    # with C >= 2 recompiled. With C >= 2 always, no such guard.
+    C = common.cdiv(N, block) + 1
     counts_CG = torch.empty(C, G, dtype=torch.int32, device=dev)
     bad_C = torch.empty(C, dtype=torch.int32, device=dev)
-    _launch.launch(_schedule_count_kernel, (C,), te_N, counts_CG, bad_C, N, E, G_POW2=g_pow2, BLOCK=block)
+    common.launch(_schedule_count_kernel, (C,), te_N, counts_CG, bad_C, N, E, G_POW2=g_pow2, BLOCK=block)
     ok = torch.empty((), dtype=torch.int32, device=dev)
     sorted_N = torch.empty(N, dtype=torch.int32, device=dev)
     slots_N = torch.empty(N, dtype=torch.int32, device=dev)
     start_G = torch.empty(G, dtype=torch.int32, device=dev)
     fused = not isinstance(C, torch.SymInt) and C * g_pow2 <= FUSED_PREFIX_MAX_TILE  # (symbolic: three, no guard)
     if fused:
-        _launch.launch(_schedule_scatter_kernel, (C,), te_N, None, None, counts_CG, bad_C, sorted_N, slots_N,
-                       start_G, ok, N, E, C, G_POW2=g_pow2, BLOCK=block, FUSED=True, C_POW2=_launch.next_pow2(C))
+        common.launch(_schedule_scatter_kernel, (C,), te_N, None, None, counts_CG, bad_C, sorted_N, slots_N,
+                       start_G, ok, N, E, C, G_POW2=g_pow2, BLOCK=block, FUSED=True, C_POW2=common.next_pow2(C))
         torch._assert_async(ok, f"top_experts: expected expert indices in [-1, {E})")
         return Schedule(sorted_N, start_G, slots_N)
     base_CG = torch.empty(C, G, dtype=torch.int32, device=dev)
     totals_G = torch.empty(G, dtype=torch.int32, device=dev)
-    block_g = 16 if not _launch.INTERPRET else min(16, g_pow2)
-    _launch.launch(_schedule_prefix_kernel, (_launch.cdiv(G, block_g),), counts_CG, base_CG, totals_G, bad_C, ok,
+    block_g = 16 if not common.INTERPRET else min(16, g_pow2)
+    common.launch(_schedule_prefix_kernel, (common.cdiv(G, block_g),), counts_CG, base_CG, totals_G, bad_C, ok,
                    C, G, BLOCK_C=64, BLOCK_G=block_g)
     torch._assert_async(ok, f"top_experts: expected expert indices in [-1, {E})")
-    _launch.launch(_schedule_scatter_kernel, (C,), te_N, base_CG, totals_G, None, None, sorted_N, slots_N, start_G,
+    common.launch(_schedule_scatter_kernel, (C,), te_N, base_CG, totals_G, None, None, sorted_N, slots_N, start_G,
                    ok, N, E, C, G_POW2=g_pow2, BLOCK=block, FUSED=False, C_POW2=1)
     return Schedule(sorted_N, start_G, slots_N)

@@ -1,0 +1,281 @@
+"""Shared by the kernel families: launch plumbing (interpreter, autotune configs, launches through
+`wrap_triton` when traced), size choices without guards, and device helpers (tile enumeration, the L2
+swizzle, expert addresses, the dot and the output rounding, the clamped SwiGLU).
+
+Kernels are launched through `torch.library.wrap_triton` while AOTAutograd traces them (fake or
+functional tensors), so that Inductor emits them as user-defined Triton kernels; in plain eager
+they are launched directly (what `triton_op` does), and always directly under TRITON_INTERPRET=1
+(torch 2.11's wrap_triton rejects interpreted kernels).
+
+Tiles: a program of a grouped GEMM owns a BLOCK_M x BLOCK_N tile of one expert's rows. The grid is the worst
+case cdiv(N, BLOCK_M) + E + 1 row tiles (from shapes only); `_tile_rows` finds each program's expert from the
+device offsets (a prefix sum of per-expert tile counts) and idle programs exit. The shared expert runs the
+same kernels with SINGLE=True: one group of T rows, no gather.
+
+Shape legend: T tokens, E experts, K routes per token (TOPK in kernels), N = T*K routes (M rows in a grouped
+kernel), G groups (E, or E + 1 with the `-1` tail).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import options
+from ..options import INTERPRET
+
+GROUP_M = 8  # row tiles per L2 group (see _tile_ids)
+
+# ---------------------------------------------------------------------------------------------
+# Configs and launches
+
+
+def cfg(bm, bn, bk, warps, stages) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+
+
+def with_pre_hook(configs: list, pre_hook) -> list:
+    return [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=pre_hook)
+            for c in configs]
+
+
+def autotune(configs: list, interpret_config, key: list, restore_value=None, eager_pre_hook=None, few_rows=None):
+    """`@triton.autotune` over `configs` for eager launches (`interpret_config` alone under the interpreter:
+    one small tile, the interpreter is slow), with its first config alone kept for eager launches under
+    `options.autotune=False` (see `launch`), and variants kept for launches traced by torch.compile (see
+    `traced_variant`): the first config alone (Inductor's default mode, which re-benchmarks every config it is
+    given: one config keeps the compile cheap), all `configs` (mode="max-autotune"), and `few_rows` alone where
+    given (the default mode's config for launches at few rows per expert: `launch(..., few_rows=True)`). The
+    first config of each list is the one measured best at the large training shapes.
+    `eager_pre_hook(nargs)` runs before each eager launch with the config's meta-parameters (host TMA
+    descriptors take their block shapes from it); Inductor accepts no pre-hooks, so traced launches have none."""
+    extra = {"restore_value": restore_value} if restore_value else {}
+
+    def deco(fn):
+        picked = [interpret_config] if INTERPRET else configs
+        if eager_pre_hook is not None:
+            picked = with_pre_hook(picked, eager_pre_hook)
+        eager = triton.autotune(configs=picked, key=key, **extra)(fn)
+        eager.mok_untuned = eager if len(picked) == 1 else triton.autotune(configs=picked[:1], key=key, **extra)(fn)
+        eager.mok_traced_variants = (triton.autotune(configs=configs[:1], key=key, **extra)(fn),
+                                     triton.autotune(configs=configs, key=key, **extra)(fn),
+                                     None if few_rows is None else triton.autotune(configs=[few_rows], key=key,
+                                                                                   **extra)(fn))
+        return eager
+
+    return deco
+
+
+def traced_variant(kernel, few_rows: bool = False):
+    """The kernel a traced launch hands to Inductor: all tile configs under max-autotune, else the first, or
+    the few-rows config where the launch asks for it and the kernel has one."""
+    variants = getattr(kernel, "mok_traced_variants", None)
+    if variants is None:
+        return kernel
+    from torch._inductor import config
+
+    if config.max_autotune or config.max_autotune_gemm:
+        return variants[1]
+    return variants[2] if few_rows and variants[2] is not None else variants[0]
+
+
+def traced(args) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    key = torch._C._TorchDispatchModeKey
+    if torch._C._get_dispatch_mode(key.FUNCTIONAL) is not None or torch._C._get_dispatch_mode(key.FAKE) is not None:
+        return True
+    return any(isinstance(a, (FakeTensor, FunctionalTensor)) for a in args)
+
+
+def without_pointers(tensors) -> bool:
+    """Whether these tensors have no data pointers to read: torch.compile is tracing, or they are fake or
+    functional (AOTAutograd). Split weights are then stacked instead of read through address tables."""
+    return torch.compiler.is_compiling() or traced(tensors)
+
+
+def launch(kernel, grid, *args, few_rows: bool = False, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), through wrap_triton when traced (`few_rows`: see `traced_variant`); an
+    eager launch under `options.autotune=False` runs the kernel's first tile config."""
+    if not INTERPRET and traced(args):
+        torch.library.wrap_triton(traced_variant(kernel, few_rows))[grid](*args, **kwargs)
+    elif not options.current().autotune:
+        getattr(kernel, "mok_untuned", kernel)[grid](*args, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+def at_least(n, bound: int, symbolic: bool) -> bool:
+    """n >= bound for a size-based kernel choice, without a guard: a symbolic n (torch.compile with dynamic
+    shapes) decides only where that is statically known, else `symbolic` (a guard would recompile the
+    graph for every token count across the bound)."""
+    if isinstance(n, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        if statically_known_true(n >= bound):
+            return True
+        if statically_known_true(n < bound):
+            return False
+        return symbolic
+    return n >= bound
+
+
+def known_multiple(n, m: int) -> bool:
+    """n % m == 0 for an int or SymInt, without a guard: a symbolic n only where that is statically known."""
+    if isinstance(n, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return statically_known_true(n % m == 0)
+    return n % m == 0
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 GEMMs in full precision (SPEC's 1e-4 rules out tf32); others use the tensor cores.
+    "interp": the interpreter's tl.dot is wrong on bfloat16 operands, so `mma` upcasts them."""
+    if INTERPRET:
+        return "interp"
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# Host-side integer helpers in plain Python: Triton 3.6's triton.cdiv and triton.next_power_of_2 are
+# constexpr functions, whose per-call argument unwrapping costs several microseconds on a launch path run
+# about ten times per forward (the eager decode forward is host-bound)
+def cdiv(a, b):
+    """ceil(a / b) of non-negative ints or SymInts (triton.cdiv's arithmetic)."""
+    return (a + b - 1) // b
+
+
+def next_pow2(n) -> int:
+    """The smallest power of two >= max(n, 1) (triton.next_power_of_2's result)."""
+    n = max(int(n), 1)
+    return 1 << (n - 1).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers
+
+
+@triton.jit
+def mma(a, b, acc, DOT_PREC: tl.constexpr):
+    """acc + a @ b with float32 accumulation (DOT_PREC from `dot_precision`)."""
+    if DOT_PREC == "interp":
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        out = tl.dot(a, b, acc, input_precision=DOT_PREC)
+    return out
+
+
+@triton.jit
+def to_out(v, like_ptr, DOT_PREC: tl.constexpr):
+    """v in the element type of `like_ptr`, rounded to nearest even; the interpreter truncates
+    float32 -> bfloat16, so there the rounding is done by hand on the bits."""
+    dtype = like_ptr.dtype.element_ty
+    if DOT_PREC == "interp":
+        if dtype == tl.bfloat16:
+            bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            v = bits.to(tl.float32, bitcast=True)
+    return v.to(dtype)
+
+
+@triton.jit
+def _tile_rows(pid_m, offsets_ptr, M, E, SINGLE: tl.constexpr, WITH_TAIL: tl.constexpr,
+               BLOCK_M: tl.constexpr, GROUPS_POW2: tl.constexpr):
+    """(group, row_start, row_end) of row tile `pid_m`; row_start >= row_end for an idle program.
+    Groups are the experts [0, E) and, WITH_TAIL, group E = the `-1` routes' slots [offsets[E], M)."""
+    if SINGLE:
+        group = pid_m * 0
+        row_start = pid_m * BLOCK_M
+        row_end = M + pid_m * 0
+    else:
+        idx = tl.arange(0, GROUPS_POW2)
+        lo = tl.load(offsets_ptr + idx, mask=idx <= E, other=M)
+        hi = tl.load(offsets_ptr + idx + 1, mask=idx + 1 <= E, other=M)
+        if WITH_TAIL:
+            num_groups = E + 1
+        else:
+            num_groups = E
+        ntiles = tl.where(idx < num_groups, tl.cdiv(hi - lo, BLOCK_M), 0)
+        cum = tl.cumsum(ntiles, axis=0)
+        group = tl.sum((cum <= pid_m).to(tl.int32), axis=0)
+        sel = idx == group
+        first = tl.sum(tl.where(sel, cum - ntiles, 0), axis=0)
+        lo_g = tl.sum(tl.where(sel, lo, 0), axis=0)
+        hi_g = tl.sum(tl.where(sel, hi, 0), axis=0)
+        row_start = lo_g + (pid_m - first) * BLOCK_M
+        row_end = tl.where(group < num_groups, hi_g, row_start)
+    return group, row_start, row_end
+
+
+@triton.jit
+def swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of tile `pid` of a num_m x num_n grid, GROUP_M row tiles at a time (L2 reuse: a
+    column block is read once per group of row tiles, not once per row tile)."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % gsize, (pid % per_group) // gsize
+
+
+@triton.jit
+def _tile_ids(pid, M, E, NCOLS, SINGLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program `pid` over the worst-case row tiles of a schedule (see `swizzle`)."""
+    if SINGLE:
+        num_m = tl.cdiv(M, BLOCK_M)
+    else:
+        num_m = tl.cdiv(M, BLOCK_M) + E + 1
+    return swizzle(pid, num_m, tl.cdiv(NCOLS, BLOCK_N), GROUP_M)
+
+
+def row_tiles_worst(M: int, E: int, block_m: int, single: bool) -> int:
+    """Upper bound of the row tiles of any schedule of M rows over E (+1) groups: shapes only."""
+    return cdiv(M, block_m) if single else cdiv(M, block_m) + E + 1
+
+
+@triton.jit
+def expert_ptr(ptr, e64, stride_e, E, TABLE: tl.constexpr, DT: tl.constexpr):
+    """The start of expert e's [n, k] matrix: ptr + e * stride_e, or (TABLE: split per-expert allocations)
+    the address in entry e of the int64 table at ptr, as a pointer to DT (e clamped into [0, E): the
+    tail group's and idle tiles' e is E and they read nothing). TABLE == 2: every address is a multiple of
+    16 bytes, which the compiler must be told (a loaded address has no known alignment, and without it
+    the weight tiles are loaded element by element instead of by 16-byte asynchronous copies)."""
+    if TABLE == 0:
+        return ptr + e64 * stride_e
+    else:
+        p = tl.load(ptr + tl.where(e64 < E, e64, 0)).to(tl.pointer_type(DT))
+        if TABLE == 2:
+            p = tl.multiple_of(p, 16)
+        return p
+
+
+@triton.jit
+def e8m0_factor(sc):
+    """2**(sc - 127) of uint8 E8M0 scales, built from its float32 bits (exact; sc = 0, an all-zero block,
+    gives 0)."""
+    return (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def clamp_gu(g, u, limit, HAS_LIMIT: tl.constexpr):
+    """(clamp(g, max=limit), clamp(u, -limit, limit)); where() rather than min/max: a NaN is not clipped,
+    it propagates."""
+    if HAS_LIMIT:
+        g = tl.where(g > limit, limit, g)
+        u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
+    return g, u
+
+
+@triton.jit
+def swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
+    """silu(clamp(g, max=limit)) * clamp(u, -limit, limit) in float32."""
+    g, u = clamp_gu(g, u, limit, HAS_LIMIT)
+    return g * tl.sigmoid(g) * u
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous 1-D tensor (a view when it already is)."""
+    t = t.reshape(-1)
+    return t if t.is_contiguous() else t.contiguous()

@@ -1,0 +1,231 @@
+"""The gathered gate/up GEMM of the forward, with the clamped SwiGLU in its epilogue.
+
+    x_TH[sorted_routes // K] --_gate_up_kernel (gather in the loads)--> gu_N2I = [g | u] (sorted, saved for
+        backward; the `-1` routes' rows zero), h_NI = swiglu(g, u) (sorted, transient: the down GEMM's A)
+
+g and u are rounded to the saved dtype without crossing the clamp bound (KEEP_CLIP), and h is computed from
+the rounded values: backward recomputes h from the saved g, u exactly. MXFP8 gate/up at decode sizes run the
+fp16 K loops of mx_loop.py (MX_LOOP), the rest the dequantizing loop (TMA descriptors for the weights' whole
+K steps where `operands.tma_eligible`).
+
+Shape legend: T tokens, H hidden, I intermediate, E experts, K routes per token (TOPK), M = N = T*K sorted
+rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from . import common
+from .common import GROUP_M, _tile_ids, _tile_rows, cfg, mma, row_tiles_worst, swiglu, to_out
+from .mx_loop import (_MX_F16_CONFIGS, _gate_up_mx_block, act_step_t, few_rows_per_expert, group_scales, mx_group,
+                      mx_one, mx_rows, mx_step_t, mx_trans, scale_step, step_scales, use_mx_loop, w_block_scales)
+from .operands import tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile, w_tma_tile
+
+
+# the last: decode (a few rows per expert, the weights streamed)
+_GATE_UP_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 64, 64, 4, 4), cfg(64, 128, 64, 4, 4), cfg(128, 64, 64, 8, 4),
+                    cfg(64, 64, 128, 4, 3), cfg(64, 64, 64, 4, 6)]
+
+
+_GATE_UP_KEY = ["M", "H", "I", "E", "TOPK", "TMA"]
+
+
+@triton.jit
+def _gate_up_tile(
+    x_ptr, stride_xt, stride_xh, xr_ptr, routes_ptr,
+    wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k, wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k,
+    gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm, stride_hi, g_desc, u_desc, w_rows,
+    H, I, E, TOPK, limit, above, below, group, row_start, row_end, pid_n,
+    SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr,
+    W_TABLE: tl.constexpr, MX_LOOP: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The K loop and epilogue of one tile of expert `group`'s rows [row_start, row_end).
+    MX_LOOP (`MxLoop`, not DEQUANTIZE): MXFP8 gate and up on the fp16 tensor cores by 32-blocks (`mx_dot`),
+    BLOCK_K // 32 scale blocks per K step; x the fp16 rows of `row_f16`, xr_ptr their float32 scales.
+    TMA: the weight tiles of the whole K steps through descriptors (`w_tma_tile`), the tail step and the
+    gathered x rows by pointers."""
+    rows = row_start + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < I
+    rows64 = rows[:, None].to(tl.int64)
+    g_ptrs = gu_ptr + rows64 * stride_gm + cols[None, :] * stride_gn
+    h_ptrs = h_ptr + rows64 * stride_hm + cols[None, :] * stride_hi
+    omask = rmask[:, None] & cmask[None, :]
+    if SINGLE:
+        tok = rows
+    else:
+        tok = tl.load(routes_ptr + rows, mask=rmask, other=0) // TOPK
+    ks = tl.arange(0, BLOCK_K)
+    e64 = group.to(tl.int64)
+    wg, gs = w_bases(wg_ptr, gs_ptr, e64, g_e, gs_e, E, W_TABLE, MX_G)
+    wu, us = w_bases(wu_ptr, us_ptr, e64, u_e, us_e, E, W_TABLE, MX_U)
+    a_row = x_ptr + tok[:, None].to(tl.int64) * stride_xt
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if MX_LOOP:  # the whole K steps, BLOCK_K // 32 blocks each, then the tail's blocks one by one (no k masks)
+        k_full = H - H % BLOCK_K
+        TRANS: tl.constexpr = mx_trans(MX_LOOP, BLOCK_M)
+        G: tl.constexpr = mx_group(MX_LOOP, BLOCK_K)
+        ONE: tl.constexpr = mx_one(MX_LOOP, TRANS)
+        a_row_t = x_ptr + tok[None, :].to(tl.int64) * stride_xt
+        if TRANS:
+            acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, k_full, BLOCK_K):
+            if ONE:
+                a_t = act_step_t(a_row_t, stride_xh, 0, k0, rmask, BLOCK_K)
+                acc_g = mx_step_t(a_t, wg, k0, cols, cmask, g_n, g_k,
+                                  step_scales(gs, k0, cols, cmask, gs_n, BLOCK_K), acc_g, DOT_PREC, BLOCK_K)
+                acc_u = mx_step_t(a_t, wu, k0, cols, cmask, u_n, u_k,
+                                  step_scales(us, k0, cols, cmask, us_n, BLOCK_K), acc_u, DOT_PREC, BLOCK_K)
+            else:
+                cur_g = scale_step(gs, k0, k_full, cols, cmask, gs_n, G == 4, BLOCK_K)
+                cur_u = scale_step(us, k0, k_full, cols, cmask, us_n, G == 4, BLOCK_K)
+                for q in tl.static_range(BLOCK_K // (32 * G)):
+                    kb0 = k0 // 32 + G * q
+                    for j in tl.static_range(G):
+                        acc_g, acc_u = _gate_up_mx_block(
+                            acc_g, acc_u, a_row, a_row_t, stride_xh, kb0 + j, rmask,
+                            wg, group_scales(cur_g, q, j, gs, kb0, cols, cmask, gs_n, gs_k, G == 4),
+                            wu, group_scales(cur_u, q, j, us, kb0, cols, cmask, us_n, us_k, G == 4),
+                            cols, cmask, g_n, g_k, u_n, u_k, TRANS, DOT_PREC)
+        for kb in range(k_full // 32, H // 32):
+            acc_g, acc_u = _gate_up_mx_block(acc_g, acc_u, a_row, a_row_t, stride_xh, kb, rmask,
+                                             wg, w_block_scales(gs, kb, cols, cmask, gs_n, gs_k),
+                                             wu, w_block_scales(us, kb, cols, cmask, us_n, us_k),
+                                             cols, cmask, g_n, g_k, u_n, u_k, TRANS, DOT_PREC)
+        if TRANS:
+            acc_g = tl.trans(acc_g)
+            acc_u = tl.trans(acc_u)
+        r_s = tl.load(xr_ptr + tok, mask=rmask, other=1.0)[:, None]  # x's row scales
+        acc_g *= r_s
+        acc_u *= r_s
+    else:
+        k_start = 0
+        if TMA:
+            k_start = H - H % BLOCK_K
+            for k0 in range(0, k_start, BLOCK_K):
+                a = tl.load(a_row + (k0 + ks)[None, :] * stride_xh, mask=rmask[:, None], other=0.0)
+                acc_g = mma(a, w_tma_tile(g_desc, group * w_rows, pid_n * BLOCK_N, k0, W_KMAJOR), acc_g, DOT_PREC)
+                acc_u = mma(a, w_tma_tile(u_desc, group * w_rows, pid_n * BLOCK_N, k0, W_KMAJOR), acc_u, DOT_PREC)
+        for k0 in range(k_start, H, BLOCK_K):
+            kk = k0 + ks
+            kmask = kk < H
+            a = tl.load(a_row + kk[None, :] * stride_xh, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            bg = w_tile(wg, gs, kk, cols, kmask, cmask, g_n, g_k, gs_n, gs_k, x_ptr, MX_G, DOT_PREC)
+            bu = w_tile(wu, us, kk, cols, kmask, cmask, u_n, u_k, us_n, us_k, x_ptr, MX_U, DOT_PREC)
+            acc_g = mma(a, bg, acc_g, DOT_PREC)
+            acc_u = mma(a, bu, acc_u, DOT_PREC)
+    g = to_out(acc_g, gu_ptr, DOT_PREC).to(tl.float32)
+    u = to_out(acc_u, gu_ptr, DOT_PREC).to(tl.float32)
+    if KEEP_CLIP:  # never round across a clamp bound (reference.round_keep_clip). where(), not min/max:
+        # the GPU's min/max return the non-NaN operand, and a NaN must stay NaN (it compares false here)
+        g = tl.where(acc_g > limit, tl.where(g < above, above, g), tl.where(g > below, below, g))
+        u = tl.where(acc_u > limit, tl.where(u < above, above, u), tl.where(u > below, below, u))
+        u = tl.where(acc_u < -limit, tl.where(u > -above, -above, u), tl.where(u < -below, -below, u))
+    tl.store(g_ptrs, g.to(gu_ptr.dtype.element_ty), mask=omask)
+    tl.store(g_ptrs + I * stride_gn, u.to(gu_ptr.dtype.element_ty), mask=omask)
+    if WRITE_H:
+        h = swiglu(g, u, limit, HAS_LIMIT)
+        tl.store(h_ptrs, to_out(h, h_ptr, DOT_PREC), mask=omask)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, stride_xt, stride_xh,  # x [T, H] (MX_LOOP: fp16, `row_f16`)
+    xr_ptr,  # MX_LOOP: x's row scales [T] float32 (else unused)
+    routes_ptr, offsets_ptr,  # sorted_routes [M] int32, expert_offsets [E+1] int32
+    wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k,  # gate read as [E, I, H]: data, scales [E, I, H/32] (MX_G)
+    wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k,  # up read as [E, I, H]
+    gu_ptr, stride_gm, stride_gn,  # gu [M, 2I] out: g in [0, I), u in [I, 2I) (tail rows zeroed)
+    h_ptr, stride_hm, stride_hi,  # h [M, I] out (WRITE_H)
+    g_desc, u_desc, w_rows,  # TMA: host descriptors of gate's and up's 2-D views, their R (`tma_weights`)
+    M, H, I, E, TOPK,  # rows (routes), hidden, intermediate, experts, routes per token
+    limit, above, below,  # swiglu clamp (HAS_LIMIT); the stored dtype's neighbours of it (KEEP_CLIP)
+    SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr,
+    MX_LOOP: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, GROUPS_POW2: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Inductor passes Python floats as fp64 (the epilogue would compute in fp64): float32 scalars
+    limit = tl.cast(limit, tl.float32)
+    above = tl.cast(above, tl.float32)
+    below = tl.cast(below, tl.float32)
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, E, I, SINGLE, BLOCK_M, BLOCK_N, GROUP_M)
+    group, row_start, row_end = _tile_rows(pid_m, offsets_ptr, M, E, SINGLE, True, BLOCK_M, GROUPS_POW2)
+    if row_start >= row_end:
+        return
+    if group >= E:  # the `-1` routes' slots: their g, u and h rows are zero
+        rows = row_start + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        omask = (rows < row_end)[:, None] & (cols < I)[None, :]
+        rows64 = rows[:, None].to(tl.int64)
+        g_ptrs = gu_ptr + rows64 * stride_gm + cols[None, :] * stride_gn
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=gu_ptr.dtype.element_ty)
+        tl.store(g_ptrs, zero, mask=omask)
+        tl.store(g_ptrs + I * stride_gn, zero, mask=omask)
+        if WRITE_H:
+            tl.store(h_ptr + rows64 * stride_hm + cols[None, :] * stride_hi, zero.to(h_ptr.dtype.element_ty),
+                     mask=omask)
+        return
+    _gate_up_tile(x_ptr, stride_xt, stride_xh, xr_ptr, routes_ptr, wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k,
+                  wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k, gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm,
+                  stride_hi, g_desc, u_desc, w_rows, H, I, E, TOPK, limit, above, below, group, row_start, row_end,
+                  pid_n, SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, W_TABLE, MX_LOOP, TMA,
+                  W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+# one jitted body (its name is the one Inductor's code and profiles show), autotuned over two config lists
+_gate_up_body = _gate_up_kernel
+
+
+_gate_up_kernel = common.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY,
+                                   eager_pre_hook=tma_pre_hook((), ("g_desc", "u_desc")))(_gate_up_body)
+
+
+# compiled graphs (Inductor's default mode: one config) at up to `mx_few_rows` routes per expert on average take
+# the eager autotuner's 8-row picks at decode (`few_rows`); the 16-row first config otherwise, and where the row
+# count is symbolic (no guard)
+_gate_up_f16_kernel = common.autotune(_MX_F16_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY + ["MX_LOOP"],
+                                       few_rows=cfg(8, 32, 256, 2, 3))(_gate_up_body)
+
+
+def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=None, single=False):
+    """gu_out[M, 2I] = [x[rows] @ gate[e]^T | x[rows] @ up[e]^T] per sorted row (before the clamp), and
+    h_out[M, I] = swiglu of those (rounded) values when given. gate, up: `mxfp8.Operand`s read as [E, I, H]
+    (SINGLE: all T rows, one expert given as [1, I, H] views)."""
+    M = gu_out.shape[0]
+    I = gu_out.shape[1] // 2
+    if M == 0 or I == 0:
+        return gu_out
+    E, _, H = gate.data.shape
+    def tiles(meta):
+        return row_tiles_worst(M, E, meta["BLOCK_M"], single) * common.cdiv(I, meta["BLOCK_N"])
+
+    mx_loop = use_mx_loop(x_TH.dtype, M, E, gate, up)
+    tma = None if mx_loop or not tma_eligible(x_TH, M, E) else tma_weights((gate, up))
+    h = h_out if h_out is not None else gu_out
+    x_TH, xr, mx_loop = mx_rows(x_TH, mx_loop, gate, up)
+    keep_clip = limit is not None and gu_out.dtype in (torch.bfloat16, torch.float16)
+    above, below = (float(v) for v in reference.clip_bounds(limit, gu_out.dtype)) if keep_clip else (0.0, 0.0)
+    common.launch(
+        _gate_up_f16_kernel if mx_loop else _gate_up_kernel, lambda meta: (tiles(meta),),
+        x_TH, x_TH.stride(0), x_TH.stride(1), xr, routes_N, offsets_E1,
+        *w_args(gate), *w_args(up),
+        gu_out, gu_out.stride(0), gu_out.stride(1), h, h.stride(0), h.stride(1),
+        *((None, None, 1) if tma is None else (*tma[0], tma[1])),
+        M, H, I, E, topk, 0.0 if limit is None else float(limit), above, below,
+        SINGLE=single, MX_G=gate.quantized, MX_U=up.quantized, WRITE_H=h_out is not None,
+        HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip, DOT_PREC=common.dot_precision(x_TH.dtype),
+        MX_LOOP=int(mx_loop), TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
+        GROUPS_POW2=common.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(gate, up),
+        few_rows=bool(mx_loop) and few_rows_per_expert(M, E),
+    )
+    return gu_out
