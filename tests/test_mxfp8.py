@@ -128,7 +128,7 @@ import triton.language as tl  # noqa: E402
 
 import mok_inductor  # noqa: E402
 from _helpers import DEVICES, TOLERANCE, record_launches, rel_err  # noqa: E402
-from mok_inductor.kernels import _launch, moe_fwd as _moe_fwd  # noqa: E402
+from mok_inductor import kernels  # noqa: E402
 
 T, H, I, IS, E, K = 6, 64, 32, 32, 3, 2
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -325,14 +325,14 @@ def test_moe_equals_the_computation_on_dequantized_weights(monkeypatch, device, 
 @pytest.mark.parametrize("layout", ["combined", "split"])
 def test_dequantizing_k_loop_with_bf16_activations(monkeypatch, layout):
     # at this file's sizes bf16 activations take the fp16 K loop (few routes per expert); the dequantizing K
-    # loop, which they take above moe_fwd.MX_F16_DOT_MAX_ROWS routes per expert, checked here at the same sizes
+    # loop, which they take above options.mx_f16_dot_max_rows routes per expert, checked here at the same sizes
     _backend(monkeypatch, "triton")
-    monkeypatch.setattr(_moe_fwd, "MX_F16_DOT", False)
+    _knobs(mx_f16_dot_max_rows=0)
     launched = record_launches(monkeypatch)
     p = _problem(torch.bfloat16, _TRITON_DEV, shared=True, limit=0.9, seed=29 + len(layout))
     _run_and_check(p, layout, torch.bfloat16)
-    assert _moe_fwd._gate_up_kernel in launched and _moe_fwd._gate_up_mx_dot_kernel not in launched
-    assert _moe_fwd._grouped_rows_mx_dot_kernel not in launched
+    assert kernels.gate_up._gate_up_kernel in launched and kernels.gate_up._gate_up_f16_kernel not in launched
+    assert kernels.grouped_gemm._grouped_rows_f16_kernel not in launched
 
 
 @pytest.mark.parametrize("layout,quantized,shared,limit", [
@@ -341,18 +341,16 @@ def test_dequantizing_k_loop_with_bf16_activations(monkeypatch, layout):
     ("combined", ("d",), False, None),
 ], ids=["combined-shared-limit", "split", "mx-down-only"])
 def test_kernels_dequantize_first_path(monkeypatch, layout, quantized, shared, limit):
-    # the large-shape path (kernels.MX_DEQUANTIZE_MIN_ROWS): operands dequantized once per call, then the
+    # the large-shape path (options.mx_dequantize_min_rows): operands dequantized once per call, then the
     # bf16 kernels; forced here at a tiny shape
-    from mok_inductor import kernels
-
-    monkeypatch.setattr(kernels, "MX_DEQUANTIZE_MIN_ROWS", 0)
+    _knobs(mx_dequantize_min_rows=0)
     _backend(monkeypatch, "triton")
     p = _problem(torch.bfloat16, _TRITON_DEV, shared=shared, limit=limit, seed=len(quantized) * 10 + len(layout))
     _run_and_check(p, layout, torch.bfloat16, quantized)
 
 
 def test_kernel_dequantize_is_exact_on_strided_views():
-    # moe_fwd.dequantized on the gate/up row views of a combined weight and on the column-wise
+    # kernels.operands.dequantized on the gate/up row views of a combined weight and on the column-wise
     # transposed layout: bitwise what mxfp8.dequantize gives
     from mok_inductor import kernels
     from mok_inductor.mxfp8 import Operand
@@ -377,7 +375,6 @@ def test_kernel_dequantize_reads_split_weights_in_place(monkeypatch):
     # split per-expert MXFP8 (separate allocations; the up rows of a combined FC1 as row views) is read
     # through address tables, not stacked; experts of different strides are stacked once: bitwise the same
     from mok_inductor import kernels
-    from mok_inductor.kernels import moe_fwd
     from mok_inductor.mxfp8 import Operand
 
     q = mxfp8.quantize(_weight(3, 64, 96, seed=6).to(_TRITON_DEV))
@@ -385,8 +382,8 @@ def test_kernel_dequantize_reads_split_weights_in_place(monkeypatch):
     data, scale = [t.clone() for t in q.data], [t.clone() for t in q.scale]
     stacked, real_stack = [], torch.stack
     monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacked.append(len(ts)) or real_stack(ts, *a, **k))
-    tables, real_table = [], moe_fwd.address_table
-    monkeypatch.setattr(moe_fwd, "address_table", lambda ptrs, dev: tables.append(ptrs) or real_table(ptrs, dev))
+    tables, real_table = [], kernels.operands.address_table
+    monkeypatch.setattr(kernels.operands, "address_table", lambda ptrs, dev: tables.append(ptrs) or real_table(ptrs, dev))
     for lo in (0, 32):
         op = Operand([t[lo:lo + 32] for t in data], [t[lo:lo + 32] for t in scale])
         got = kernels.dequantized(op, torch.bfloat16).data
@@ -437,100 +434,26 @@ def test_triton_matches_reference_at_a_larger_shape_on_cuda():
 
 # ---------------------------------------------------------------------------------------------- tensor cores
 #
-# With moe_fwd.MX_FP8_DOT (mode 1, an A/B candidate, off) or MX_F16_DOT (modes 2 and 3, on at up to
-# MX_F16_DOT_MAX_ROWS routes per expert), bf16/fp16 activations with MXFP8 weights read in the K loop go to
-# the tensor cores by 32-blocks (moe_fwd.mx_dot): mode 1 splits the activations per block
-# into two e4m3 terms for the fp8 tensor cores, mode 2 scales them into one exact fp16 term and converts the
-# weights to fp16 (moe_fwd.mx_act_split). Mode 3 (moe_fwd.MX_F16_MODE 3, the default) is mode 2 with the
-# activations scaled per row into fp16 once per call (moe_fwd.row_f16) instead of per block in every program.
-# The forward GEMMs and the backward's dx GEMM take that path; float32 activations keep the dequantizing loop.
+# At up to options.mx_f16_dot_max_rows routes per expert, bf16/fp16 activations with MXFP8 weights read in the K
+# loop go to the fp16 tensor cores by 32-blocks (kernels.mx_loop.MxLoop): the activation rows scaled into fp16 once per
+# call (kernels.mx_loop.row_f16), each block's product scaled by its weight scales, read by a byte load per block
+# (MxLoop.F16) or by 32-bit words of 4 blocks where the scale rows allow it (MxLoop.F16_WORDS, kernels.operands.scale_words;
+# on 8-row tiles each whole K step as one dot, kernels.mx_loop.mx_step_t). The forward GEMMs and the backward's dx GEMM
+# take that path; float32 activations keep the dequantizing loop. Under the interpreter the kernels run one
+# 16x16x32 tile, where both loops are the same code: the tests below that pick 8- and 16-row tiles with K steps of
+# 128 and 256 (`_one_mx_config`) run every form.
 
-
-@triton.jit
-def _split_kernel(a_ptr, hi_ptr, lo_ptr, s_ptr, MODE: tl.constexpr, DOT_PREC: tl.constexpr):
-    r = tl.arange(0, 16)
-    c = tl.arange(0, 32)
-    hi, lo, sc = _moe_fwd.mx_act_split(tl.load(a_ptr + r[:, None] * 32 + c[None, :]), MODE, DOT_PREC)
-    tl.store(hi_ptr + r[:, None] * 32 + c[None, :], hi.to(tl.float32))
-    tl.store(lo_ptr + r[:, None] * 32 + c[None, :], lo.to(tl.float32))
-    tl.store(s_ptr + r, sc)
-
-
-def _split_tile(a, mode=1):
-    """moe_fwd.mx_act_split of a [16, 32] tile, run as a kernel: (hi, lo, scale) as float64 tensors."""
-    a = a.to(_TRITON_DEV)
-    hi, lo = torch.full(a.shape, float("nan"), device=a.device), torch.full(a.shape, float("nan"), device=a.device)
-    sc = torch.full((16,), -1.0, device=a.device)
-    _split_kernel[(1,)](a, hi, lo, sc, MODE=mode, DOT_PREC=_launch.dot_precision(torch.bfloat16))
-    return hi.cpu().double(), lo.cpu().double(), sc.cpu().double()
-
-
-def _split_input(seed=3, octaves=20):
-    g = torch.Generator().manual_seed(seed)
-    # rows of very different magnitudes, each with an outlier and elements far below its largest
-    a = torch.randn(16, 32, generator=g) * torch.exp2(torch.randint(-octaves, octaves, (16, 1), generator=g).float())
-    a[:, 5] *= 64
-    a[3] = 0.0  # an all-zero row
-    a[7, 2] = float("nan")
-    a[9, 30] = float("-inf")
-    return a
-
-
-def test_activation_split_is_two_e4m3_terms_within_bf16_precision():
-    a = _split_input()
-    hi, lo, sc = _split_tile(a)
-    finite = [r for r in range(16) if r not in (7, 9)]
-    assert torch.isnan(sc[7]) and torch.isnan(sc[9])  # a non-finite block poisons its row
-    a64 = a.double()
-    for r in finite:
-        s = sc[r].item()
-        assert s > 0 and math.frexp(s)[0] == 0.5  # a power of two
-        amax = a64[r].abs().max().item()
-        assert amax == 0 or 128 <= amax / s < 256
-        for t in (hi[r], lo[r]):  # each term is an e4m3 value
-            assert torch.equal(t, t.to(torch.float8_e4m3fn).double())
-        err = (a64[r] - (hi[r] + lo[r]) * s).abs()
-        # two terms: about 2**-8 relative to the element, with an absolute floor at e4m3's subnormal spacing
-        # (2**-9, times the scale) far below the block's largest element
-        bound = a64[r].abs() * 2.0 ** -7 + s * 2.0 ** -9
-        assert (err <= bound).all(), (r, (err / bound).max().item())
-    assert torch.equal(hi[3], torch.zeros(32, dtype=torch.float64)) and torch.equal(lo[3], hi[3])
-    # one term alone (hi) is e4m3's 3 bits: far outside bf16's precision on the same data
-    one = max(((a64[r] - hi[r] * sc[r]).norm() / a64[r].norm()).item() for r in finite if r != 3)
-    two = max(((a64[r] - (hi[r] + lo[r]) * sc[r]).norm() / a64[r].norm()).item() for r in finite if r != 3)
-    assert one > 1e-2 and two < 2e-3, (one, two)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_activation_fp16_term_is_exact(dtype):
-    # the activations as the K loop loads them (float16's: row magnitudes within its range)
-    a = _split_input(seed=4, octaves=20 if dtype == torch.bfloat16 else 6).to(dtype)
-    hi, lo, sc = _split_tile(a, mode=2)
-    assert torch.isnan(sc[7]) and torch.isnan(sc[9])  # a non-finite block poisons its row
-    a64 = a.double().cpu()
-    for r in [r for r in range(16) if r not in (7, 9)]:
-        s = sc[r].item()
-        assert s > 0 and math.frexp(s)[0] == 0.5  # a power of two
-        amax = a64[r].abs().max().item()
-        assert amax == 0 or 2.0 ** 14 <= amax / s < 2.0 ** 15
-        assert torch.equal(hi[r], hi[r].half().double()) and torch.equal(lo[r], hi[r])  # one fp16 term
-        # exact: bf16's (fp16's) significand fits fp16's; only elements below fp16's normal range after the
-        # scaling (under 2**-28 of the block's largest) could round
-        big = a64[r].abs() >= amax * 2.0 ** -28
-        assert torch.equal((hi[r] * s)[big], a64[r][big]), r
-        assert ((hi[r] * s - a64[r]).abs() <= s * 2.0 ** -25).all(), r
+F16, F16_WORDS = kernels.mx_loop.MxLoop.F16, kernels.mx_loop.MxLoop.F16_WORDS
 
 
 @pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_row_scaled_fp16_activations(monkeypatch, dtype, one_pass):
-    # moe_fwd.row_f16 (mode 3): each row times one power of two into fp16's largest octave, read through
-    # strides; exact but far below the row's largest element (fp16's subnormals); a NaN or an Inf poisons
-    # its row's scale. Both kernel forms: a row read once (ONE_PASS), or twice in steps of columns.
-    if not one_pass:
-        monkeypatch.setattr(_moe_fwd, "ROW_F16_ONE_PASS_MAX", 64)
-    launched, real = [], _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda k, *a, **kw: launched.append(kw["ONE_PASS"]) or real(k, *a, **kw))
+    # kernels.mx_loop.row_f16: each row times one power of two into fp16's largest octave, read through strides; exact
+    # but far below the row's largest element (fp16's subnormals); a NaN or an Inf poisons its row's scale. Both
+    # kernel forms: a row read once (ONE_PASS), or twice in steps of columns.
+    launched, real = [], kernels.common.launch
+    monkeypatch.setattr(kernels.common, "launch", lambda k, *a, **kw: launched.append(kw["ONE_PASS"]) or real(k, *a, **kw))
     g = torch.Generator().manual_seed(6)
     octaves = 20 if dtype == torch.bfloat16 else 6
     base = torch.randn(200, 9, generator=g) * torch.exp2(torch.randint(-octaves, octaves, (1, 9), generator=g).float())
@@ -540,7 +463,7 @@ def test_row_scaled_fp16_activations(monkeypatch, dtype, one_pass):
     a[5, 3] = float("nan")
     a[6, 100] = float("inf")
     a = a.to(dtype)
-    a16, r_s = _moe_fwd.row_f16(a.to(_TRITON_DEV))
+    a16, r_s = kernels.mx_loop.row_f16(a.to(_TRITON_DEV), **({} if one_pass else dict(one_pass_max=64)))
     a16, r_s = a16.cpu(), r_s.cpu().double()
     assert launched == [one_pass]
     assert a16.dtype == torch.float16 and a16.shape == a.shape and a16.is_contiguous()
@@ -558,15 +481,13 @@ def test_row_scaled_fp16_activations(monkeypatch, dtype, one_pass):
     assert torch.equal(a16[2], torch.zeros(200, dtype=torch.float16))
 
 
-@pytest.mark.parametrize("mode", [2, 3])
-def test_fp16_loop_with_block_scales_far_apart(monkeypatch, mode):
-    # the fp16 K loops with weight blocks up to 40 octaves apart in one row (and activation rows, mode 3, scaled
-    # as a whole): within bf16's tolerance of the float64 computation on the dequantized weights, no NaN or Inf,
-    # an all-zero weight row's outputs zero. Two experts, k = 192 (one whole K step of 4 blocks, two tail blocks)
-    from mok_inductor.kernels import moe_fwd
+def test_fp16_loop_with_block_scales_far_apart(monkeypatch):
+    # the fp16 K loop with weight blocks up to 40 octaves apart in one row (and activation rows scaled as a
+    # whole): within bf16's tolerance of the float64 computation on the dequantized weights, no NaN or Inf, an
+    # all-zero weight row's outputs zero. Two experts, k = 192 (one whole K step of 4 blocks, two tail blocks)
     from mok_inductor.mxfp8 import Operand
 
-    launched = _mx_dot_on(monkeypatch, mode)
+    launched = _mx_dot_on(monkeypatch)
     g = torch.Generator().manual_seed(8)
     e, n, kd, m = 2, 40, 192, 18
     spread = torch.exp2(torch.randint(-40, 1, (e, n, kd // 32, 1), generator=g).float())
@@ -579,9 +500,9 @@ def test_fp16_loop_with_block_scales_far_apart(monkeypatch, mode):
     routes = torch.arange(m, dtype=torch.int32)
     dev = _TRITON_DEV
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
-    moe_fwd.grouped_rows(a.to(dev), Operand(q.data.to(dev), q.scale.to(dev)), out, routes.to(dev), offsets.to(dev),
+    kernels.grouped_gemm.grouped_rows(a.to(dev), Operand(q.data.to(dev), q.scale.to(dev)), out, routes.to(dev), offsets.to(dev),
                          scatter=False)
-    assert moe_fwd._grouped_rows_mx_dot_kernel in launched
+    assert kernels.grouped_gemm._grouped_rows_f16_kernel in launched
     wd = mxfp8.dequantize(q, dtype=torch.float64)
     want = torch.cat([a[:11].double() @ wd[0].t(), a[11:].double() @ wd[1].t()])
     out = out.cpu()
@@ -594,91 +515,79 @@ def _to_device(q, device):
     return q._replace(**{f: getattr(q, f).to(device) for f in ("data", "scale", "data_t", "scale_t")})
 
 
-def _mx_dot_on(monkeypatch, mode=1):
-    """The kernels launched (a list, filled as they run); the K loop on the tensor cores by 32-blocks at every
-    row count: MX_FP8_DOT (mode 1, off by default: an A/B candidate) or MX_F16_DOT (modes 2 and 3, on by default
-    at decode sizes only; MX_F16_MODE picks: 3, the default, on rows scaled once), the other one off; mode 6: 3
-    with MX_FP8_ROWS (the rows split once into e4m3 pairs, the e4m3 tensor cores: an A/B candidate, off); mode 8: 3
-    with MX_ONE_DOT (whole K steps as one dot at 8-row tiles: on by default; the other modes turn it off)."""
-    monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", mode == 1)
-    monkeypatch.setattr(_moe_fwd, "MX_F16_DOT", mode >= 2)
-    monkeypatch.setattr(_moe_fwd, "MX_F16_MODE", min(max(mode, 2), 3))
-    monkeypatch.setattr(_moe_fwd, "MX_FP8_ROWS", mode == 6)
-    monkeypatch.setattr(_moe_fwd, "MX_ONE_DOT", mode == 8)
-    monkeypatch.setattr(_moe_fwd, "MX_F16_DOT_MAX_ROWS", 1 << 40)
+def _knobs(**changes):
+    """`mok_inductor.options.override(**changes)` from the call until the test ends (`_options_scope`)."""
+    _OPTION_SCOPES[-1].enter_context(mok_inductor.options.override(**changes))
+
+
+def _mx_dot_on(monkeypatch):
+    """The kernels launched (a list, filled as they run), the fp16 K loops taken at every row count."""
+    _knobs(mx_f16_dot_max_rows=1 << 40)
     return record_launches(monkeypatch)
 
 
-def _mx_kernels(mode):
-    """(gate/up, grouped rows) kernels a K loop by 32-blocks of `_mx_dot_on`'s mode launches."""
-    if mode == 6:
-        return _moe_fwd._gate_up_mx8_kernel, _moe_fwd._grouped_rows_mx8_kernel
-    return _moe_fwd._gate_up_mx_dot_kernel, _moe_fwd._grouped_rows_mx_dot_kernel
+def _f16_kernels():
+    """(gate/up, grouped rows) kernels of the fp16 K loops, as their modules hold them now."""
+    return kernels.gate_up._gate_up_f16_kernel, kernels.grouped_gemm._grouped_rows_f16_kernel
 
 
 def test_fp16_tensor_cores_at_decode_sizes_only(monkeypatch):
-    # by default bf16/fp16 activations take the fp16 K loop at most MX_F16_DOT_MAX_ROWS routes per expert on
+    # bf16/fp16 activations take the fp16 K loop at most options.mx_f16_dot_max_rows routes per expert on
     # average, the dequantizing loop above that, for float32 activations, next to a bf16 operand, and for a
     # symbolic row count not known to be that small (no guard)
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    assert _moe_fwd.MX_F16_DOT and not _moe_fwd.MX_FP8_DOT and _moe_fwd.MX_F16_MODE == 3
     q = mxfp8.Operand(torch.ones(E, 64, 64).to(torch.float8_e4m3fn), torch.full((E, 64, 2), 127, dtype=torch.uint8))
     plain = mxfp8.Operand(torch.ones(E, 64, 64, dtype=torch.bfloat16), None)
-    most = _moe_fwd.MX_F16_DOT_MAX_ROWS * E
+    most = mok_inductor.options.current().mx_f16_dot_max_rows * E
+    use, dequantize = kernels.mx_loop.use_mx_loop, kernels.mx_loop.MxLoop.DEQUANTIZE
     for dtype in (torch.bfloat16, torch.float16):
-        assert _moe_fwd.use_mx_dot(dtype, 1, E, q, q) == 3 and _moe_fwd.use_mx_dot(dtype, most, E, q, q) == 3
-        assert _moe_fwd.use_mx_dot(dtype, most + 1, E, q, q) == 0
-        assert _moe_fwd.use_mx_dot(dtype, 1, E, q, plain) == 0
-    assert _moe_fwd.use_mx_dot(torch.float32, 1, E, q, q) == 0
+        assert use(dtype, 1, E, q, q) == F16 and use(dtype, most, E, q, q) == F16
+        assert use(dtype, most + 1, E, q, q) == dequantize
+        assert use(dtype, 1, E, q, plain) == dequantize
+    assert use(torch.float32, 1, E, q, q) == dequantize
     n = ShapeEnv().create_unbacked_symint()
-    assert _moe_fwd.use_mx_dot(torch.bfloat16, n, E, q, q) == 0
-    assert _moe_fwd.use_mx_dot(torch.bfloat16, n * 0 + most, E, q, q) == 3  # statically known
-    monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", True)  # the fp8 A/B flag then takes the larger sizes
-    assert _moe_fwd.use_mx_dot(torch.bfloat16, most + 1, E, q, q) == 1
-    monkeypatch.setattr(_moe_fwd, "MX_FP8_DOT", False)
+    assert use(torch.bfloat16, n, E, q, q) == dequantize
+    assert use(torch.bfloat16, n * 0 + most, E, q, q) == F16  # statically known
 
-    # and the layer launches accordingly: the fp16 loop (and its row pre-pass) at MAX_ROWS * E routes, the
+    # and the layer launches accordingly: the fp16 loop (and its row pre-pass) at max_rows * E routes, the
     # dequantizing one past them
     _backend(monkeypatch, "triton")
     launched = record_launches(monkeypatch)
-    monkeypatch.setattr(_moe_fwd, "MX_F16_DOT_MAX_ROWS", 2)  # (small problems for the interpreter)
+    _knobs(mx_f16_dot_max_rows=2)  # (small problems for the interpreter)
     g = torch.Generator().manual_seed(23)
     q1, q2 = mxfp8.quantize(_weight(E, 2 * I, H, seed=3)), mxfp8.quantize(_weight(E, H, I, seed=4))
     q1, q2 = _to_device(q1, _TRITON_DEV), _to_device(q2, _TRITON_DEV)
-    for t, want in ((2 * E // K, _moe_fwd._gate_up_mx_dot_kernel), (2 * E // K + 1, _moe_fwd._gate_up_kernel)):
+    for t, want in ((2 * E // K, kernels.gate_up._gate_up_f16_kernel), (2 * E // K + 1, kernels.gate_up._gate_up_kernel)):
         x = torch.randn(t, H, generator=g).bfloat16().to(_TRITON_DEV)
         rw = (torch.rand(t, K, generator=g) + 0.1).to(_TRITON_DEV)
         te = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]).to(_TRITON_DEV)
         launched.clear()
         with torch.no_grad():
             mok_inductor.moe(x, rw, te, q1, q2)
-        gate_up = [k for k in launched if k in (_moe_fwd._gate_up_mx_dot_kernel, _moe_fwd._gate_up_kernel)]
+        gate_up = [k for k in launched if k in (kernels.gate_up._gate_up_f16_kernel, kernels.gate_up._gate_up_kernel)]
         assert gate_up == [want], (t, gate_up)
-        assert launched.count(_moe_fwd._row_f16_kernel) == (2 if want is _moe_fwd._gate_up_mx_dot_kernel else 0)
+        assert launched.count(kernels.mx_loop._row_f16_kernel) == (2 if want is kernels.gate_up._gate_up_f16_kernel else 0)
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3, 6])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout,shared,limit", [("combined", True, 0.9), ("split", False, None)])
-def test_tensor_core_path_vs_oracle(monkeypatch, dtype, layout, shared, limit, mode):
-    # the fp8 (fp16) GEMMs run (forward gate/up and down, backward dx) and the layer is within bf16's tolerance
-    # of the float64 computation on the dequantized weights, gradients included
+def test_tensor_core_path_vs_oracle(monkeypatch, dtype, layout, shared, limit):
+    # the fp16 GEMMs run (forward gate/up and down, backward dx) and the layer is within bf16's tolerance of the
+    # float64 computation on the dequantized weights, gradients included
     _backend(monkeypatch, "triton")
-    launched = _mx_dot_on(monkeypatch, mode)
+    launched = _mx_dot_on(monkeypatch)
     p = _problem(dtype, _TRITON_DEV, shared=shared, limit=limit, seed=17 + len(layout))
     _run_and_check(p, layout, dtype)
-    gate_up, rows = _mx_kernels(mode)
+    gate_up, rows = _f16_kernels()
     assert gate_up in launched and rows in launched
     assert launched.count(rows) == 2  # the forward's down, the backward's dx
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3, 6])
-def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch, mode):
+def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch):
     # the same layer through both K loops at a deeper reduction (H = 256: 8 scale blocks), activations with
-    # outliers: the fp8 (fp16) path is as close to the exact dequantized-weight computation as bf16 rounding
-    # allows, and float32 activations never take it
-    from mok_inductor.kernels import moe_fwd
+    # outliers: the fp16 path is as close to the exact dequantized-weight computation as bf16 rounding allows,
+    # and float32 activations never take it
 
     _backend(monkeypatch, "triton")
     g = torch.Generator().manual_seed(21)
@@ -693,39 +602,34 @@ def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch, mode):
     q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
     w1, w2 = (mxfp8.dequantize(q, dtype=torch.float64).cpu() for q in (q1, q2))
     want = _oracle(x.bfloat16().double(), rw.double(), te, w1, w1, w2, w2)  # (forward only: no column-wise)
-    launched = _mx_dot_on(monkeypatch, mode)
-    flag = "MX_FP8_DOT" if mode == 1 else "MX_F16_DOT"  # (off: the dequantizing loop)
-    gate_up, rows = _mx_kernels(mode)
+    launched = _mx_dot_on(monkeypatch)
+    gate_up, rows = _f16_kernels()
     with torch.no_grad():
         y_dot = mok_inductor.moe(x.bfloat16().to(dev), *args, q1, q2)
         assert gate_up in launched
-        monkeypatch.setattr(moe_fwd, flag, False)
         launched.clear()
-        y_deq = mok_inductor.moe(x.bfloat16().to(dev), *args, q1, q2)
-        assert moe_fwd._gate_up_kernel in launched and gate_up not in launched
-        monkeypatch.setattr(moe_fwd, flag, True)
+        with mok_inductor.options.override(mx_f16_dot_max_rows=0):  # the dequantizing loop
+            y_deq = mok_inductor.moe(x.bfloat16().to(dev), *args, q1, q2)
+        assert kernels.gate_up._gate_up_kernel in launched and gate_up not in launched
         launched.clear()
         mok_inductor.moe(x.to(dev), *args, q1, q2)  # float32 activations
         assert gate_up not in launched and rows not in launched
     e_dot, e_deq = rel_err(y_dot, want), rel_err(y_deq, want)
-    # both well inside bf16's 1e-2; the two e4m3 terms add at most a few bf16 roundings' worth, the exact fp16
-    # term none (modes 2-4)
-    assert e_deq < 4e-3 and e_dot < (6e-3 if mode in (1, 6) else 4e-3), (e_dot, e_deq)
+    # both well inside bf16's 1e-2; the exact fp16 term adds no rounding of its own
+    assert e_deq < 4e-3 and e_dot < 4e-3, (e_dot, e_deq)
 
 
 @pytest.mark.parametrize("kd", [32, 160])  # no whole K step; one whole step (4 blocks) and a 1-block tail
-@pytest.mark.parametrize("mode", [1, 2, 3, 6])
-def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
-    # K steps of BLOCK_K 128 over k = 32 or 160 (a tail of one block): no block past k's end may be read, its scale least of all
-    # (one byte 255 is 2**128, and a zero tile times Inf is NaN; seen on the H200 when the loop ran whole K
-    # steps). The scales are a view into a buffer holding 255 right after each row's blocks
-    from mok_inductor.kernels import moe_fwd
+def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, kd):
+    # K steps of BLOCK_K 128 over k = 32 or 160 (a tail of one block): no block past k's end may be read, its
+    # scale least of all (one byte 255 is 2**128, and a zero tile times Inf is NaN; seen on the GPU when the loop
+    # ran whole K steps). The scales are a view into a buffer holding 255 right after each row's blocks
     from mok_inductor.mxfp8 import Operand
 
-    launched = _mx_dot_on(monkeypatch, mode)
+    launched = _mx_dot_on(monkeypatch)
     wide = triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128}, num_warps=1)],
-                           key=["M", "NCOL", "KD", "E"])(moe_fwd._grouped_rows_body)
-    monkeypatch.setattr(moe_fwd, "_grouped_rows_mx8_kernel" if mode == 6 else "_grouped_rows_mx_dot_kernel", wide)
+                           key=["M", "NCOL", "KD", "E"])(kernels.grouped_gemm._grouped_rows_body)
+    monkeypatch.setattr(kernels.grouped_gemm, "_grouped_rows_f16_kernel", wide)
     e, n, m = 2, 48, 20
     q = mxfp8.quantize(_weight(e, n, kd, seed=5), columnwise=False)
     nb = kd // 32
@@ -736,7 +640,7 @@ def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
     routes = torch.arange(m, dtype=torch.int32)
     dev = _TRITON_DEV
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
-    moe_fwd.grouped_rows(a.to(dev), Operand(q.data.to(dev), buf.to(dev)[..., :nb]), out, routes.to(dev),
+    kernels.grouped_gemm.grouped_rows(a.to(dev), Operand(q.data.to(dev), buf.to(dev)[..., :nb]), out, routes.to(dev),
                          offsets.to(dev), scatter=False)
     assert wide in launched
     w = mxfp8.dequantize(q, dtype=torch.float64)
@@ -744,31 +648,37 @@ def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, mode, kd):
     assert torch.isfinite(out).all() and rel_err(out, want) <= TOLERANCE[torch.bfloat16]
 
 
-_MX_DOT_NAMES = ("_gate_up_mx_dot_kernel", "_grouped_rows_mx_dot_kernel")
-_MX8_NAMES = ("_gate_up_mx8_kernel", "_grouped_rows_mx8_kernel")  # (MX_FP8_ROWS: MX_DOT 6 and 7)
+_F16_NAMES = ("gate_up._gate_up_f16_kernel", "grouped_gemm._grouped_rows_f16_kernel")
 
 
-def _record_modes(monkeypatch, names=_MX_DOT_NAMES) -> list:
-    """(kernel, MX_DOT) of each launch of the two K-loop-by-32-blocks kernels (moe_fwd's attributes `names`, as
-    they are at the launch) from here on (a list filled as they run; every launch still runs)."""
-    seen, real = [], _launch.launch
+def _kernel_attr(name):
+    """(module, attribute) of kernels' `module.attribute` name."""
+    mod, attr = name.split(".")
+    return getattr(kernels, mod), attr
+
+
+def _record_modes(monkeypatch, names=_F16_NAMES) -> list:
+    """(kernel, MX_LOOP) of each launch of the two fp16 K-loop kernels (the kernels' attributes `names`, as they
+    are at the launch) from here on (a list filled as they run; every launch still runs)."""
+    seen, real = [], kernels.common.launch
 
     def launch(kernel, *args, **kwargs):
-        if kernel in tuple(getattr(_moe_fwd, n) for n in names):
-            seen.append((kernel, kwargs.get("MX_DOT")))
+        if kernel in tuple(getattr(*_kernel_attr(n)) for n in names):
+            seen.append((kernel, kwargs.get("MX_LOOP")))
         return real(kernel, *args, **kwargs)
 
-    monkeypatch.setattr(_launch, "launch", launch)
+    monkeypatch.setattr(kernels.common, "launch", launch)
     return seen
 
 
-def _one_mx_config(monkeypatch, block_m, block_k, names=_MX_DOT_NAMES):
-    """Both K-loop-by-32-blocks kernels (gate/up, grouped rows; moe_fwd's attributes `names`) on one tile config:
+def _one_mx_config(monkeypatch, block_m, block_k, names=_F16_NAMES):
+    """Both fp16 K-loop kernels (gate/up, grouped rows; the kernels' attributes `names`) on one tile config:
     BLOCK_N 32, 2 warps."""
     one = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": block_k}, num_warps=2)]
-    monkeypatch.setattr(_moe_fwd, names[0], triton.autotune(one, key=["M", "H", "I", "E"])(_moe_fwd._gate_up_body))
-    monkeypatch.setattr(_moe_fwd, names[1], triton.autotune(one, key=["M", "NCOL", "KD", "E"])(
-        _moe_fwd._grouped_rows_body))
+    monkeypatch.setattr(*_kernel_attr(names[0]), triton.autotune(one, key=["M", "H", "I", "E"])(
+        kernels.gate_up._gate_up_body))
+    monkeypatch.setattr(*_kernel_attr(names[1]), triton.autotune(one, key=["M", "NCOL", "KD", "E"])(
+        kernels.grouped_gemm._grouped_rows_body))
 
 
 def _spread_problem(seed, *, t, h, i, e, k):
@@ -787,14 +697,18 @@ def _spread_problem(seed, *, t, h, i, e, k):
     return q1, q2, x, rw, te, torch.randn(t, h, generator=g).bfloat16()
 
 
-def _padded_scales(q, to):
-    """q with the same scales, each row padded with 255s to a stride of a multiple of `to` bytes, or (to=1) one byte
-    longer: a stride no word load may take. Made on q's device (a copy there would be contiguous)."""
-    nb = q.scale.shape[-1]
-    stride = -(-nb // to) * to + (1 if to == 1 else 0)
-    buf = torch.full((*q.scale.shape[:-1], stride), 255, dtype=torch.uint8, device=q.scale.device)
-    buf[..., :nb] = q.scale
-    return q._replace(scale=buf[..., :nb])
+def _padded_scales(q, to, fields=("scale",)):
+    """q with the same scales (`fields`: the row-wise ones, or also the column-wise), each row padded with 255s to
+    a stride of a multiple of `to` bytes, or (to=1) one byte longer: a stride no word load may take. Made on q's
+    device (a copy there would be contiguous)."""
+    def pad(s):
+        nb = s.shape[-1]
+        stride = -(-nb // to) * to + (1 if to == 1 else 0)
+        buf = torch.full((*s.shape[:-1], stride), 255, dtype=torch.uint8, device=s.device)
+        buf[..., :nb] = s
+        return buf[..., :nb]
+
+    return q._replace(**{f: pad(getattr(q, f)) for f in fields})
 
 
 def _fwd_bwd(seen, x, rw, te, q1, q2, dy):
@@ -808,12 +722,12 @@ def _fwd_bwd(seen, x, rw, te, q1, q2, dy):
     return y.detach().cpu(), xl.grad.cpu(), [mode for _, mode in seen]
 
 
-def _spread_setup(monkeypatch, seed, block_m, block_k, mode=3, **shape):
-    """The triton backend, the K loop by 32-blocks at every row count (`_mx_dot_on`'s mode) on one tile config
+def _spread_setup(monkeypatch, seed, block_m, block_k, **shape):
+    """The triton backend, the fp16 K loops at every row count (`_mx_dot_on`) on one tile config
     (`_one_mx_config`), the launches' modes recorded from here on (`_record_modes`), and a `_spread_problem` of
     this shape: (seen, gate_up, down quantized, x, router weights, expert ids, dy)."""
     _backend(monkeypatch, "triton")
-    _mx_dot_on(monkeypatch, mode)
+    _mx_dot_on(monkeypatch)
     seen = _record_modes(monkeypatch)
     _one_mx_config(monkeypatch, block_m, block_k)
     return (seen, *_spread_problem(seed, **shape))
@@ -821,78 +735,49 @@ def _spread_setup(monkeypatch, seed, block_m, block_k, mode=3, **shape):
 
 @pytest.mark.parametrize("block_k", [128, 256])
 def test_scale_words_match_the_byte_loads(monkeypatch, block_k):
-    # MX_DOT 4 (moe_fwd.scale_words): the fp16 loop on rows scaled once reads each column's scales of 4 blocks
-    # by one 32-bit word (rows of a multiple of 4 blocks); MX_DOT 5 two words by one 64-bit load. Blocks 40 octaves apart; H = 384 (3 K steps of 128, or
-    # one of 256 and 4 tail blocks), I = 256: the layer is bit for bit what the byte loads give (MX_DOT 3:
-    # SCALE_WORDS off, and scale rows whose stride is not a multiple of 4), and within bf16's tolerance of the
-    # float64 computation
-    from mok_inductor.kernels import moe_fwd
-
+    # MxLoop.F16_WORDS (kernels.operands.scale_words) on 16-row tiles: each column's scales of 4 blocks read by one 32-bit
+    # word (rows of a multiple of 4 blocks). Blocks 40 octaves apart; H = 384 (3 K steps of 128, or one of 256 and
+    # 4 tail blocks), I = 256: the layer is bit for bit what the byte loads give (MxLoop.F16: scale rows whose
+    # stride is not a multiple of 4), also with the gate/up scale rows padded to 16 bytes, and within bf16's
+    # tolerance of the float64 computation
     seen, q1, q2, x, rw, te, _ = _spread_setup(monkeypatch, 31, 16, block_k, t=10, h=384, i=256, e=3, k=2)
     dev = _TRITON_DEV
 
-    def run(a, b, words, wide=False):
-        monkeypatch.setattr(moe_fwd, "SCALE_WORDS", words)
-        monkeypatch.setattr(moe_fwd, "SCALE_WIDE", wide)
+    def run(a, b):
         seen.clear()
         with torch.no_grad():
             y = mok_inductor.moe(x.to(dev), rw.to(dev), te.to(dev), a, b).cpu()
         return y, [mode for _, mode in seen]
 
     q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
-    y_words, modes_words = run(q1, q2, True)
-    y_bytes, modes_bytes = run(q1, q2, False)
-    y_padded, modes_padded = run(_padded_scales(q1, 1), _padded_scales(q2, 1), True)
-    # MX_DOT 5 (SCALE_WIDE): a K step's two words (BLOCK_K 256) by one 64-bit load; the gate/up scale rows (12
-    # bytes) padded to 16 for it, down's (8) as they are; with 12-byte rows gate/up stays on the words
-    y_wide, modes_wide = run(_padded_scales(q1, 8), q2, True, wide=True)
-    y_narrow, modes_narrow = run(q1, q2, True, wide=True)
-    assert modes_words == [4, 4] and modes_bytes == [3, 3] and modes_padded == [3, 3]
-    assert modes_wide == [5, 5] and modes_narrow == [4, 5]
+    y_words, modes_words = run(q1, q2)
+    y_bytes, modes_bytes = run(_padded_scales(q1, 1), _padded_scales(q2, 1))
+    y_padded, modes_padded = run(_padded_scales(q1, 8), q2)
+    assert modes_words == [F16_WORDS, F16_WORDS] and modes_bytes == [F16, F16]
+    assert modes_padded == [F16_WORDS, F16_WORDS]
     assert torch.equal(y_words, y_bytes) and torch.equal(y_words, y_padded)
-    assert torch.equal(y_words, y_wide) and torch.equal(y_words, y_narrow)
     w1, w2 = (mxfp8.dequantize(q, dtype=torch.float64).cpu() for q in (q1, q2))
     want = _oracle(x.double(), rw.double(), te, w1, w1, w2, w2)
     assert rel_err(y_words, want) <= TOLERANCE[torch.bfloat16]
 
 
 def test_transposed_row_tiles(monkeypatch):
-    # row tiles of 8 (moe_fwd.mx_dot_t: each block's product computed as W @ A^T, the weights on the MMA's
-    # 16-row side): forward (gate/up, down) and backward (dx, both halves) equal the float64 computation on
-    # the dequantized weights within bf16's tolerance, and the 16-row tiles' result within a few roundings.
-    # H = 384 (3 whole K steps, scales by words, each step's loaded a step ahead: bit for bit the byte loads'
-    # result), I = 160 (one step and a tail block, scale rows of 5 blocks: byte loads), blocks 40 octaves
-    # apart, experts with more routes than a tile holds
-    from mok_inductor.kernels import moe_fwd
-
-    _backend(monkeypatch, "triton")
-    _mx_dot_on(monkeypatch, 3)
-    seen = _record_modes(monkeypatch)
-    q1, q2, x, rw, te, dy = _spread_problem(37, t=12, h=384, i=160, e=3, k=2)
+    # row tiles of 8 with scale bytes (MxLoop.F16, kernels.mx_loop.mx_dot_t: each block's product computed as W @ A^T, the
+    # weights on the MMA's 16-row side): forward (gate/up, down) and backward (dx, both halves) equal the float64
+    # computation on the dequantized weights within bf16's tolerance, and the 16-row tiles' result within a few
+    # roundings. H = 384 (3 whole K steps; gate/up's scale rows padded: bytes), I = 160 (one step and a tail
+    # block, scale rows of 5 blocks: bytes), blocks 40 octaves apart, experts with more routes than a tile holds
+    seen, q1, q2, x, rw, te, dy = _spread_setup(monkeypatch, 37, 8, 128, t=12, h=384, i=160, e=3, k=2)
     dev = _TRITON_DEV
-    q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
+    q1, q2 = _padded_scales(_to_device(q1, dev), 1), _to_device(q2, dev)
 
-    def run(block_m, words=True, block_k=128, wide=False, a=q1):
-        monkeypatch.setattr(moe_fwd, "SCALE_WORDS", words)
-        monkeypatch.setattr(moe_fwd, "SCALE_WIDE", wide)
-        _one_mx_config(monkeypatch, block_m, block_k)
-        seen.clear()
-        xl = x.to(dev, copy=True).requires_grad_(True)
-        y = mok_inductor.moe(xl, rw.to(dev), te.to(dev), a, q2)
-        y.backward(dy.to(dev))
-        # the forward's gate/up and down, the backward's dx
-        gate_up, rows = moe_fwd._gate_up_mx_dot_kernel, moe_fwd._grouped_rows_mx_dot_kernel
-        assert seen == [(gate_up, 5 if wide else 4 if words else 3), (rows, 3), (rows, 3)]
-        return y.detach().cpu(), xl.grad.cpu()
+    def run(block_m):
+        _one_mx_config(monkeypatch, block_m, 128)
+        y, dx, modes = _fwd_bwd(seen, x, rw, te, q1, q2, dy)
+        assert modes == [F16, F16, F16]  # the forward's gate/up and down, the backward's dx
+        return y, dx
 
     y8, dx8 = run(8)
-    y8_bytes, _ = run(8, words=False)  # the gate/up scale words, loaded a K step ahead, against byte loads
-    assert torch.equal(y8, y8_bytes)
-    # steps of 256 (one whole, 4 tail blocks): the words by 64-bit pairs (MX_DOT 5, scale rows padded to 16 bytes)
-    # a step ahead, against the byte loads
-    y8_wide, _ = run(8, block_k=256, wide=True, a=_padded_scales(q1, 8))
-    y8_wide_bytes, _ = run(8, words=False, block_k=256)
-    assert torch.equal(y8_wide, y8_wide_bytes)
     y16, dx16 = run(16)
     assert _within_oracle(y8, dx8, x, rw, te, dy, q1, q2)
     assert rel_err(y8, y16) <= 4e-3 and rel_err(dx8, dx16) <= 4e-3
@@ -900,39 +785,31 @@ def test_transposed_row_tiles(monkeypatch):
 
 @pytest.mark.parametrize("block_k", [128, 256])
 def test_one_dot_k_steps(monkeypatch, block_k):
-    # MX_DOT 8 (moe_fwd.MX_ONE_DOT): the 8-row transposed tiles compute each whole K step as one fp16 dot, each
-    # weight scaled by 2**(s - top) in fp16 (s its block's scale, top the step's largest in its column:
-    # `mx_step_t`), the tail's blocks by mode 4's loop. Blocks 40 octaves apart, so that in a step some factors
-    # are fp16 subnormals and some blocks drop out; H = 384 (3 steps of 128, or one of 256 and a tail of 4 blocks),
-    # I = 256 (scale rows of 8 and 16 blocks: words, so mode 8 in the forward's gate/up and down and the
-    # backward's dx): forward and dx within bf16's tolerance of the float64 computation, and within a few
-    # roundings of mode 4's blocks
-    from mok_inductor.kernels import moe_fwd
-
+    # MxLoop.F16_WORDS on 8-row tiles (kernels.mx_loop.mx_step_t): each whole K step as one fp16 dot, each weight scaled by
+    # 2**(s - top) in fp16 (s its block's scale, top the step's largest in its column), the tail's blocks one by
+    # one. Blocks 40 octaves apart, so that in a step some factors are fp16 subnormals and some blocks drop out;
+    # H = 384 (3 steps of 128, or one of 256 and a tail of 4 blocks), I = 256 (scale rows of 8 and 16 blocks:
+    # words, in the forward's gate/up and down and the backward's dx): forward and dx within bf16's tolerance of
+    # the float64 computation, and within a few roundings of the blocks one by one (MxLoop.F16: every scale row,
+    # row-wise and column-wise, padded to a stride no word load takes)
     seen, q1, q2, x, rw, te, dy = _spread_setup(monkeypatch, 43, 8, block_k, t=12, h=384, i=256, e=3, k=2)
     dev = _TRITON_DEV
     q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
-
-    def run(one):
-        monkeypatch.setattr(moe_fwd, "MX_ONE_DOT", one)
-        return _fwd_bwd(seen, x, rw, te, q1, q2, dy)
-
-    y8, dx8, modes8 = run(True)
-    y4, dx4, modes4 = run(False)
-    assert modes8 == [8, 8, 8] and modes4 == [4, 4, 4]
+    y8, dx8, modes8 = _fwd_bwd(seen, x, rw, te, q1, q2, dy)
+    qb1, qb2 = (_padded_scales(q, 1, ("scale", "scale_t")) for q in (q1, q2))
+    yb, dxb, modesb = _fwd_bwd(seen, x, rw, te, qb1, qb2, dy)
+    assert modes8 == [F16_WORDS] * 3 and modesb == [F16] * 3
     assert torch.isfinite(y8).all() and torch.isfinite(dx8).all()
     assert _within_oracle(y8, dx8, x, rw, te, dy, q1, q2)
-    assert rel_err(y8, y4) <= 4e-3 and rel_err(dx8, dx4) <= 4e-3
+    assert rel_err(y8, yb) <= 4e-3 and rel_err(dx8, dxb) <= 4e-3
 
 
 @pytest.mark.parametrize("where", ["x", pytest.param("weight", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: the interpreter decodes the e4m3 NaN (0x7F) as 480"))])
 def test_one_dot_k_steps_propagate_nan(monkeypatch, where):
-    # MX_DOT 8's steps: a NaN activation poisons its token's output rows only; a NaN weight element (in a block
-    # that is not its step's largest, so that its factor is below 1) its expert's routes
-    from mok_inductor.kernels import moe_fwd
-
-    seen, q1, q2, x, rw, te, _ = _spread_setup(monkeypatch, 47, 8, 128, mode=8, t=12, h=384, i=256, e=3, k=2)
+    # F16_WORDS's one-dot steps: a NaN activation poisons its token's output rows only; a NaN weight element (in a
+    # block that is not its step's largest, so that its factor is below 1) its expert's routes
+    seen, q1, q2, x, rw, te, _ = _spread_setup(monkeypatch, 47, 8, 128, t=12, h=384, i=256, e=3, k=2)
     if where == "x":
         x = x.clone()
         x[4, 10] = float("nan")
@@ -949,87 +826,16 @@ def test_one_dot_k_steps_propagate_nan(monkeypatch, where):
     dev = _TRITON_DEV
     with torch.no_grad():
         y = mok_inductor.moe(x.to(dev), rw.to(dev), te.to(dev), _to_device(q1, dev), _to_device(q2, dev)).cpu()
-    assert [mode for _, mode in seen] == [8, 8] and moe_fwd.MX_ONE_DOT
+    assert [mode for _, mode in seen] == [F16_WORDS, F16_WORDS]
     assert torch.isnan(y[bad]).all(dim=1).all() and torch.isfinite(y[~bad]).all()
-
-
-@pytest.mark.parametrize("one_pass", [True, False])
-def test_row_e4m3_pairs(monkeypatch, one_pass):
-    # moe_fwd.row_e4m3 (MX_FP8_ROWS): each row times one power of two that puts its largest magnitude in
-    # [128, 256), as two e4m3 terms hi (columns [0, KA)) + lo (columns [KA, 2 KA)) within about 2**-8 of each
-    # element, an absolute floor at e4m3's subnormal spacing far below the row's largest; a NaN or an Inf
-    # poisons its row's scale. Both kernel forms: a row read once, or twice in steps of columns
-    if not one_pass:
-        monkeypatch.setattr(_moe_fwd, "ROW_F16_ONE_PASS_MAX", 64)
-    g = torch.Generator().manual_seed(8)
-    base = torch.randn(200, 9, generator=g) * torch.exp2(torch.randint(-20, 20, (1, 9), generator=g).float())
-    a = base.t()  # [9, 200], strides (1, 9)
-    a[:, 17] *= 64
-    a[2] = 0.0  # an all-zero row
-    a[5, 3] = float("nan")
-    a[6, 100] = float("-inf")
-    a = a.bfloat16()
-    a8, r_s = _moe_fwd.row_e4m3(a.to(_TRITON_DEV))
-    a8, r_s = a8.cpu(), r_s.cpu().double()
-    assert a8.dtype == torch.float8_e4m3fn and a8.shape == (9, 400) and a8.is_contiguous()
-    assert torch.isnan(r_s[5]) and torch.isnan(r_s[6])
-    a64, hi, lo = a.double(), a8[:, :200].double(), a8[:, 200:].double()
-    for r in [r for r in range(9) if r not in (5, 6)]:
-        s = r_s[r].item()
-        assert s > 0 and math.frexp(s)[0] == 0.5  # a power of two
-        amax = a64[r].abs().max().item()
-        assert amax == 0 or 128 <= amax / s < 256
-        err = (a64[r] - (hi[r] + lo[r]) * s).abs()
-        bound = a64[r].abs() * 2.0 ** -7 + s * 2.0 ** -9
-        assert (err <= bound).all(), (r, (err / bound).max().item())
-        assert (err <= a64[r].abs() * 2.0 ** -8 + s * 2.0 ** -10).float().mean() > 0.99  # most within 2**-8
-    assert torch.equal(hi[2], torch.zeros(200, dtype=torch.float64)) and torch.equal(lo[2], hi[2])
-    # one term alone is e4m3's 3 bits, far outside bf16's precision; the pair within it
-    rows = [r for r in range(9) if r not in (2, 5, 6)]
-    one = max(((a64[r] - hi[r] * r_s[r]).norm() / a64[r].norm()).item() for r in rows)
-    two = max(((a64[r] - (hi[r] + lo[r]) * r_s[r]).norm() / a64[r].norm()).item() for r in rows)
-    assert one > 1e-2 and two < 2e-3, (one, two)
-
-
-def test_e4m3_pair_loop(monkeypatch):
-    # MX_DOT 6 and 7 (moe_fwd.MX_FP8_ROWS): the rows split once into e4m3 pairs, each block's product on the
-    # e4m3 tensor cores. Forward (gate/up, down) and backward (dx, both halves) within bf16's tolerance of the
-    # float64 computation on the dequantized weights and within a few roundings of the fp16 loop's result;
-    # blocks 40 octaves apart, experts with more routes than a tile holds. H = 384: 3 whole K steps of 128, the
-    # scales by words (6) loaded a step ahead, bit for bit the byte loads' (7) result; I = 160: one step and a
-    # tail block, scale rows of 5 blocks (byte loads)
-    from mok_inductor.kernels import moe_fwd
-
-    _backend(monkeypatch, "triton")
-    _mx_dot_on(monkeypatch, 6)
-    seen = _record_modes(monkeypatch, _MX8_NAMES)
-    _one_mx_config(monkeypatch, 16, 128, _MX8_NAMES)
-    q1, q2, x, rw, te, dy = _spread_problem(41, t=12, h=384, i=160, e=3, k=2)
-    dev = _TRITON_DEV
-    q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
-
-    def run(words=True, pair=True):
-        monkeypatch.setattr(moe_fwd, "SCALE_WORDS", words)
-        monkeypatch.setattr(moe_fwd, "MX_FP8_ROWS", pair)
-        return _fwd_bwd(seen, x, rw, te, q1, q2, dy)
-
-    y, dx, modes = run()
-    assert modes == [6, 7, 7]  # gate/up by words; down (5-block scale rows) and dx by bytes
-    y_bytes, dx_bytes, modes_bytes = run(words=False)
-    assert modes_bytes == [7, 7, 7] and torch.equal(y, y_bytes) and torch.equal(dx, dx_bytes)
-    y16, dx16, modes16 = run(pair=False)
-    assert modes16 == []  # (the fp16 loop: the other kernels)
-    assert _within_oracle(y, dx, x, rw, te, dy, q1, q2)
-    assert rel_err(y, y16) <= 6e-3 and rel_err(dx, dx16) <= 6e-3
 
 
 @pytest.mark.parametrize("where", ["x", pytest.param("weight", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: the interpreter decodes the e4m3 NaN (0x7F) as 480"))])
-@pytest.mark.parametrize("mode", [1, 2, 3, 6])
-def test_tensor_core_path_propagates_nan(monkeypatch, where, mode):
+def test_tensor_core_path_propagates_nan(monkeypatch, where):
     # a NaN activation poisons its token's output rows only; a NaN weight element its expert's routes
     _backend(monkeypatch, "triton")
-    _mx_dot_on(monkeypatch, mode)
+    _mx_dot_on(monkeypatch)
     p = _problem(torch.bfloat16, _TRITON_DEV, drop=False)
     x = p["x"].clone()
     q1, q2 = mxfp8.quantize(p["gu"]), mxfp8.quantize(p["d"])
@@ -1049,7 +855,7 @@ def test_tensor_core_path_propagates_nan(monkeypatch, where, mode):
 
 # ---------------------------------------------------------------------------------------------- e4m3 decoding
 #
-# The dequantizing K loop (moe_fwd.w_tile) must give the dequantized value e4m3 * 2**(s - 127) for every e4m3
+# The dequantizing K loop (kernels.operands.w_tile) must give the dequantized value e4m3 * 2**(s - 127) for every e4m3
 # bit pattern and every scale byte: exact in bf16's normal range, rounded once where it underflows.
 
 
@@ -1058,7 +864,7 @@ def _decode_kernel(w_ptr, s_ptr, like_ptr, out_ptr, DOT_PREC: tl.constexpr):
     n = tl.program_id(0) * 64 + tl.arange(0, 64)  # 256 rows: row n has scale byte n in each 32-block
     k = tl.program_id(1) * 64 + tl.arange(0, 64)  # 256 columns: column k holds e4m3 bit pattern k
     ones = tl.full([64], 1, tl.int1)
-    w = _moe_fwd.w_tile(w_ptr, s_ptr, k, n, ones, ones, 256, 1, 8, 1, like_ptr, True, DOT_PREC)  # [k, n]
+    w = kernels.operands.w_tile(w_ptr, s_ptr, k, n, ones, ones, 256, 1, 8, 1, like_ptr, True, DOT_PREC)  # [k, n]
     tl.store(out_ptr + n[None, :] * 256 + k[:, None], w.to(tl.float32))
 
 
@@ -1068,7 +874,7 @@ def test_every_e4m3_pattern_and_scale_decodes_exactly():
     scales = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 8).to(_TRITON_DEV)  # [n, k / 32]
     out = torch.full((256, 256), 12345.0, device=_TRITON_DEV)  # poisoned: every element must be written
     like = torch.empty(1, dtype=torch.bfloat16, device=_TRITON_DEV)
-    _decode_kernel[(4, 4)](data, scales, like, out, DOT_PREC=_launch.dot_precision(torch.bfloat16))
+    _decode_kernel[(4, 4)](data, scales, like, out, DOT_PREC=kernels.common.dot_precision(torch.bfloat16))
     # from the formats' definitions: e4m3 S.EEEE.MMM (bias 7, subnormals at E = 0, NaN at EEEE.MMM = 1111.111),
     # E8M0 2**(byte - 127), in float32 as the kernels build it: byte 255 is Inf, byte 0 is taken as 0 (quantize
     # gives it to all-zero blocks only)
@@ -1080,10 +886,10 @@ def test_every_e4m3_pattern_and_scale_decodes_exactly():
     factor[0], factor[255] = 0.0, float("inf")
     # exact, then the tile's dtype: bf16 (its range and rounding of underflow); the interpreter keeps the decoded
     # tile in float32, which holds every product exactly
-    tile_dtype = torch.float32 if _launch.INTERPRET else torch.bfloat16
+    tile_dtype = torch.float32 if kernels.common.INTERPRET else torch.bfloat16
     want = (factor[:, None] * value[None, :]).to(tile_dtype).double()
     got = out.cpu().double()
-    if _launch.INTERPRET:
+    if kernels.common.INTERPRET:
         # the interpreter's own e4m3 conversion reads the NaN pattern as +-480 (CUDA's does not: it is checked
         # there)
         keep = (patterns & 127) != 127
