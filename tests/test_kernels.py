@@ -205,6 +205,53 @@ def test_schedule_rejects_bad_ids():
     assert proc.returncode != 0, proc.stdout
 
 
+_CLOSURE_PROBE = """
+import builtins, dis, importlib.util, os, sys, tempfile
+import triton
+from mok_inductor import kernels
+from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code as closure
+
+problems, checked = [], 0
+for module in kernels.MODULES:
+    for name, obj in vars(module).items():
+        fn = obj
+        while not isinstance(fn, triton.runtime.jit.JITFunction) and hasattr(fn, "fn"):
+            fn = fn.fn
+        if not (name.endswith("_kernel") and isinstance(fn, triton.runtime.jit.JITFunction)):
+            continue
+        checked += 1
+        path = os.path.join(tempfile.mkdtemp(), name + ".py")
+        with open(path, "w") as f:
+            f.write("import triton\\nimport triton.language as tl\\n" + closure(fn))
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        ns = vars(mod)
+        for v in list(ns.values()):
+            f = getattr(v, "fn", None)
+            if getattr(f, "__globals__", None) is not ns:
+                continue
+            for ins in dis.Bytecode(f):
+                if ins.opname == "LOAD_GLOBAL" and ins.argval not in ns and not hasattr(builtins, ins.argval):
+                    problems.append(f"{name}: {f.__name__} loads {ins.argval}")
+print(checked, problems)
+sys.exit(1 if problems or not checked else 0)
+"""
+
+
+def test_inductor_closure_of_every_kernel_defines_its_globals():
+    """Inductor writes each user kernel into its generated code with the kernel's transitive closure (the jit and
+    constexpr functions it calls, and their int/constexpr globals), not the kernel's module: a global the closure
+    leaves out (an enum class, say) is a NameError in every compiled graph on CUDA, which no interpreter test
+    sees. Built outside the interpreter (a subprocess), where the kernels are real JITFunctions."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _CLOSURE_PROBE], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward and backward against the oracle
 

@@ -47,25 +47,31 @@ class MxLoop(enum.IntEnum):
     F16_WORDS = 2
 
 
+# What the constexpr functions below compare MX_LOOP with: plain ints, because Inductor copies the int globals of
+# a user kernel's closure into its generated code, but not an enum class (nor prints a member as code).
+_DEQUANTIZE = int(MxLoop.DEQUANTIZE)
+_F16_WORDS = int(MxLoop.F16_WORDS)
+
+
 # The K loop's plan, computed once here for both MXFP8 kernels (`_gate_up_tile`, `_grouped_rows_k_loop`) from the
 # kernel's constexprs
 @triton.constexpr_function
 def mx_trans(mx_loop, block_m):
     """Whether the tile computes its blocks transposed (`mx_dot_t`): the 8-row tiles of the fp16 loops."""
-    return mx_loop != MxLoop.DEQUANTIZE and block_m < 16
+    return mx_loop != _DEQUANTIZE and block_m < 16
 
 
 @triton.constexpr_function
 def mx_group(mx_loop, block_k):
     """The blocks one scale load gives: 4 where the scales are read by words and a K step holds whole words
     (BLOCK_K 128 or 256), else 1."""
-    return 4 if mx_loop == MxLoop.F16_WORDS and block_k in (128, 256) else 1
+    return 4 if mx_loop == _F16_WORDS and block_k in (128, 256) else 1
 
 
 @triton.constexpr_function
 def mx_one(mx_loop, trans):
     """Whether each whole K step is one dot (`mx_step_t`): the transposed tiles with scale words."""
-    return mx_loop == MxLoop.F16_WORDS and trans
+    return mx_loop == _F16_WORDS and trans
 
 
 @triton.jit
