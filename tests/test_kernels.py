@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from _helpers import TOLERANCE, make_case, random_like, record_launches, rel_err
-from oracle import oracle_moe
+from _helpers import TOLERANCE, check_against_oracle, make_case, oracle_with_grads, random_like, record_launches, rel_err
 
 import mok_inductor
 from mok_inductor import kernels, reference
@@ -59,17 +58,6 @@ def _backward(impl, case, schedule, fwd, dy, grads=None, accumulate=False):
                              accumulate=accumulate)
 
 
-def _oracle(case, dy, device="cpu"):
-    """float64 forward and gradients of every input, computed on `device` (the CPU unless a caller asks
-    otherwise), returned on the CPU."""
-    leaves = {n: t.detach().to(device).double().requires_grad_(True) for n, t in case.tensors().items()}
-    y = oracle_moe(leaves["x"], leaves["router_weights"], case.top_experts.to(device), leaves["gate_up_proj"],
-                   leaves["down_proj"], leaves.get("shared_gate_up_proj"), leaves.get("shared_down_proj"),
-                   leaves.get("shared_output_gate"), case.swiglu_limit)
-    y.backward(dy.detach().to(device).double())
-    return y.detach().cpu(), {n: (t.grad if t.grad is not None else torch.zeros_like(t)).cpu() for n, t in leaves.items()}
-
-
 def _grads_by_name(case, bwd):
     g = bwd.grads
     out = {"x": bwd.dx_TH, "router_weights": bwd.d_router_weights_TK,
@@ -103,7 +91,7 @@ def _check_all(case, *, factor=2.0, seed=7, oracle_device="cpu"):
     bwd = _backward(kernels, case, sched, fwd, dy, grads=_poisoned_grads(case))
     ref_fwd = _forward(reference, case, sched)
     ref_bwd = _backward(reference, case, sched, ref_fwd, dy)
-    y64, g64 = _oracle(case, dy, oracle_device)
+    y64, g64 = oracle_with_grads(case, dy, oracle_device)
     tol = TOLERANCE[dtype]
     floor = tol / 10
 
@@ -650,12 +638,15 @@ def test_bitwise_deterministic():
 
 
 def test_whole_op_with_triton_backend(monkeypatch):
-    # mok_inductor.moe end to end through the mok:: ops with MOK_BACKEND=triton (read at call time)
-    from _helpers import check_against_oracle
-
-    monkeypatch.setenv("MOK_BACKEND", "triton")
+    # mok_inductor.moe end to end through the mok:: ops with options.backend="triton": the kernels run (under
+    # the interpreter on CPU), the reference does not
+    monkeypatch.setattr(reference, "moe_forward", None)
+    monkeypatch.setattr(reference, "moe_backward", None)
+    launched = record_launches(monkeypatch)
     case = make_case(T=9, H=16, I=16, E=3, K=2, dtype=torch.float32, shared=True, gate=True, device=DEV)
-    check_against_oracle(case)
+    with mok_inductor.options.override(backend="triton"):
+        check_against_oracle(case)
+    assert kernels.gate_up._gate_up_kernel in launched and kernels.combine._combine_kernel in launched
 
 
 # ---------------------------------------------------------------------------------------------
