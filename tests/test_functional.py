@@ -14,18 +14,10 @@ import torch.distributed as dist
 import mok_inductor
 from mok_inductor import functional as mf
 from mok_inductor import reference
-from oracle import oracle_moe
-from _helpers import init_gloo, rel_err
+from _helpers import DEVICES, TOLERANCE, MoeCase, init_gloo, make_case, oracle_with_grads, random_like, rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
-TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4, torch.float16: 1e-2}
 T, H, I, IS, E, K = 24, 32, 16, 24, 5, 2
-
-
-rel = rel_err  # relative Frobenius error vs the reference (tests/_helpers.py)
-
-
 
 
 @pytest.fixture(scope="module")
@@ -40,38 +32,27 @@ def gloo_group():
 
 
 def make_problem(device, dtype, *, T=T, gated=True, shared=True, limit=None, minus_one=True):
-    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
-    x = torch.randn(T, H, generator=g).to(device, dtype)
-    scores = torch.randn(T, E, generator=g)
-    te = scores.topk(K, dim=1).indices.to(torch.int32)
+    """One call's arguments by the ABI's short names (x, rw, te, gate_up, down, sgu, sd, sog, limit, dy), drawn by
+    `make_case` from a fresh seed; with `minus_one`, a "no route" and a token with no routes at all."""
+    seed = torch.randint(0, 2**31, ()).item()
+    c = make_case(T, H, I, E, K, dtype=dtype, device=device, shared=shared, gate=shared and gated, limit=limit,
+                  Is=IS, index_dtype=torch.int32, seed=seed, requires_grad=False)
+    te = c.top_experts
     if minus_one and T > 2:
-        te[1, 1] = -1  # a "no route"
-        te[2, :] = -1  # a token with no routes at all
-    rw = torch.softmax(torch.randn(T, K, generator=g), -1)
-    p = dict(
-        x=x,
-        rw=rw.to(device),
-        te=te.to(device),
-        gate_up=(torch.randn(E, 2 * I, H, generator=g) * 0.3).to(device, dtype),
-        down=(torch.randn(E, H, I, generator=g) * 0.3).to(device, dtype),
-        sgu=(torch.randn(2 * IS, H, generator=g) * 0.3).to(device, dtype) if shared else None,
-        sd=(torch.randn(H, IS, generator=g) * 0.3).to(device, dtype) if shared else None,
-        sog=(torch.randn(1, H, generator=g) * 0.3).to(device, dtype) if (shared and gated) else None,
-        limit=limit,
-        dy=torch.randn(T, H, generator=g).to(device, dtype),
-    )
-    return p
+        te[1, 1] = -1
+        te[2, :] = -1
+    return dict(x=c.x, rw=c.router_weights, te=te, gate_up=c.gate_up_proj, down=c.down_proj,
+                sgu=c.shared_gate_up_proj, sd=c.shared_down_proj, sog=c.shared_output_gate, limit=limit,
+                dy=random_like(c.x, seed + 1))
 
 
 def oracle(p):
-    """Float64 forward and gradients of every input (autograd on float64 leaves)."""
-    leaves = {k: (p[k].detach().double().cpu().requires_grad_() if isinstance(p[k], torch.Tensor) and
-                  k not in ("te", "dy") else p[k]) for k in p}
-    y = oracle_moe(leaves["x"], leaves["rw"], p["te"].cpu().long(), leaves["gate_up"], leaves["down"],
-                   leaves["sgu"], leaves["sd"], leaves["sog"], p["limit"])
-    y.backward(p["dy"].double().cpu())
-    grads = {k: v.grad for k, v in leaves.items() if isinstance(v, torch.Tensor) and v.grad is not None}
-    return y.detach(), grads
+    """Float64 forward and gradients of every input, by the ABI's short names."""
+    case = MoeCase(p["x"], p["rw"], p["te"], p["gate_up"], p["down"], p["sgu"], p["sd"], p["sog"], p["limit"])
+    y, g = oracle_with_grads(case, p["dy"])
+    short = dict(x="x", router_weights="rw", gate_up_proj="gate_up", down_proj="down", shared_gate_up_proj="sgu",
+                 shared_down_proj="sd", shared_output_gate="sog")
+    return y, {short[n]: t for n, t in g.items()}
 
 
 def routed_args(p, layout):
@@ -218,33 +199,34 @@ def test_schedule_rejects_bad_ids_and_shapes():
 
 def check_against_oracle(p, y, out, tol):
     ref_y, g = oracle(p)
-    assert rel(y, ref_y) <= tol
+    assert rel_err(y, ref_y) <= tol
     d_x, d_rw, d_rg, d_ru, d_rd, d_sg, d_su, d_sd, d_gate = out
     assert d_x.dtype == p["x"].dtype and d_rw.dtype == torch.float32
-    assert rel(d_x, g["x"]) <= tol
-    if "rw" in g:
-        assert rel(d_rw, g["rw"]) <= tol
+    assert rel_err(d_x, g["x"]) <= tol
+    routed = bool((p["te"] >= 0).any())
+    if routed:
+        assert rel_err(d_rw, g["rw"]) <= tol
     else:  # no valid route: the oracle never touched the router weights
         assert torch.count_nonzero(d_rw) == 0
-    dgu = g.get("gate_up", torch.zeros(E, 2 * I, H, dtype=torch.float64))
+    dgu = g["gate_up"]
     got_gate, got_up = stack(d_rg), stack(d_ru)
     if got_gate.shape[1] == 2 * I:  # the combined gradient, returned in both slots
         assert d_rg is d_ru
         got_gate, got_up = got_gate[:, :I], got_gate[:, I:]
-    if "gate_up" in g:
-        assert rel(got_gate, dgu[:, :I]) <= tol
-        assert rel(got_up, dgu[:, I:]) <= tol
-        assert rel(stack(d_rd), g["down"]) <= tol
+    if routed:
+        assert rel_err(got_gate, dgu[:, :I]) <= tol
+        assert rel_err(got_up, dgu[:, I:]) <= tol
+        assert rel_err(stack(d_rd), g["down"]) <= tol
     else:
         assert all(torch.count_nonzero(t) == 0 for t in (got_gate, got_up, stack(d_rd)))
     if p["sgu"] is not None:
-        assert rel(d_sg, g["sgu"][:IS]) <= tol and rel(d_su, g["sgu"][IS:]) <= tol
-        assert rel(d_sd, g["sd"]) <= tol
+        assert rel_err(d_sg, g["sgu"][:IS]) <= tol and rel_err(d_su, g["sgu"][IS:]) <= tol
+        assert rel_err(d_sd, g["sd"]) <= tol
     else:
         assert d_sg is None and d_su is None and d_sd is None
     if p["sog"] is not None:
         assert d_gate.dtype == torch.float32 and tuple(d_gate.shape) == (1, H)
-        assert rel(d_gate, g["sog"]) <= tol
+        assert rel_err(d_gate, g["sog"]) <= tol
     else:
         assert d_gate is None  # MoK's nine-item contract: the ungated call
 
@@ -256,7 +238,7 @@ def test_forward_backward_match_oracle(device, dtype, layout):
     p = make_problem(device, dtype, limit=1.5)  # the clamp is active at these scales
     y, out, _ = run(p, layout)
     assert len(out) == 9
-    check_against_oracle(p, y, out, TOL[dtype])
+    check_against_oracle(p, y, out, TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -265,7 +247,7 @@ def test_forward_backward_match_oracle(device, dtype, layout):
 def test_ungated_no_shared_expert_and_fp16(device, gated, shared, dtype):
     p = make_problem(device, dtype, gated=gated, shared=shared, limit=1.5)
     y, out, _ = run(p, "combined")
-    check_against_oracle(p, y, out, TOL[dtype])
+    check_against_oracle(p, y, out, TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("t", [1, 0])
@@ -274,14 +256,14 @@ def test_tiny_token_counts(t):
     y, out, _ = run(p, "combined")
     assert y.shape == (t, H) and out[0].shape == (t, H) and out[1].shape == (t, K)
     if t:
-        check_against_oracle(p, y, out, TOL[torch.float32])
+        check_against_oracle(p, y, out, TOLERANCE[torch.float32])
 
 
 def test_all_routes_minus_one_leave_the_shared_expert():
     p = make_problem("cpu", torch.float32)
     p["te"] = torch.full_like(p["te"], -1)
     y, out, _ = run(p, "combined")
-    check_against_oracle(p, y, out, TOL[torch.float32])
+    check_against_oracle(p, y, out, TOLERANCE[torch.float32])
     assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(stack(out[2])) == 0
 
 
@@ -310,7 +292,7 @@ def test_main_grads_are_added_in_place_combined(device, mg_dtype):
     added = [t.float() - b.float() for t, b in zip((sh_fc1, r_fc1, sh_fc2, r_fc2, gate_mg), before)]
     fresh_sh_fc1 = torch.cat([fresh[5].float(), fresh[6].float()])
     for a, f in zip(added, (fresh_sh_fc1, fresh[2], fresh[7], fresh[4], fresh[8])):
-        assert rel(a, f) <= tol
+        assert rel_err(a, f) <= tol
     assert torch.equal(out[0], fresh[0]) and torch.equal(out[1], fresh[1])  # dx, d_rw untouched by main grads
 
 
@@ -327,8 +309,8 @@ def test_split_main_grads_with_storage_tables(device):
     _, out, _ = run(p, "split_combined", main_grads=main_grads, main_grad_storage_tables=tables)
     assert out[2] is fc1_mg[0] and out[3] is fc1_mg[0] and out[4] is fc2_mg[0]
     for e in range(E):
-        assert rel(fc1_mg[e] - before1[e], fresh[2][e]) <= 1e-2
-        assert rel(fc2_mg[e] - before2[e], fresh[4][e]) <= 1e-2
+        assert rel_err(fc1_mg[e] - before1[e], fresh[2][e]) <= 1e-2
+        assert rel_err(fc2_mg[e] - before2[e], fresh[4][e]) <= 1e-2
 
 
 @pytest.mark.parametrize("layout", ["split_combined", "split_separate", "descriptor"])
@@ -342,7 +324,7 @@ def test_split_layouts_run_on_the_kernels(layout, monkeypatch):
     p = make_problem(DEV, torch.bfloat16, limit=1.5)
     with mok_inductor.options.override(backend="triton"):
         y, out, _ = run(p, layout)
-        check_against_oracle(p, y, out, TOL[torch.bfloat16])
+        check_against_oracle(p, y, out, TOLERANCE[torch.bfloat16])
         if layout == "split_combined":
             fc1_mg = [torch.randn(2 * I, H, device=DEV) for _ in range(E)]
             fc2_mg = [torch.randn(H, I, device=DEV) for _ in range(E)]
@@ -350,8 +332,8 @@ def test_split_layouts_run_on_the_kernels(layout, monkeypatch):
             run(p, layout, main_grads=(None, fc1_mg[0], None, fc1_mg[0], None, fc2_mg[0]),
                 main_grad_storage_tables=(fc1_mg, fc1_mg, fc2_mg))
             for e in range(E):
-                assert rel(fc1_mg[e] - before1[e], out[2][e]) <= 1e-2
-                assert rel(fc2_mg[e] - before2[e], out[4][e]) <= 1e-2
+                assert rel_err(fc1_mg[e] - before1[e], out[2][e]) <= 1e-2
+                assert rel_err(fc2_mg[e] - before2[e], out[4][e]) <= 1e-2
 
 
 def test_rejected_call_writes_nothing():
@@ -441,4 +423,4 @@ def test_several_live_contexts_over_one_workspace():
                         shared_output_gate_weight=p2["sog"])
     o1 = mf.backward(cfg, ws, sch, c1, p1["dy"], p1["x"], p1["rw"], *sh1, p1["gate_up"], p1["gate_up"], p1["down"],
                      shared_output_gate_weight=p1["sog"])
-    check_against_oracle(p1, y1, o1, TOL[torch.float32])
+    check_against_oracle(p1, y1, o1, TOLERANCE[torch.float32])
