@@ -56,11 +56,6 @@ def build(name: str, impl: str, dtype: torch.dtype, seed: int = 0, **overrides):
 MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def loss_and_grads(model, ids, dy_seed: int = 1):
     """Forward logits and the gradients of <logits, random dy> for every parameter."""
     model.zero_grad(set_to_none=True)

@@ -16,6 +16,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import mok_inductor
+from _helpers import make_case, rel_err
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -27,22 +28,12 @@ def _enabled():
 
 
 def make_inputs(T, H=64, I=32, Is=48, E=6, K=2, dtype=torch.float32, device="cpu", shared=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
-
-    rw, te = torch.topk(torch.randn(T, E, generator=g).softmax(-1), K)
+    """moe's keyword arguments, drawn by `make_case` (int32 routes, a missing one when T > 2)."""
+    c = make_case(T, H, I, E, K, dtype=dtype, device=device, shared=shared, gate=shared, Is=Is,
+                  index_dtype=torch.int32, seed=seed, requires_grad=False)
     if T > 2:
-        te[1, 0] = -1  # a missing route
-    d = dict(
-        x=rnd(T, H), router_weights=rw.to(device), top_experts=te.to(torch.int32).to(device),
-        gate_up_proj=rnd(E, 2 * I, H, scale=H**-0.5), down_proj=rnd(E, H, I, scale=I**-0.5),
-    )
-    if shared:
-        d.update(shared_gate_up_proj=rnd(2 * Is, H, scale=H**-0.5), shared_down_proj=rnd(H, Is, scale=Is**-0.5),
-                 shared_output_gate=rnd(1, H, scale=H**-0.5))
-    return d
+        c.top_experts[1, 0] = -1
+    return dict(c.tensors(), top_experts=c.top_experts)
 
 
 DIFF = ("x", "router_weights", "gate_up_proj", "down_proj", "shared_gate_up_proj", "shared_down_proj",
@@ -72,7 +63,7 @@ def assert_same(got, want):
     case_dtype = got[0].dtype  # y is in the dtype of x
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.dtype == b.dtype
-        err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+        err = rel_err(a, b)
         assert err <= (1e-5 if case_dtype == torch.float32 else 4e-3), err
 
 

@@ -88,7 +88,6 @@ def layer_trio(cfg, device, mok_config_override=None):
     return meg, mok, ref64
 
 
-rel = rel_err  # relative Frobenius error vs the reference (tests/_helpers.py)
 
 
 def inputs(device, dtype):
@@ -116,7 +115,7 @@ class VsMegatron:
         self.dtype, self.mok, self.meg = dtype, [], []
 
     def check(self, name, mok, meg, ref):
-        e_mok, e_meg = rel(mok, ref), rel(meg, ref)
+        e_mok, e_meg = rel_err(mok, ref), rel_err(meg, ref)
         bound = 1e-2 if self.dtype == torch.bfloat16 else 1e-4
         assert e_mok <= bound, f"{name}: MoK {e_mok:.2e} (Megatron {self.dtype} {e_meg:.2e})"
         self.mok.append(e_mok)
@@ -335,10 +334,10 @@ def test_grouped_layouts_equal_the_per_expert_layout(kind, monkeypatch):
         out = backend(xi, probs, routing_map)
         out.backward(dy)
         outs.append((out.detach(), xi.grad))
-    assert rel(outs[1][0], outs[0][0]) <= 1e-3 and rel(outs[1][1], outs[0][1]) <= 1e-3
+    assert rel_err(outs[1][0], outs[0][0]) <= 1e-3 and rel_err(outs[1][1], outs[0][1]) <= 1e-3
     g1, g2 = _per_expert_grads(kind, routed)
     for e in range(E):
-        assert rel(g1[e], fc1[e].grad) <= 1e-3 and rel(g2[e], fc2[e].grad) <= 1e-3
+        assert rel_err(g1[e], fc1[e].grad) <= 1e-3 and rel_err(g2[e], fc2[e].grad) <= 1e-3
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -408,7 +407,7 @@ def test_enable_is_idempotent_and_disable_restores():
     with torch.no_grad():  # inference: no autograd state is kept
         out_nograd, _ = layer.eval()(x)
     layer.train()
-    assert out_nograd.grad_fn is None and rel(out_nograd, out_meg) <= 2e-2
+    assert out_nograd.grad_fn is None and rel_err(out_nograd, out_meg) <= 2e-2
     assert mkm.enable_mok_backend(layer) == [layer] and layer.megakernel_experts is first
     assert mkm.disable_mok_backend(layer) == [layer]
     assert not hasattr(layer, "megakernel_experts")

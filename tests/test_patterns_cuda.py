@@ -27,7 +27,8 @@ from torch._inductor.utils import run_and_get_code
 
 import mok_inductor.lowering  # noqa: F401  (registers backend="mok")
 import mok_inductor
-from _pattern_models import MODELS, SEQ, VOCAB, build, rel
+from _pattern_models import MODELS, SEQ, VOCAB, build
+from _helpers import rel_err
 from oracle import oracle_moe
 from test_patterns_graphs import H as TITAN_H, T as TITAN_T, TitanMoE
 
@@ -93,13 +94,13 @@ def _check_model(name, impl, dtype, switch):
     _check_code(codes)
     assert set(grads) == set(gref)
     if dtype == torch.float32:
-        assert rel(out, ref) <= 1e-4
+        assert rel_err(out, ref) <= 1e-4
         for k in gref:
-            assert rel(grads[k], gref[k]) <= 1e-4, k
+            assert rel_err(grads[k], gref[k]) <= 1e-4, k
     else:
-        assert rel(out, ref32) <= 2 * rel(ref, ref32) + 1e-3
+        assert rel_err(out, ref32) <= 2 * rel_err(ref, ref32) + 1e-3
         for k in gref32:
-            assert rel(grads[k], gref32[k]) <= 2 * rel(gref[k], gref32[k]) + 1e-3, k
+            assert rel_err(grads[k], gref32[k]) <= 2 * rel_err(gref[k], gref32[k]) + 1e-3, k
     torch._dynamo.reset()
 
 
@@ -155,7 +156,7 @@ def test_titan_block_bf16(counts):
     _check_code(codes)
     assert torch.equal(ids, ref_ids)
     out64, g64 = _titan_ref64(block, x, ids, dy)
-    assert rel(out.cpu(), out64) <= 2 * rel(ref.cpu(), out64) + 1e-3
+    assert rel_err(out.cpu(), out64) <= 2 * rel_err(ref.cpu(), out64) + 1e-3
     for name, a, b, gold in zip(("x", "router", "w1", "w3", "w2"), grads, gref, g64):
-        assert rel(a.cpu(), gold) <= 2 * rel(b.cpu(), gold) + 1e-3, name
+        assert rel_err(a.cpu(), gold) <= 2 * rel_err(b.cpu(), gold) + 1e-3, name
     torch._dynamo.reset()
