@@ -15,15 +15,10 @@ from mok_inductor.runtime import (
     _MoKAutograd,
     _MoKWeightArguments,
 )
-from oracle import oracle_moe
-from _helpers import rel_err
+from _helpers import DEVICES, TOLERANCE, MoeCase, oracle_with_grads, rel_err
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 T, H, I, E, K = 20, 32, 16, 3, 2
 LIMIT = 1.5
-
-
-rel = rel_err  # relative Frobenius error vs the reference (tests/_helpers.py)
 
 
 class StandIn(torch.nn.Module):
@@ -76,11 +71,10 @@ def routing(device):
 
 
 def oracle_grads(m, x, rw, te, dy):
-    leaves = [t.detach().double().cpu().requires_grad_() for t in (x, rw, m.fc1, m.fc2, m.sh1, m.sh2, m.gate)]
-    y = oracle_moe(leaves[0], leaves[1], te.cpu().long(), leaves[2], leaves[3], leaves[4], leaves[5], leaves[6],
-                   LIMIT)
-    y.backward(dy.double().cpu())
-    return y.detach(), [t.grad for t in leaves]
+    """The float64 oracle's y and gradients of (x, rw, fc1, fc2, sh1, sh2, gate)."""
+    y, g = oracle_with_grads(MoeCase(x, rw, te, m.fc1, m.fc2, m.sh1, m.sh2, m.gate, LIMIT), dy)
+    return y, [g[n] for n in ("x", "router_weights", "gate_up_proj", "down_proj", "shared_gate_up_proj",
+                              "shared_down_proj", "shared_output_gate")]
 
 
 # ---------------------------------------------------------------------------------------------- adapters
@@ -127,11 +121,11 @@ def test_autograd_without_fusion_gives_ordinary_grads(device, dtype):
     y = m(x, rw, te)
     y.backward(dy)
     ref_y, g = oracle_grads(m, x, rw, te, dy)
-    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
-    assert rel(y, ref_y) <= tol
+    tol = TOLERANCE[dtype]
+    assert rel_err(y, ref_y) <= tol
     for got, want in zip((x.grad, rw.grad, m.fc1.grad, m.fc2.grad, m.sh1.grad, m.sh2.grad, m.gate.grad), g):
         assert got.dtype == (torch.float32 if got is rw.grad else dtype)
-        assert rel(got, want) <= tol
+        assert rel_err(got, want) <= tol
     assert not hasattr(m.fc1, "grad_added_to_main_grad")
 
 
@@ -150,13 +144,13 @@ def test_autograd_with_fusion_accumulates_main_grad_over_micro_batches(device):
         m(x, rw, te).backward(dy)
         _, g = oracle_grads(m, x, rw, te, dy)
         want = [w + gi for w, gi in zip(want, g[2:])]
-        assert rel(x.grad, g[0]) <= 1e-2 and rel(rw.grad, g[1]) <= 1e-2
+        assert rel_err(x.grad, g[0]) <= 1e-2 and rel_err(rw.grad, g[1]) <= 1e-2
         for q in params:
             assert q.grad_added_to_main_grad is True
             assert torch.count_nonzero(q.grad) == 0  # the hook-only dummy never carries the gradient
             q.grad = None  # what DDP's hook does
     for q, w in zip(params, want):
-        assert rel(q.main_grad, w) <= 1e-2
+        assert rel_err(q.main_grad, w) <= 1e-2
 
 
 def test_parameter_count_mismatch():

@@ -28,6 +28,7 @@ import torch
 
 import mok_inductor
 from mok_inductor.integrations import transformers as hf
+from _helpers import rel_err
 
 import transformers  # a pinned test dependency (requirements.txt): its absence must fail, not skip
 from transformers import PreTrainedModel  # noqa: E402
@@ -50,15 +51,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def rel(a, b) -> float:
-    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
-    a, b = a.detach().double(), b.detach().double()
-    den = b.norm()
-    if den == 0:
-        return float((a - b).norm())
-    return float((a - b).norm() / den)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +242,7 @@ def _experts_check(module, dtype, device="cpu"):
         got = run(module, "mok", dtype)
     finally:
         module.config._experts_implementation = keep
-    return [rel(a, b) for a, b in zip(got, ref)]
+    return [rel_err(a, b) for a, b in zip(got, ref)]
 
 
 def _experts_bf16_check(module):
@@ -435,11 +427,11 @@ def test_family_matrix_fp32_and_bf16(monkeypatch, capsys):
             got = _run(model, "mok", ids)
         mok_calls = len(calls) - n_before
         fell_back = [w for w in caught if info.class_name in str(w.message) and "falls back" in str(w.message)]
-        errs = {"logits": rel(got[0], ref[0])}
-        errs["experts_out"] = max((rel(a, b) for a, b in zip(got[1], ref[1])), default=0.0)
+        errs = {"logits": rel_err(got[0], ref[0])}
+        errs["experts_out"] = max((rel_err(a, b) for a, b in zip(got[1], ref[1])), default=0.0)
         # a gradient that is only rounding noise (e.g. a router that receives none) is not compared relatively
         floor = 1e-6 * max(float(g.norm()) for g in ref[2].values())
-        errs["grads"] = max(float((got[2][n] - g).norm()) / max(float(g.norm()), floor) for n, g in ref[2].items())
+        errs["grads"] = max(rel_err(got[2][n], g, floor) for n, g in ref[2].items())
         problems = [f"{k} rel err {v:.2e}" for k, v in errs.items() if not v <= 1e-4]
         if len(got[1]) == 0:
             problems.append("no experts call ran")
@@ -585,7 +577,7 @@ def test_expert_parallel_sentinels_are_no_routes():
     w_kept = w.clone()
     m._is_expert_parallel = False
     ref = hf.mok_experts_forward(m, x, kept, w_kept)  # weight 0 on the stand-in route: same result
-    assert rel(got, ref) <= 1e-6
+    assert rel_err(got, ref) <= 1e-6
 
 
 # ---------------------------------------------------------------------------------------------
@@ -714,12 +706,12 @@ def test_compiled_fullgraph_forward_backward(kind, backend):
             loss = step(ids)
     assert any("mok.moe_fwd" in c for c in codes), "the compiled forward does not call mok::moe_fwd"
     assert any("mok.moe_bwd" in c for c in codes), "the compiled backward does not call mok::moe_bwd"
-    assert rel(loss, ref_loss) <= 1e-4
+    assert rel_err(loss, ref_loss) <= 1e-4
     params = dict(model.named_parameters())
     assert any("experts" in n for n in ref_grads)
     for n, g in ref_grads.items():
         assert params[n].grad is not None, n
-        assert rel(params[n].grad, g) <= 1e-4, (n, rel(params[n].grad, g))
+        assert rel_err(params[n].grad, g) <= 1e-4, (n, rel_err(params[n].grad, g))
     torch._dynamo.reset()
 
 
@@ -758,7 +750,7 @@ def test_compiled_fallback_is_fullgraph_and_warns():
         got = compiled(input_ids=ids, use_cache=False).logits
     assert codes and not any("mok.moe" in c for c in codes)
     assert any("grouped_mm" in c for c in codes)
-    assert rel(got, ref) <= 1e-4
+    assert rel_err(got, ref) <= 1e-4
     torch._dynamo.reset()
 
 
@@ -839,16 +831,12 @@ def _bf16_errors(got, ref, gold):
     """bf16 "mok" (`got`) and bf16 "eager" (`ref`) against an fp32 run on the same bf16-rounded weights (`gold`),
     each a `_run` triple: {name: (mok's error, eager's own error)}. Gradients below 1e-3 of the largest one
     (rounding noise, e.g. a router that receives none) are measured against that floor, not relatively."""
-    def err(a, b, floor=0.0):
-        a, b = a.detach().double(), b.detach().double()
-        return float((a - b).norm()) / max(float(b.norm()), floor)
-
-    out = {"logits": (err(got[0], gold[0]), err(ref[0], gold[0]))}
+    out = {"logits": (rel_err(got[0], gold[0]), rel_err(ref[0], gold[0]))}
     for i, (a, r, b) in enumerate(zip(got[1], ref[1], gold[1])):
-        out[f"experts_out[{i}]"] = (err(a, b), err(r, b))
+        out[f"experts_out[{i}]"] = (rel_err(a, b), rel_err(r, b))
     floor = 1e-3 * max(float(g.norm()) for g in gold[2].values())
     for n, b in gold[2].items():
-        out[n] = (err(got[2][n], b, floor), err(ref[2][n], b, floor))
+        out[n] = (rel_err(got[2][n], b, floor), rel_err(ref[2][n], b, floor))
     return out
 
 
@@ -882,12 +870,12 @@ def test_cuda_eager_family(model_type, dtype, triton_only):
         model._mok_experts = experts
         ref = _run(model, "eager", ids)
         got = _run(model, "mok", ids)
-        errs = {"logits": rel(got[0], ref[0])}
+        errs = {"logits": rel_err(got[0], ref[0])}
         for i, (a, b) in enumerate(zip(got[1], ref[1])):
-            errs[f"experts_out[{i}]"] = rel(a, b)
+            errs[f"experts_out[{i}]"] = rel_err(a, b)
         floor = 1e-6 * max(float(g.norm()) for g in ref[2].values())
         for n, g in ref[2].items():
-            errs[n] = float((got[2][n] - g).norm()) / max(float(g.norm()), floor)
+            errs[n] = rel_err(got[2][n], g, floor)
         bad = {k: f"{v:.1e}" for k, v in errs.items() if not v <= 1e-4}
     else:
         gold = copy.deepcopy(model.to(torch.bfloat16)).float()  # the bf16-rounded weights, in fp32
@@ -957,13 +945,13 @@ def test_cuda_compiled_fullgraph_forward_backward(kind, triton_only):
     for op in ("torch.ops.mok.moe_fwd", "torch.ops.mok.moe_bwd", "torch.ops.mok.schedule"):
         assert op not in joined, f"{op} ran as an opaque fallback"
 
-    assert rel(loss, loss32) <= 2 * rel(ref_loss, loss32) + 1e-3, (float(loss), float(ref_loss), float(loss32))
+    assert rel_err(loss, loss32) <= 2 * rel_err(ref_loss, loss32) + 1e-3, (float(loss), float(ref_loss), float(loss32))
     params = dict(model.named_parameters())
     assert any(".experts." in n for n in grads32)
     floor = 1e-3 * max(float(g.norm()) for g in grads32.values())
     for n, g32 in grads32.items():
         assert params[n].grad is not None, n
-        got = float((params[n].grad.double() - g32.double()).norm()) / max(float(g32.norm()), floor)
-        own = float((ref_grads[n].double() - g32.double()).norm()) / max(float(g32.norm()), floor)
+        got = rel_err(params[n].grad, g32, floor)
+        own = rel_err(ref_grads[n], g32, floor)
         assert got <= 2 * own + 1e-3, (n, got, own)
     torch._dynamo.reset()
