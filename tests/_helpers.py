@@ -4,7 +4,7 @@ Shape legend: T tokens, H hidden, I routed intermediate, Is shared intermediate,
 K routes per token.
 
 Every tensor is drawn fresh from a seeded generator (never zeros). The seeds are fixed per test, not drawn
-per run: at the edge cases' tiny bf16 shapes SPEC's relative bound is not attainable for every draw
+per run: at the edge cases' tiny bf16 shapes the contract's relative bound is not attainable for every draw
 (d_router_weights at T=1 has two elements, and a draw's cancelling inner products can put even the plain
 PyTorch bf16 computation of it above 1e-2). Fresh draws there would need a bound scaled by the inner
 products' magnitudes, not by their values. The comparison metric is the relative Frobenius error against
@@ -211,11 +211,12 @@ def assert_close_to_oracle(name: str, out: torch.Tensor, ref: torch.Tensor, dtyp
 
 
 def check_against_oracle(case: MoeCase, *, dtype=None, seed=123, fn=None, check_grads=True, vs_torch=()):
-    """Forward and every gradient of `case` against the float64 oracle at SPEC tolerance of x's dtype.
+    """Forward and every gradient of `case` against the float64 oracle at the contract's tolerance
+    of x's dtype (docs/semantics.md).
     Also checks output dtype/shape and that each gradient comes back in its input's dtype. vs_torch: names
-    of low-precision gradients whose bound is SPEC's or twice the error of the plain PyTorch computation in
+    of low-precision gradients whose bound is the contract's or twice the error of the plain PyTorch computation in
     the same dtype (`lowp_torch_moe`), the larger: for tensors of a handful of dot products, where single
-    roundings of h (which SPEC allows) magnified by cancellation exceed 1e-2 in PyTorch's bf16 too."""
+    roundings of h (which docs/semantics.md allows) magnified by cancellation exceed 1e-2 in PyTorch's bf16 too."""
     dtype = dtype or case.x.dtype
     y_shape = case.x.shape
     dy = random_like(case.x.detach(), seed)

@@ -1,6 +1,6 @@
 """An independent float64 oracle for the MoK computation, written plainly (a loop over experts).
 
-It shares no code with `mok_inductor`: it follows shared/SPEC.md section 1 line by line and gets
+It shares no code with `mok_inductor`: it follows docs/semantics.md ("Forward") line by line and gets
 every gradient from torch.autograd on float64 tensors, so it checks the package's hand-written
 backward too.
 """
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 def oracle_moe(x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj=None,
                shared_down_proj=None, shared_output_gate=None, swiglu_limit=None):
-    """Float64 forward of SPEC section 1 on [T, H] inputs; differentiable by autograd."""
+    """Float64 forward of docs/semantics.md on [T, H] inputs; differentiable by autograd."""
     x = x.double()
     rw = router_weights.double()
     w1 = gate_up_proj.double()

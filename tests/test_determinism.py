@@ -1,4 +1,4 @@
-"""Bitwise determinism (SPEC section 2): the same inputs give bitwise identical outputs and gradients,
+"""Bitwise determinism (docs/semantics.md, the contract): the same inputs give bitwise identical outputs and gradients,
 run after run (10 runs), on the CPU and, when present, on CUDA.
 
 Shape legend: T tokens, H hidden, I routed intermediate, Is shared intermediate, E experts, K routes.

@@ -1,4 +1,4 @@
-"""Bad input (SPEC section 5): every violation raises TypeError or ValueError naming the argument.
+"""Bad input (docs/semantics.md, the contract): every violation raises TypeError or ValueError naming the argument.
 
 Each test builds a valid call (T=4 tokens, H=8, I=4, Is=6, E=3 experts, K=2 routes), breaks one
 argument, asserts the exception type, that the message starts with the argument's name, and pins the

@@ -7,7 +7,7 @@ TransformerConfig with SequentialMLP experts and a gated shared expert, the clam
 
 References: Megatron's own layer in the same dtype, and the same layer converted to float64 (its
 routing is computed in fp32 from the same bf16 values, so the routes are identical). For bf16 the
-MoK backend's error against float64 must be within SPEC section 2 and at most twice Megatron's own
+MoK backend's error against float64 must be within the contract's bound (docs/semantics.md) and at most twice Megatron's own
 bf16 error. Shapes: S=12, B=2 (T=24), H=64, I=Is=32, E=8, K=2.
 """
 
@@ -106,7 +106,7 @@ def run(layer, x, dy):
 
 class VsMegatron:
     """MoK's and Megatron's runs of one layer, each tensor against the float64 Megatron layer (the same
-    module in float64). `check`: MoK within SPEC's bound (bf16 1e-2, float32 1e-4). `check_layer`, in bf16:
+    module in float64). `check`: MoK within the contract's bound (bf16 1e-2, float32 1e-4). `check_layer`, in bf16:
     MoK's errors, summed over every tensor checked, at most Megatron's. (Not per tensor: an expert's weight
     gradient comes from a few rows here, and the two runs' ratio for one tensor varied up to 2.15 over 60
     random draws; the layer's sum measured 0.79 median, 0.87 at most, over 50, without the clamp.)"""
@@ -136,7 +136,7 @@ def test_output_and_gradients_match_megatron(device, dtype, clamp, monkeypatch):
     """Both runs against the float64 Megatron layer (`VsMegatron`). No direct bf16-to-bf16 bound: Megatron's own error is not
     bounded by the contract. With the clamp active its bf16 run clamps bf16-rounded pre-activations (several
     percent on some FC1 gradients); without the clamp its shared output gate's weight gradient, computed in
-    bf16 (SPEC asks float32), measured up to 1.7e-2 off float64 over 40 random draws (MoK: 2e-3), which
+    bf16 (MoK computes it in float32), measured up to 1.7e-2 off float64 over 40 random draws (MoK: 2e-3), which
     made a direct 2e-2 bound between the two runs fail now and then (2.5e-2 once)."""
     meg, mok, ref64 = layer_trio(make_config(dtype, activation_func_clamp_value=clamp), device)
     calls = []

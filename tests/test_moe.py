@@ -1,7 +1,7 @@
-"""Forward and every gradient of `mok_inductor.moe` against the float64 oracle (SPEC sections 1-2).
+"""Forward and every gradient of `mok_inductor.moe` against the float64 oracle (docs/semantics.md).
 
 Each case compares the output and the gradients of x, router_weights and every routed and shared
-weight with `tests/oracle.py` at SPEC section 2 tolerance (relative Frobenius error; float32 1e-4,
+weight with `tests/oracle.py` at the contract's tolerance (relative Frobenius error; float32 1e-4,
 bfloat16 1e-2, float16 1e-2), checks that each gradient comes back in its input's dtype, and runs on
 the CPU and, when present, on CUDA. A comment on each shape names the edge case it covers.
 
@@ -55,7 +55,7 @@ def test_matches_oracle(device, dtype, config):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("config", ["plain", "shared_gate", "shared_gate_limit"])
 def test_low_precision_error_within_factor_of_torch(device, dtype, config):
-    # STYLE 7: besides SPEC's bound, a bf16/fp16 result is at most 2x as far from the float64 oracle as a
+    # besides the contract's bound, a bf16/fp16 result is at most 2x as far from the float64 oracle as a
     # plain PyTorch implementation in the same dtype (tests/_helpers.lowp_torch_moe), forward and every
     # gradient. T=16, H=32, I=16, Is=24, E=5, K=2 with -1 routes: enough elements for stable error norms
     shared, gate, limit = CONFIGS[config]
@@ -215,7 +215,7 @@ def test_oracle_comparison_catches_a_wrong_gradient():
 
 
 # ---------------------------------------------------------------------------------------------
-# NaN / Inf propagation (SPEC section 2): a non-finite input reaches every output it touches and
+# NaN / Inf propagation (docs/semantics.md, the contract): a non-finite input reaches every output it touches and
 # no other.
 
 

@@ -7,7 +7,7 @@ shared expert or not, shared output gate or not, swiglu_limit or not, float32 an
 The MXFP8 form of the same ops (scales, column-wise data and masters as optional arguments) is checked
 below too.
 
-gradcheck: SPEC accepts float32, bfloat16 and float16 activations only (float64 is rejected with a
+gradcheck: the op accepts float32, bfloat16 and float16 activations only (docs/api.md; float64 is rejected with a
 TypeError), so the finite-difference check runs in float32 with eps=1e-3 and a matching tolerance,
 at tiny shapes, through `mok_inductor.moe`; and in float64 on the exact forward/backward pair the CPU ops
 run (ops.moe_fwd_impl / moe_bwd_impl on the reference backend, which computes in float64 for float64 inputs),
@@ -160,7 +160,7 @@ def _limit_away_from_preactivations(c, lo=0.3, hi=1.5):
 @pytest.mark.filterwarnings("ignore:Input #.* requires gradient and is not a double precision")
 @pytest.mark.parametrize("config", ["plain", "shared_gate", "shared_gate_limit", "dropped_repeat"])
 def test_gradcheck_float32(config):
-    # CPU only: float32 finite differences need a forward accurate to ~1e-7, and SPEC lets a float32 kernel
+    # CPU only: float32 finite differences need a forward accurate to ~1e-7, and the contract lets a float32 kernel
     # be off by 1e-4 (e.g. TF32 GEMMs); on CUDA the gradients are checked against the float64 oracle instead
     device = "cpu"
     # T=3, H=4, I=2, Is=3, E=3, K=2: tiny, so the numerical Jacobian is cheap; "dropped_repeat" has -1
@@ -189,7 +189,7 @@ def test_gradcheck_float32(config):
 
 
 def test_gradcheck_float64_is_rejected():
-    # float64 is not an accepted activation dtype (SPEC section 1), hence the float32 gradcheck above;
+    # float64 is not an accepted activation dtype (docs/api.md), hence the float32 gradcheck above;
     # this pins that decision so a change to it is deliberate
     c = make_case(T=3, H=4, I=2, E=3, K=2, dtype=torch.float64)
     with pytest.raises(TypeError, match="^x: expected dtype float32 or bfloat16 or float16, got float64"):

@@ -68,7 +68,7 @@ def test_random_float32_matches_oracle(cfg):
 def test_random_bfloat16_matches_oracle(cfg):
     # H, I, Is >= 8, T >= 6 and at least 8 valid routes: the relative error of a tensor of a handful of
     # elements (d_router_weights with two valid routes is two dot products) is that of single bf16 roundings
-    # of h (which SPEC allows) magnified by cancellation, and a bf16 PyTorch implementation does not meet
+    # of h (which docs/semantics.md allows) magnified by cancellation, and a bf16 PyTorch implementation does not meet
     # 1e-2 there either; the edge cases run in float32 above and in bf16 in test_moe. Even so, hypothesis
     # found T=6, K=2, every route to one expert (six distinct dot products): MoK 1.7e-2, PyTorch bf16
     # 1.05e-2; so d_router_weights is held to max(1e-2, 2x PyTorch bf16's error) (over 400 random configs
