@@ -121,13 +121,13 @@ def test_one_layout_only_and_bad_arguments():
 # equal (e4m3 rounding is relative), so the tests give the column-wise pair of ANOTHER random weight:
 # a GEMM that reads the wrong layout then fails by O(1), not by a rounding. d router_weights comes from
 # the column-wise down (<dy @ down, h>, as MoK, whose backward takes only the column-wise down). It is written here as a per-route loop, independent of
-# mok_inductor.reference. Tolerances: SPEC section 2 (bf16 1e-2, float32 1e-4, relative Frobenius).
+# mok_inductor.reference. Tolerances: the contract of docs/semantics.md (bf16 1e-2, float32 1e-4, relative Frobenius).
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import mok_inductor  # noqa: E402
-from _helpers import DEVICES, TOLERANCE, record_launches, rel_err  # noqa: E402
+from _helpers import DEVICES, TOLERANCE, make_case, record_launches, rel_err  # noqa: E402
 from mok_inductor import kernels  # noqa: E402
 
 T, H, I, IS, E, K = 6, 64, 32, 32, 3, 2
@@ -193,19 +193,17 @@ def _oracle(x, rw, te, gu_row, gu_col, d_row, d_col, sgu=None, sd=None, sg=None,
 
 
 def _problem(dtype, device, *, shared=False, limit=None, seed=0, drop=True):
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
-
-    te = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    """A `make_case` draw by short names (gu, d, sgu, sd, sg); with `drop` a `-1` route; expert 2 gets fewer
+    routes."""
+    c = make_case(T, H, I, E, K, dtype=dtype, device=device, shared=shared, gate=shared, limit=limit, Is=IS,
+                  seed=seed, requires_grad=False)
+    te = c.top_experts
     if drop:
         te[1, 0] = -1  # a `-1` route
-    te[2:4] = torch.tensor([0, 1])  # expert 2 gets fewer routes
-    p = dict(x=rnd(T, H), rw=(torch.rand(T, K, generator=g, dtype=torch.float64) + 0.1).float().to(device),
-             te=te.to(device), gu=rnd(E, 2 * I, H, scale=H ** -0.5), d=rnd(E, H, I, scale=I ** -0.5), limit=limit)
+    te[2:4] = torch.tensor([0, 1], device=te.device)  # expert 2 gets fewer routes
+    p = dict(x=c.x, rw=c.router_weights, te=te, gu=c.gate_up_proj, d=c.down_proj, limit=limit)
     if shared:
-        p.update(sgu=rnd(2 * IS, H, scale=H ** -0.5), sd=rnd(H, IS, scale=IS ** -0.5), sg=rnd(1, H, scale=H ** -0.5))
+        p.update(sgu=c.shared_gate_up_proj, sd=c.shared_down_proj, sg=c.shared_output_gate)
     return p
 
 
@@ -622,8 +620,8 @@ def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch):
 @pytest.mark.parametrize("kd", [32, 160])  # no whole K step; one whole step (4 blocks) and a 1-block tail
 def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, kd):
     # K steps of BLOCK_K 128 over k = 32 or 160 (a tail of one block): no block past k's end may be read, its
-    # scale least of all (one byte 255 is 2**128, and a zero tile times Inf is NaN; seen on the GPU when the loop
-    # ran whole K steps). The scales are a view into a buffer holding 255 right after each row's blocks
+    # scale least of all (one byte 255 is 2**128, and a zero tile times Inf is NaN, which a loop over whole K
+    # steps would produce). The scales are a view into a buffer holding 255 right after each row's blocks
     from mok_inductor.mxfp8 import Operand
 
     launched = _mx_dot_on(monkeypatch)
