@@ -142,10 +142,10 @@ def dequantize(q: MXFP8Weight, *, layout: str = "row", dtype: Optional[torch.dty
 # GEMM operands of MXFP8 weights (`mok_inductor.types.Operand`, `RoutedOperands`)
 
 
-def routed_operands(gate_up, down) -> RoutedOperands:
+def routed_operands(gate_up, down, *, columnwise: bool = True) -> RoutedOperands:
     """Operands of a combined FC1 `gate_up` ([E, 2I, H]) and `down` ([E, H, I]), each given as
     (data, scale, data_t, scale_t): scale None means `data` is a plain float weight (its column-wise
-    operand is its transpose); data_t None means no column-wise data. I must be a multiple of 32 when
+    operand is its transpose); data_t None means no column-wise data (`columnwise=False`: none built). I must be a multiple of 32 when
     gate_up's column-wise data is given (the gate/up boundary must fall on a scale block)."""
     gd, gs, gdt, gst = gate_up
     dd, ds, ddt, dst = down
@@ -153,6 +153,8 @@ def routed_operands(gate_up, down) -> RoutedOperands:
     i = two_i // 2
     gate = Operand(narrow_payload(gd, -2, 0, i), narrow_payload(gs, -2, 0, i))
     up = Operand(narrow_payload(gd, -2, i, i), narrow_payload(gs, -2, i, i))
+    if not columnwise:  # a forward reads the row-wise operands only (views, but on every call's path)
+        return RoutedOperands(gate, up, Operand(dd, ds), None, None, None)
     if gs is None:
         gate_t, up_t = Operand(transposed_payload(gate.data), None), Operand(transposed_payload(up.data), None)
     elif gdt is None:

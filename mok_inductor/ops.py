@@ -50,6 +50,7 @@ token, N = T*K.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -64,8 +65,10 @@ _lib = torch.library.Library("mok", "DEF")
 # Backend choice
 
 
+@functools.lru_cache(maxsize=None)
 def kernels_module():
-    """The Triton kernel module, or None when it cannot run here (no triton; no CUDA and no interpreter)."""
+    """The Triton kernel module, or None when it cannot run here (no triton; no CUDA and no interpreter). Fixed
+    for the process (CUDA and the interpreter are known at import), so decided once: it is on every call's path."""
     try:
         from . import kernels
     except ImportError:
@@ -177,13 +180,14 @@ def _pad(mx, n=6):
     return mx + (None,) * (n - len(mx))
 
 
-def routed_operands(gate_up_proj, down_proj, mx=()) -> RoutedOperands:
+def routed_operands(gate_up_proj, down_proj, mx=(), *, columnwise: bool = True) -> RoutedOperands:
     """The operands of the ops' routed arguments: the combined FC1 [E, 2I, H] and down [E, H, I], plain
-    or (with the MXFP8 arguments `mx`, in `_MX_NAMES` order) MXFP8."""
+    or (with the MXFP8 arguments `mx`, in `_MX_NAMES` order) MXFP8; without `columnwise`, only the
+    forward's row-wise ones (the others None)."""
     from . import mxfp8
 
     gus, gut, gust, ds, dt, dst = _pad(mx)
-    return mxfp8.routed_operands((gate_up_proj, gus, gut, gust), (down_proj, ds, dt, dst))
+    return mxfp8.routed_operands((gate_up_proj, gus, gut, gust), (down_proj, ds, dt, dst), columnwise=columnwise)
 
 
 def _shared(shared_gate_up_proj):
@@ -237,7 +241,8 @@ def moe_fwd_impl(x, router_weights, top_experts, sorted_routes, expert_offsets, 
                  shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit, *mx_and_masters):
     s_gate, s_up = _shared(shared_gate_up_proj)
     out = forward(x, router_weights, top_experts, Schedule(sorted_routes, expert_offsets, route_slots),
-                  routed_operands(gate_up_proj, down_proj, mx_and_masters[:6]), s_gate, s_up, shared_down_proj,
+                  routed_operands(gate_up_proj, down_proj, mx_and_masters[:6], columnwise=False), s_gate, s_up,
+                  shared_down_proj,
                   shared_output_gate, swiglu_limit)
     return tuple(out)
 
