@@ -720,7 +720,8 @@ def test_cuda_graph_capture_split_weights():
 
 @needs_cuda
 def test_compiled_cuda_emits_user_kernels():
-    # under torch.compile the ops decompose into wrap_triton launches: Inductor emits our kernels
+    # with mok_inductor.enable(), the ops decompose into wrap_triton launches under torch.compile: Inductor emits
+    # our kernels
     import mok_inductor
     from torch._inductor.utils import run_and_get_code
 
@@ -728,7 +729,8 @@ def test_compiled_cuda_emits_user_kernels():
     case = make_case(T=64, H=128, I=64, E=4, K=2, dtype=torch.bfloat16, shared=True, gate=True, device="cuda")
     f = torch.compile(mok_inductor.moe, fullgraph=True)
     c = case.detached()
-    y, codes = run_and_get_code(lambda: f(*c.args(), **c.kwargs()))
+    with mok_inductor.enabled():
+        y, codes = run_and_get_code(lambda: f(*c.args(), **c.kwargs()))
     code = "\n".join(codes)
     assert "_gate_up_kernel" in code and "_combine_kernel" in code
     e = case.detached()
