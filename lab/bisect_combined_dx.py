@@ -1,6 +1,8 @@
 """Bisect a CUDA-only failure: tests/test_functional.py::test_forward_backward_match_oracle[combined-dtype0-cuda]
 (bf16, combined FC1) gave d_x 0.43 off the float64 oracle on an H100 with autotuning on, at b62cc4b too; with
-MOK_AUTOTUNE=0 it passes, and on the CPU every config and the autotuner itself give the right d_x.
+MOK_AUTOTUNE=0 it passes, and on the CPU every config and the autotuner itself give the right d_x. It failed
+where the Triton cache was cold (the first process on a fresh machine) and passed in a later process whose
+kernels were already compiled: start this on a fresh machine, or with TRITON_CACHE_DIR set to an empty folder.
 Run from the repository root: python lab/bisect_combined_dx.py cuda 2 (a fresh process: the first autotuning),
 then python lab/bisect_combined_dx.py cuda 1.
 Mode 1: every kernel pinned to its first config, then ONE kernel swept over its configs (no benchmarking at all):
