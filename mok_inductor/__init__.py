@@ -13,6 +13,15 @@ model integrations live under `mok_inductor.integrations`. Importing this packag
 
 import contextlib
 
+import torch
+
+# Before any process group exists: torch.distributed.nn.functional's collectives bind the world group as a
+# default argument when the module is first imported. torch._dynamo imports it, and expert parallelism's first
+# call imports torch._dynamo; imported then, after init_process_group, it would keep the world group (and its
+# gloo threads, which can abort the interpreter's shutdown) alive past destroy_process_group.
+if torch.distributed.is_available():
+    import torch.distributed.nn.functional  # noqa: F401
+
 from . import options
 from .api import moe
 from .options import Options

@@ -24,13 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# Imported before any worker's init_process_group (a spawned worker imports this module first):
-# torch.distributed.nn.functional's collectives take `group=group.WORLD` as a default argument, bound at
-# import, so importing it after init_process_group keeps the world group, and its gloo threads, alive past
-# destroy_process_group (torch 2.13; see _worker). torch._dynamo imports it, and the first EP call imports
-# torch._dynamo (mok_inductor.distributed's torch.compiler.disable); import mok_inductor does not.
-import torch.distributed.nn  # noqa: E402,F401
-
+# Imported before any worker's init_process_group (a spawned worker imports this module first), as a user's
+# program imports it: `import mok_inductor` imports torch.distributed.nn.functional, whose collectives bind the
+# world group as a default argument when first imported, so that the first EP call (which imports
+# torch._dynamo, and with it that module) cannot keep the group, and its gloo threads, alive past
+# destroy_process_group (see _worker's check).
 import mok_inductor  # noqa: E402,F401
 from _helpers import gloo_threads  # noqa: E402
 
