@@ -45,8 +45,8 @@ from typing import Any, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _checks, ops, reference
-from .types import GradBuffers, RoutedOperands, Schedule
+from . import _checks, ops
+from .types import GradBuffers, RoutedOperands, Schedule, shared_saved_dtype
 
 __all__ = ["EPPlan", "EPForwardState", "group_size", "plan", "forward", "backward", "moe"]
 
@@ -267,7 +267,7 @@ def forward(p: EPPlan, x: torch.Tensor, router_weights: torch.Tensor, w_gate, w_
         gu_shared = sres.gu_shared_T2Is
     else:
         acc = torch.zeros(T, H, dtype=acc_dtype, device=x.device)
-        gu_shared = x.new_empty(0, 0, dtype=reference.shared_saved_dtype(x.dtype))
+        gu_shared = x.new_empty(0, 0, dtype=shared_saved_dtype(x.dtype))
     y = _slot_sum(acc, y_SH, p.slot_TJ).to(x.dtype)
     return y, EPForwardState(x_RH, rw_RK, res.gu_N2I, gu_shared)
 

@@ -57,7 +57,8 @@ import torch
 from torch import Tensor
 
 from . import _checks, options, reference
-from .types import BackwardResult, ForwardResult, GradBuffers, RoutedOperands, Schedule, transposed_payload
+from .types import (BackwardResult, ForwardResult, GradBuffers, RoutedOperands, Schedule, shared_saved_dtype,
+                    transposed_payload)
 
 _lib = torch.library.Library("mok", "DEF")
 
@@ -254,7 +255,7 @@ _lib.impl("moe_fwd", moe_fwd_impl, "CompositeExplicitAutograd")
 def _(x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
       shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit, *mx_and_masters):
     y, g, gs = fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj)
-    return x.new_empty(y), x.new_empty(g), x.new_empty(gs, dtype=reference.shared_saved_dtype(x.dtype))
+    return x.new_empty(y), x.new_empty(g), x.new_empty(gs, dtype=shared_saved_dtype(x.dtype))
 
 
 class _MoeFwdFunction(torch.autograd.Function):

@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from .types import BackwardResult, ForwardResult, GradBuffers, Schedule, Weight
+from .types import BackwardResult, ForwardResult, GradBuffers, Schedule, Weight, clip_bounds, shared_saved_dtype
 
 def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
     """Sort the routes of `top_experts_TK` by expert; `-1` routes go last. Values must be in [-1, E)."""
@@ -102,15 +102,6 @@ def _offsets_list(schedule: Schedule) -> list[int]:
 # Forward
 
 
-def clip_bounds(limit: float, dtype: torch.dtype):
-    """(smallest `dtype` value > limit, largest `dtype` value <= limit) for bf16/fp16 and limit >= 0."""
-    c = torch.tensor(limit, dtype=torch.float64).to(dtype)
-    step = lambda v, d: (v.view(torch.int16) + d).view(dtype)
-    below = c if c.double() <= limit else step(c, -1)
-    above = c if c.double() > limit else step(c, 1)
-    return above, below
-
-
 def round_keep_clip(g32, u32, dtype, limit):
     """g, u rounded to `dtype` (bf16/fp16), but never across a clamp bound: a value the clamp clips in float32
     stays clipped once stored, and one it passes stays passed. Plain rounding would move the clamp's
@@ -137,13 +128,6 @@ def swiglu_of(gu: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
     """swiglu(g, u) of a stored [.., 2I] gate/up tensor, in the accumulation dtype."""
     g, u = gu.to(_acc_dtype(gu)).chunk(2, dim=-1)
     return swiglu(g, u, limit)
-
-
-def shared_saved_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the shared expert's saved g, u: float32 (float64 for float64 x). Its output gate's
-    gradient sum_t <dy_t, s_t> x_t cancels over tokens, and h recomputed from bf16 g, u put it over the bf16
-    tolerance at small T (the cost: T x 2Is float32, against the routed T*K x 2I in x.dtype)."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _shared_forward(x_TH, s_gate, s_up, s_down, limit):

@@ -174,3 +174,23 @@ class RoutedOperands(NamedTuple):
     def quantized(self) -> bool:
         """Whether any operand is MXFP8."""
         return any(o is not None and o.quantized for o in self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Numeric rules the reference and the kernels share
+
+
+def clip_bounds(limit: float, dtype: torch.dtype):
+    """(smallest `dtype` value > limit, largest `dtype` value <= limit) for bf16/fp16 and limit >= 0."""
+    c = torch.tensor(limit, dtype=torch.float64).to(dtype)
+    step = lambda v, d: (v.view(torch.int16) + d).view(dtype)
+    below = c if c.double() <= limit else step(c, -1)
+    above = c if c.double() > limit else step(c, 1)
+    return above, below
+
+
+def shared_saved_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the shared expert's saved g, u: float32 (float64 for float64 x). Its output gate's
+    gradient sum_t <dy_t, s_t> x_t cancels over tokens, and h recomputed from bf16 g, u put it over the bf16
+    tolerance at small T (the cost: T x 2Is float32, against the routed T*K x 2I in x.dtype)."""
+    return torch.promote_types(dtype, torch.float32)

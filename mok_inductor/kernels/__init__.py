@@ -51,8 +51,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import options, reference
-from ..types import BackwardResult, ForwardResult, GradBuffers, Operand, RoutedOperands
+from .. import options
+from ..types import BackwardResult, ForwardResult, GradBuffers, Operand, RoutedOperands, shared_saved_dtype
 
 try:
     import triton  # noqa: F401
@@ -148,9 +148,9 @@ def shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_
     s_TH [T, H] or None, the output gate's logits [T] float32 or None): the combine's inputs."""
     T, H = x_TH.shape
     if s_gate is None:
-        return x_TH.new_empty(0, 0, dtype=reference.shared_saved_dtype(x_TH.dtype)), None, None
+        return x_TH.new_empty(0, 0, dtype=shared_saved_dtype(x_TH.dtype)), None, None
     dev, dtype = x_TH.device, x_TH.dtype
-    gu_shared = torch.empty(T, 2 * s_gate.shape[0], dtype=reference.shared_saved_dtype(dtype), device=dev)
+    gu_shared = torch.empty(T, 2 * s_gate.shape[0], dtype=shared_saved_dtype(dtype), device=dev)
     s_TH = torch.empty(T, H, dtype=dtype, device=dev)
     expert_mlp(x_TH, plain(s_gate[None]), plain(s_up[None]), plain(s_down[None]), gu_shared, s_TH, sorted_N,
                offsets_E1, 1, swiglu_limit, scatter=False, single=True)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import reference
+from ..types import clip_bounds
 from . import common
 from .common import GROUP_M, _tile_ids, _tile_rows, cfg, mma, row_tiles_worst, swiglu, to_out
 from .mx_loop import (_MX_F16_CONFIGS, _gate_up_mx_block, act_step_t, few_rows_per_expert, group_scales, mx_group,
@@ -214,7 +214,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
     h = h_out if h_out is not None else gu_out
     x_TH, xr, mx_loop = mx_rows(x_TH, mx_loop, gate, up)
     keep_clip = limit is not None and gu_out.dtype in (torch.bfloat16, torch.float16)
-    above, below = (float(v) for v in reference.clip_bounds(limit, gu_out.dtype)) if keep_clip else (0.0, 0.0)
+    above, below = (float(v) for v in clip_bounds(limit, gu_out.dtype)) if keep_clip else (0.0, 0.0)
     common.launch(
         _gate_up_f16_kernel if mx_loop else _gate_up_kernel, lambda meta: (tiles(meta),),
         x_TH, x_TH.stride(0), x_TH.stride(1), xr, routes_N, offsets_E1,
