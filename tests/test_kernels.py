@@ -135,8 +135,6 @@ def test_schedule_bit_exact(monkeypatch, T, K, E, kind, fused):
     # fused: two launches (the scatter sums the counts itself: every case here is small enough); else three
     from mok_inductor.kernels import schedule
 
-    if not fused:
-        monkeypatch.setattr(schedule, "FUSED_PREFIX_MAX_TILE", 0)
     launched = record_launches(monkeypatch)
     gen = torch.Generator().manual_seed(T * 31 + E)
     from _helpers import routing
@@ -144,7 +142,7 @@ def test_schedule_bit_exact(monkeypatch, T, K, E, kind, fused):
     for index_dtype in (torch.int64, torch.int32):
         te = routing(T, K, E, kind, generator=gen, index_dtype=index_dtype).to(DEV)
         launched.clear()
-        got = kernels.build_schedule(te, E)
+        got = schedule.build_schedule(te, E, **({} if fused else {"fused_prefix_max_tile": 0}))
         assert (schedule._schedule_prefix_kernel in launched) != fused and len(launched) == (2 if fused else 3)
         want = reference.build_schedule(te.cpu(), E)
         for name, a, b in zip(("sorted_routes", "expert_offsets", "route_slots"), got, want):
@@ -782,12 +780,11 @@ def test_combine_unrolled_equals_the_route_loop(monkeypatch, shared):
     logit = torch.randn(T, generator=g) if shared else None
 
     def run(unroll):
-        monkeypatch.setattr(kernels.combine, "COMBINE_UNROLL_MAX", 16 if unroll else 0)
         launched, real = [], kernels.common.launch
         monkeypatch.setattr(kernels.common, "launch", lambda k, *a, **kw: launched.append(kw.get("TOPK_C")) or real(k, *a, **kw))
         out = torch.full((T, H), float("nan"), device=DEV)
         kernels.combine.combine(y.to(DEV), te.to(DEV), out, rw_N=rw.to(DEV), s_TH=None if s is None else s.to(DEV),
-                        logit_T=None if logit is None else logit.to(DEV))
+                        logit_T=None if logit is None else logit.to(DEV), unroll_max=16 if unroll else 0)
         assert launched == [K if unroll else 0]
         return out.cpu()
 

@@ -83,14 +83,16 @@ def _combine_route(acc, y, rw_ptr, r, valid, HAS_RW: tl.constexpr):
 COMBINE_UNROLL_MAX = 16
 
 
-def combine(y_NH, te_N, out_TH, *, rw_N=None, s_TH=None, logit_T=None, bias_H=None, bscale_T=None):
+def combine(y_NH, te_N, out_TH, *, rw_N=None, s_TH=None, logit_T=None, bias_H=None, bscale_T=None,
+            unroll_max: int = COMBINE_UNROLL_MAX):
     """out[t] = the sum of y's rows of token t's valid routes (y [T*K, H]: every route's row, those of `-1` routes
-    unwritten), weighted by rw, plus s (gated by sigmoid(logit)) and bias * bscale: `_combine_kernel`."""
+    unwritten), weighted by rw, plus s (gated by sigmoid(logit)) and bias * bscale: `_combine_kernel`, its route
+    loop unrolled for a constant K up to `unroll_max`."""
     T, H = out_TH.shape
     if T == 0 or H == 0:
         return out_TH
     topk = te_N.numel() // T
-    topk_c = int(topk) if is_concrete_int(topk) and int(topk) <= COMBINE_UNROLL_MAX else 0
+    topk_c = int(topk) if is_concrete_int(topk) and int(topk) <= unroll_max else 0
     block_h = min(1024, common.next_pow2(H)) if not common.INTERPRET else min(64, common.next_pow2(H))
     dummy = out_TH
     common.launch(

@@ -143,8 +143,10 @@ def _block(num_keys_pow2: int) -> int:
     return max(16, min(1024, 16384 // num_keys_pow2))
 
 
-def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
-    """Device twin of reference.build_schedule: bit-identical, no host sync."""
+def build_schedule(top_experts_TK: torch.Tensor, num_experts: int, *,
+                   fused_prefix_max_tile: int = FUSED_PREFIX_MAX_TILE) -> Schedule:
+    """Device twin of reference.build_schedule: bit-identical, no host sync. The prefix sums fuse into the
+    scatter while the counts tile [C, G_POW2] holds at most `fused_prefix_max_tile` entries (0: never)."""
     te_N = top_experts_TK.reshape(-1)
     if not te_N.is_contiguous():
         te_N = te_N.contiguous()
@@ -168,7 +170,7 @@ def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
     sorted_N = torch.empty(N, dtype=torch.int32, device=dev)
     slots_N = torch.empty(N, dtype=torch.int32, device=dev)
     start_G = torch.empty(G, dtype=torch.int32, device=dev)
-    fused = not isinstance(C, torch.SymInt) and C * g_pow2 <= FUSED_PREFIX_MAX_TILE  # (symbolic: three, no guard)
+    fused = not isinstance(C, torch.SymInt) and C * g_pow2 <= fused_prefix_max_tile  # (symbolic: three, no guard)
     if fused:
         common.launch(_schedule_scatter_kernel, (C,), te_N, None, None, counts_CG, bad_C, sorted_N, slots_N,
                        start_G, ok, N, E, C, G_POW2=g_pow2, BLOCK=block, FUSED=True, C_POW2=common.next_pow2(C))
