@@ -25,8 +25,8 @@ backend.register()
 
 
 def enable() -> None:
-    """Install the compile-cache key and the MoE graph pass; register transformers' "mok" experts backend
-    when transformers is installed. Idempotent."""
+    """Install the compile-cache key, the decomposition of the `mok::` ops into their Triton launches and the
+    MoE graph pass; register transformers' "mok" experts backend when transformers is installed. Idempotent."""
     from ..integrations import transformers as _hf
 
     cache.install()

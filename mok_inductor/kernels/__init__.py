@@ -168,7 +168,7 @@ def moe_forward(x_TH, router_weights_TK, top_experts_TK, schedule, w_gate, w_up,
 
 def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperands, s_gate=None, s_up=None,
             s_down=None, s_out_gate_1H=None, swiglu_limit=None) -> ForwardResult:
-    """The forward with the routed weights as kernel operands (`mxfp8.RoutedOperands`: bf16, or MXFP8
+    """The forward with the routed weights as kernel operands (`types.RoutedOperands`: bf16, or MXFP8
     row-wise data + scales read in the K loop, 3-D or split per expert)."""
     T, H = x_TH.shape
     K = top_experts_TK.shape[1]

@@ -197,7 +197,7 @@ def _swiglu_bwd_kernel(
 
 def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, single=False, two_pass=None):
     """-> (dgu [M, 2I] dy.dtype, dscale [routes] float32 = <dy @ down[e], h> per route, hs [M, I] = scale * h
-    in dy.dtype (h without a scale)). down_t: the down weight's transpose as an `mxfp8.Operand` read as
+    in dy.dtype (h without a scale)). down_t: the down weight's transpose as a `types.Operand` read as
     [E, I, H]; gu: the forward's saved [g | u]. two_pass: None picks by rows per expert (shapes only)."""
     M = gu_M2I.shape[0]
     I = gu_M2I.shape[1] // 2

@@ -199,7 +199,7 @@ _gate_up_f16_kernel = common.autotune(_MX_F16_CONFIGS, cfg(16, 16, 32, 1, 1), ke
 
 def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=None, single=False):
     """gu_out[M, 2I] = [x[rows] @ gate[e]^T | x[rows] @ up[e]^T] per sorted row (before the clamp), and
-    h_out[M, I] = swiglu of those (rounded) values when given. gate, up: `mxfp8.Operand`s read as [E, I, H]
+    h_out[M, I] = swiglu of those (rounded) values when given. gate, up: `types.Operand`s read as [E, I, H]
     (SINGLE: all T rows, one expert given as [1, I, H] views)."""
     M = gu_out.shape[0]
     I = gu_out.shape[1] // 2

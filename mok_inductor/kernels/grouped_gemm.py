@@ -172,7 +172,7 @@ def _tma_args(a_MK, w1, w2, two: bool, mx_loop: MxLoop):
 
 
 def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, single=False):
-    """out[dest(r)] = A[r, :KD] @ W1[e]^T (+ A[r, KD:] @ W2[e]^T); w1, w2: `mxfp8.Operand`s read as
+    """out[dest(r)] = A[r, :KD] @ W1[e]^T (+ A[r, KD:] @ W2[e]^T); w1, w2: `types.Operand`s read as
     [E, NCOL, KD]."""
     M = a_MK.shape[0]
     NCOL = out.shape[1]

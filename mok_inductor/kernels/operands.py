@@ -75,7 +75,7 @@ def w_tma_tile(w_desc, w_row0, n0, k0, W_KMAJOR: tl.constexpr):
 
 
 def w_args(op) -> tuple:
-    """Kernel arguments of an operand (`mok_inductor.mxfp8.Operand` of 3-D tensors or of `ExpertTable`s)
+    """Kernel arguments of an operand (`mok_inductor.types.Operand` of 3-D tensors or of `ExpertTable`s)
     read as [E, n, k]: data, its strides, scales, their strides. A plain operand's scales are its data
     again (through a table: a tensor of its dtype, which the kernel reads the addresses as)."""
     d = op.data
