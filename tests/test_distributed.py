@@ -11,10 +11,12 @@ token to rank 0's experts, a rank with T = 0, `-1` routes (and a token with none
 with its output gate, swiglu_limit, bf16, K = 1; the functional ABI with a group (fresh gradients
 and main_grads accumulation, dense and split layouts); errors raised on every rank; determinism.
 
-Shapes: T in [0, 16] per rank, H=32, I=16, Is=24, E=8, K=2 (K=1 once). Tolerances: SPEC section 2.
+Shapes: T in [0, 16] per rank, H=32, I=16, Is=24, E=8, K=2 (K=1 once). Tolerances: docs/semantics.md, "The
+contract" (`_helpers.TOLERANCE`).
 """
 
 import datetime
+import functools
 import gc
 import os
 import traceback
@@ -30,10 +32,13 @@ import torch.multiprocessing as mp
 # torch._dynamo, and with it that module) cannot keep the group, and its gloo threads, alive past
 # destroy_process_group (see _worker's check).
 import mok_inductor  # noqa: E402,F401
-from _helpers import gloo_threads  # noqa: E402
+from _helpers import (  # noqa: E402
+    TOLERANCE, MoeCase, assert_close_to_oracle, gloo_threads, make_case, moe_with_grads, oracle_with_grads,
+    random_like, rel_err, routing,
+)
 
 H, I, IS, E = 32, 16, 24, 8
-TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+SHARED_NAMES = ("shared_gate_up_proj", "shared_down_proj", "shared_output_gate")
 
 
 # ---------------------------------------------------------------------------------------------- spawning
@@ -77,54 +82,19 @@ def _spawn(world, suite, tmp_path, device="cpu"):
 
 
 def _problem(world, seed, *, T=None, K=2, kind="random", dtype=torch.float32, shared=True, gate=True, limit=None):
-    """The global problem, identical on every rank: per-rank tokens, all E experts, dy."""
+    """The global problem, identical on every rank: all ranks' tokens (rank r's are the T[r] rows after
+    the earlier ranks') through all E experts, as one `make_case` case, and dy. kind: random; rank0
+    (every route of every token to rank 0's experts); drop (30% of the routes -1, and each rank's first
+    token with no route at all)."""
     g = torch.Generator().manual_seed(seed)
     T = T if T is not None else [int(t) for t in torch.randint(8, 17, (world,), generator=g)]
-    El = E // world
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
-
-    ranks = []
-    for r in range(world):
-        t = T[r]
-        if kind == "rank0":  # every route of every token to rank 0's experts
-            te = torch.stack([torch.randperm(El, generator=g)[:K] for _ in range(t)]) if t else \
-                torch.empty(0, K, dtype=torch.int64)
-        else:
-            te = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]) if t else \
-                torch.empty(0, K, dtype=torch.int64)
-        te = te.reshape(t, K)
-        if kind == "drop" and t:
-            te = torch.where(torch.rand(t, K, generator=g) < 0.3, torch.full_like(te, -1), te)
-            te[0] = -1  # a token with no route at all
-        ranks.append(dict(
-            x=randn(t, H), rw=(torch.rand(t, K, generator=g, dtype=torch.float64) + 0.1).float(),
-            te=te.to(torch.int32 if r % 2 else torch.int64), dy=randn(t, H),
-        ))
-    p = dict(
-        ranks=ranks, T=T, K=K, El=El, dtype=dtype, limit=limit,
-        gate_up=randn(E, 2 * I, H, scale=H ** -0.5), down=randn(E, H, I, scale=I ** -0.5),
-        sgu=randn(2 * IS, H, scale=H ** -0.5) if shared else None, sd=randn(H, IS, scale=IS ** -0.5) if shared else None,
-        sog=randn(1, H, scale=H ** -0.5) if (shared and gate) else None,
-    )
-    return p
-
-
-def _oracle(p):
-    """Float64 forward and gradients of ALL ranks' tokens through ALL experts, in one process."""
-    from oracle import oracle_moe
-
-    cat = {k: torch.cat([r[k] for r in p["ranks"]]) for k in ("x", "rw", "te", "dy")}
-    leaves = dict(x=cat["x"].double().requires_grad_(), rw=cat["rw"].double().requires_grad_())
-    for k in ("gate_up", "down", "sgu", "sd", "sog"):
-        if p[k] is not None:
-            leaves[k] = p[k].double().requires_grad_()
-    y = oracle_moe(leaves["x"], leaves["rw"], cat["te"].long(), leaves["gate_up"], leaves["down"], leaves.get("sgu"),
-                   leaves.get("sd"), leaves.get("sog"), p["limit"])
-    y.backward(cat["dy"].double())
-    grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v)) for k, v in leaves.items()}
-    return y.detach(), grads
+    case = make_case(T=sum(T), H=H, I=I, E=E, K=K, Is=IS, dtype=dtype, shared=shared, gate=shared and gate,
+                     limit=limit, drop=0.3 if kind == "drop" else 0.0, seed=seed + 1, requires_grad=False)
+    if kind == "rank0":
+        case.top_experts = routing(sum(T), K, E // world, generator=g)
+    if kind == "drop":
+        case.top_experts[[sum(T[:r]) for r in range(world) if T[r]]] = -1
+    return dict(case=case, dy=random_like(case.x, seed + 2), T=T, El=E // world)
 
 
 def _rows(p, rank):
@@ -136,18 +106,14 @@ def _local(p, rank):
     return slice(rank * p["El"], (rank + 1) * p["El"])
 
 
-def _rel(out, ref):
-    out, ref = out.detach().double(), ref.detach().double()
-    assert out.shape == ref.shape, (tuple(out.shape), tuple(ref.shape))
-    if out.numel() == 0:
-        return 0.0
-    den = ref.norm().item()
-    return (out - ref).norm().item() / den if den > 0 else out.norm().item()
-
-
-def _check(name, out, ref, dtype):
-    err = _rel(out, ref)
-    assert err <= TOL[dtype], f"{name}: relative error {err:.3e} vs the float64 oracle exceeds {TOL[dtype]:.0e}"
+def _rank_case(p, rank):
+    """(this rank's case, its rows of dy): its tokens, its E / W local experts, the whole shared expert.
+    Odd ranks pass int32 expert indices, even ranks int64 (the exchanges carry both)."""
+    c, rows, loc = p["case"], _rows(p, rank), _local(p, rank)
+    te = c.top_experts[rows].to(torch.int32 if rank % 2 else torch.int64)
+    mine = MoeCase(c.x[rows], c.router_weights[rows], te, c.gate_up_proj[loc], c.down_proj[loc],
+                   c.shared_gate_up_proj, c.shared_down_proj, c.shared_output_gate, c.swiglu_limit)
+    return mine, p["dy"][rows]
 
 
 def _sum_over_ranks(t):
@@ -159,39 +125,30 @@ def _sum_over_ranks(t):
 # ---------------------------------------------------------------------------------------------- the user API
 
 
-def _run_api(p, rank, group=None):
-    import mok_inductor
-
-    mine = p["ranks"][rank]
-    loc = _local(p, rank)
-    leaf = lambda t: None if t is None else t.detach().clone().requires_grad_()  # noqa: E731
-    args = dict(x=leaf(mine["x"]), rw=leaf(mine["rw"]), gate_up=leaf(p["gate_up"][loc]), down=leaf(p["down"][loc]),
-                sgu=leaf(p["sgu"]), sd=leaf(p["sd"]), sog=leaf(p["sog"]))
-    y = mok_inductor.moe(args["x"], args["rw"], mine["te"], args["gate_up"], args["down"], shared_gate_up_proj=args["sgu"],
-                         shared_down_proj=args["sd"], shared_output_gate=args["sog"], swiglu_limit=p["limit"],
-                         group=dist.group.WORLD if group is None else group)
-    y.backward(mine["dy"])
-    return y.detach(), {k: (v.grad if v is not None else None) for k, v in args.items()}
+def _run_api(p, rank):
+    """(y, {name: grad}) of this rank's share through mok_inductor.moe over the world group."""
+    return moe_with_grads(*_rank_case(p, rank), fn=functools.partial(mok_inductor.moe, group=dist.group.WORLD))
 
 
 def _check_api_case(rank, world, seed, **kw):
     p = _problem(world, seed, **kw)
     y, grads = _run_api(p, rank)
-    y_ref, g_ref = _oracle(p)
-    dt = p["dtype"]
+    y_ref, g_ref = oracle_with_grads(p["case"], p["dy"])
+    dt = p["case"].x.dtype
     rows, loc = _rows(p, rank), _local(p, rank)
     assert y.dtype == dt and y.shape == (p["T"][rank], H)
-    _check("y", y, y_ref[rows], dt)
-    _check("d x", grads["x"], g_ref["x"][rows], dt)
-    assert grads["rw"].dtype == torch.float32
-    _check("d router_weights", grads["rw"], g_ref["rw"][rows], dt)
-    assert torch.all(grads["rw"][p["ranks"][rank]["te"] < 0] == 0), "a -1 route got a router-weight gradient"
-    _check("d gate_up_proj (local experts)", grads["gate_up"], g_ref["gate_up"][loc], dt)
-    _check("d down_proj (local experts)", grads["down"], g_ref["down"][loc], dt)
-    for k in ("sgu", "sd", "sog"):
-        if p[k] is not None:
+    assert_close_to_oracle("y", y, y_ref[rows], dt)
+    assert_close_to_oracle("d x", grads["x"], g_ref["x"][rows], dt)
+    assert grads["router_weights"].dtype == torch.float32
+    assert_close_to_oracle("d router_weights", grads["router_weights"], g_ref["router_weights"][rows], dt)
+    assert torch.all(grads["router_weights"][p["case"].top_experts[rows] < 0] == 0), \
+        "a -1 route got a router-weight gradient"
+    for n in ("gate_up_proj", "down_proj"):
+        assert_close_to_oracle(f"d {n} (local experts)", grads[n], g_ref[n][loc], dt)
+    for n in SHARED_NAMES:
+        if n in grads:
             # each rank's shared gradient covers its own tokens; data parallelism sums them
-            _check(f"d {k} (summed over ranks)", _sum_over_ranks(grads[k]), g_ref[k], dt)
+            assert_close_to_oracle(f"d {n} (summed over ranks)", _sum_over_ranks(grads[n]), g_ref[n], dt)
     return p, y, grads
 
 
@@ -227,46 +184,35 @@ def case_bf16(rank, world, seed):
 def case_all_tokens_empty(rank, world, seed):
     """No rank has a token (every collective moves nothing); output and gradients are empty."""
     p, y, grads = _check_api_case(rank, world, seed, T=[0] * world)
-    assert grads["gate_up"].abs().sum() == 0 and grads["down"].abs().sum() == 0
+    assert grads["gate_up_proj"].abs().sum() == 0 and grads["down_proj"].abs().sum() == 0
 
 
 def case_matches_one_device_and_is_deterministic(rank, world, seed):
     """The EP result equals the one-device megakernel on the concatenated tokens (fp32, tight), and
     two EP runs are bitwise identical."""
-    import mok_inductor
-
     p = _problem(world, seed, limit=1.5)
     y1, g1 = _run_api(p, rank)
     y2, g2 = _run_api(p, rank)
     assert torch.equal(y1, y2), "two EP runs differ"
     for k in g1:
-        if g1[k] is not None:
-            assert torch.equal(g1[k], g2[k]), f"two EP runs differ in d {k}"
-    cat = {k: torch.cat([r[k] for r in p["ranks"]]) for k in ("x", "rw", "te", "dy")}
-    x = cat["x"].clone().requires_grad_()
-    w = p["gate_up"].clone().requires_grad_()
-    y = mok_inductor.moe(x, cat["rw"], cat["te"].long(), w, p["down"], shared_gate_up_proj=p["sgu"],
-                         shared_down_proj=p["sd"], shared_output_gate=p["sog"], swiglu_limit=p["limit"])
-    y.backward(cat["dy"])
+        assert torch.equal(g1[k], g2[k]), f"two EP runs differ in d {k}"
+    y, g = moe_with_grads(p["case"], p["dy"])
     rows, loc = _rows(p, rank), _local(p, rank)
-    assert _rel(y1, y[rows]) <= 1e-6
-    assert _rel(g1["x"], x.grad[rows]) <= 1e-6
-    assert _rel(g1["gate_up"], w.grad[loc]) <= 1e-6
+    assert rel_err(y1, y[rows]) <= 1e-6
+    assert rel_err(g1["x"], g["x"][rows]) <= 1e-6
+    assert rel_err(g1["gate_up_proj"], g["gate_up_proj"][loc]) <= 1e-6
 
 
 def case_errors_on_every_rank(rank, world, seed):
     """A bad expert id on one rank raises ValueError on every rank (nobody is left in a collective);
     so does a rank holding a different number of local experts. The group stays usable."""
-    import mok_inductor
-
     p = _problem(world, seed)
-    mine = p["ranks"][rank]
-    loc = _local(p, rank)
-    te = mine["te"].clone()
+    mine, _ = _rank_case(p, rank)
+    te = mine.top_experts.clone()
     if rank == 1:
         te[0, 0] = E  # out of [-1, E)
     with pytest.raises(ValueError) as info:
-        mok_inductor.moe(mine["x"], mine["rw"], te, p["gate_up"][loc], p["down"][loc], group=dist.group.WORLD)
+        mok_inductor.moe(mine.x, mine.router_weights, te, mine.gate_up_proj, mine.down_proj, group=dist.group.WORLD)
     msg = str(info.value)
     if rank == 1:
         assert msg == f"top_experts: expected global expert indices in [-1, {E}) (-1 means no route; E = " \
@@ -274,20 +220,22 @@ def case_errors_on_every_rank(rank, world, seed):
     else:
         assert msg == f"top_experts: rank 1 of the expert-parallel group passed expert indices outside [-1, {E})", msg
 
-    gu, dn = p["gate_up"][loc], p["down"][loc]
+    gu, dn = mine.gate_up_proj, mine.down_proj
     if rank == 0:
         gu, dn = torch.cat([gu, gu]), torch.cat([dn, dn])  # twice the local experts
     with pytest.raises(ValueError, match="^group: the ranks disagree on"):
-        mok_inductor.moe(mine["x"], mine["rw"], mine["te"].clamp(max=p["El"] - 1), gu, dn, group=dist.group.WORLD)
+        mok_inductor.moe(mine.x, mine.router_weights, mine.top_experts.clamp(max=p["El"] - 1), gu, dn,
+                         group=dist.group.WORLD)
     with pytest.raises(ValueError, match="^top_experts: expected shape"):
-        mok_inductor.moe(mine["x"], mine["rw"], mine["te"][:, :1], p["gate_up"][loc], p["down"][loc],
+        mok_inductor.moe(mine.x, mine.router_weights, mine.top_experts[:, :1], mine.gate_up_proj, mine.down_proj,
                          group=dist.group.WORLD)  # a local shape error: raised before any collective, on every rank
     from mok_inductor import mxfp8
 
-    mx_gate_up = mxfp8.quantize(p["gate_up"][loc], columnwise=False)  # [El, 2I=32, H=32]: row-wise blocks of 32
+    mx_gate_up = mxfp8.quantize(mine.gate_up_proj, columnwise=False)  # [El, 2I=32, H=32]: row-wise blocks of 32
     with pytest.raises(TypeError, match="^gate_up_proj/down_proj: MXFP8 routed weights are not supported with expert "
                                         "parallelism"):
-        mok_inductor.moe(mine["x"], mine["rw"], mine["te"], mx_gate_up, p["down"][loc], group=dist.group.WORLD)
+        mok_inductor.moe(mine.x, mine.router_weights, mine.top_experts, mx_gate_up, mine.down_proj,
+                         group=dist.group.WORLD)
     case_balanced(rank, world, seed + 1)  # the group still works
 
 
@@ -298,22 +246,22 @@ def _functional_case(rank, world, seed, *, layout, main_grads, dtype=torch.float
     from mok_inductor import functional as mf
 
     p = _problem(world, seed, dtype=dtype, limit=1.0, kind="drop")
-    mine = p["ranks"][rank]
+    mine, dy = _rank_case(p, rank)
     loc = _local(p, rank)
-    T, K, El = p["T"][rank], p["K"], p["El"]
+    T, K, El = p["T"][rank], mine.top_experts.shape[1], p["El"]
     cfg = mf.MoKConfig()
     ws = mf.get_workspace(cfg, dist.group.WORLD, device="cpu", num_local_tokens=T, hidden_size=H, topk=K)
     assert ws.group is dist.group.WORLD and ws.ep_size == world
-    sch = mf.build_schedule(ws, cfg, mine["te"], num_local_experts=El)
-    gu, dn = p["gate_up"][loc].clone(), p["down"][loc].clone()
+    sch = mf.build_schedule(ws, cfg, mine.top_experts, num_local_experts=El)
+    gu, dn = mine.gate_up_proj.clone(), mine.down_proj.clone()
     if layout == "split":
         rg = ru = mf.SplitRoutedWeight(tuple(gu.unbind(0)))
         rd = list(dn.unbind(0))
     else:
         rg, ru, rd = gu, gu, dn
-    sgu, sd, sog = p["sgu"], p["sd"], p["sog"]
+    sgu, sd, sog = mine.shared_gate_up_proj, mine.shared_down_proj, mine.shared_output_gate
     s_gate, s_up = sgu[:IS], sgu[IS:]
-    y, fctx = mf.forward(cfg, ws, sch, mine["x"], mine["rw"], s_gate, s_up, sd, rg, ru, rd, swiglu_limit=1.0,
+    y, fctx = mf.forward(cfg, ws, sch, mine.x, mine.router_weights, s_gate, s_up, sd, rg, ru, rd, swiglu_limit=1.0,
                          shared_output_gate_weight=sog)
     kw = {}
     g = torch.Generator().manual_seed(seed + rank)
@@ -325,27 +273,28 @@ def _functional_case(rank, world, seed, *, layout, main_grads, dtype=torch.float
         before = [t.clone() for t in (mg_gu, mg_dn, mg_sgu, mg_sd, mg_sog)]
         kw = dict(main_grads=(mg_sgu[:IS], mg_gu, mg_sgu[IS:], mg_gu, mg_sd, mg_dn),
                   shared_output_gate_main_grad=mg_sog)
-    out = mf.backward(cfg, ws, sch, fctx, mine["dy"], mine["x"], mine["rw"], s_gate, s_up, sd, rg, ru, rd,
+    out = mf.backward(cfg, ws, sch, fctx, dy, mine.x, mine.router_weights, s_gate, s_up, sd, rg, ru, rd,
                       swiglu_limit=1.0, shared_output_gate_weight=sog, **kw)
     d_x, d_rw, d_rg, d_ru, d_rd, d_sg, d_su, d_sd, d_sog = out
-    y_ref, g_ref = _oracle(p)
+    y_ref, g_ref = oracle_with_grads(p["case"], p["dy"])
     rows = _rows(p, rank)
-    _check("y", y, y_ref[rows], dtype)
-    _check("d x", d_x, g_ref["x"][rows], dtype)
-    _check("d router_weights", d_rw, g_ref["rw"][rows], dtype)
+    check = functools.partial(assert_close_to_oracle, dtype=dtype)
+    check("y", y, y_ref[rows])
+    check("d x", d_x, g_ref["x"][rows])
+    check("d router_weights", d_rw, g_ref["router_weights"][rows])
     if main_grads:
         assert d_rg is mg_gu and d_ru is mg_gu and d_rd is mg_dn and d_sog is mg_sog
-        _check("main_grad gate_up", mg_gu - before[0], g_ref["gate_up"][loc], dtype)
-        _check("main_grad down", mg_dn - before[1], g_ref["down"][loc], dtype)
-        _check("main_grad shared fc1", _sum_over_ranks(mg_sgu - before[2]), g_ref["sgu"], dtype)
-        _check("main_grad shared fc2", _sum_over_ranks(mg_sd - before[3]), g_ref["sd"], dtype)
-        _check("main_grad shared gate", _sum_over_ranks(mg_sog - before[4]), g_ref["sog"], dtype)
+        check("main_grad gate_up", mg_gu - before[0], g_ref["gate_up_proj"][loc])
+        check("main_grad down", mg_dn - before[1], g_ref["down_proj"][loc])
+        check("main_grad shared fc1", _sum_over_ranks(mg_sgu - before[2]), g_ref["shared_gate_up_proj"])
+        check("main_grad shared fc2", _sum_over_ranks(mg_sd - before[3]), g_ref["shared_down_proj"])
+        check("main_grad shared gate", _sum_over_ranks(mg_sog - before[4]), g_ref["shared_output_gate"])
     else:
         d_gu = torch.stack(list(d_rg.data if isinstance(d_rg, mf.SplitRoutedWeight) else d_rg))
-        _check("d routed fc1", d_gu, g_ref["gate_up"][loc], dtype)
-        _check("d routed down", torch.stack(list(d_rd)), g_ref["down"][loc], dtype)
-        _check("d shared fc1", _sum_over_ranks(torch.cat([d_sg, d_su])), g_ref["sgu"], dtype)
-        _check("d shared gate", _sum_over_ranks(d_sog), g_ref["sog"], dtype)
+        check("d routed fc1", d_gu, g_ref["gate_up_proj"][loc])
+        check("d routed down", torch.stack(list(d_rd)), g_ref["down_proj"][loc])
+        check("d shared fc1", _sum_over_ranks(torch.cat([d_sg, d_su])), g_ref["shared_gate_up_proj"])
+        check("d shared gate", _sum_over_ranks(d_sog), g_ref["shared_output_gate"])
 
 
 def case_workspace_does_not_keep_its_group(rank, world, seed):
@@ -402,7 +351,6 @@ def case_megatron_ep(rank, world, seed):
     from mok_inductor.integrations.megatron.route_adapter import routing_map_to_mok_inputs
     import test_megatron as tm
     from _helpers import destroy_model_parallel
-    from oracle import oracle_moe
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
     original_gating = router_mod.Router.gating
@@ -441,23 +389,24 @@ def case_megatron_ep(rank, world, seed):
         fc1 = gather(torch.stack([m.linear_fc1.weight.detach() for m in experts]))
         fc2 = gather(torch.stack([m.linear_fc2.weight.detach() for m in experts]))
         sh = layer.shared_experts
-        leaves = [t.double().requires_grad_() for t in (xs, ps, fc1, fc2, sh.linear_fc1.weight.detach(),
-                                                        sh.linear_fc2.weight.detach(), sh.gate_weight.detach())]
-        _, te = routing_map_to_mok_inputs(ps, ms.bool(), tm.K)  # the routed ids only
-        te = te.long()
-        rw = torch.where(te >= 0, leaves[1].gather(1, te.clamp(min=0)), torch.zeros((), dtype=torch.float64))
-        y_ref = oracle_moe(leaves[0], rw, te, *leaves[2:], swiglu_limit=cfg.activation_func_clamp_value)
-        y_ref.backward(dys.double())
+        rw, te = routing_map_to_mok_inputs(ps, ms.bool(), tm.K, index_dtype=torch.int64)
+        case = MoeCase(xs, rw, te, fc1, fc2, sh.linear_fc1.weight.detach(), sh.linear_fc2.weight.detach(),
+                       sh.gate_weight.detach(), cfg.activation_func_clamp_value)
+        y_ref, g_ref = oracle_with_grads(case, dys)
+        # d probs: each route's router-weight gradient lands on its expert's column (a -1 route on none)
+        d_probs = torch.zeros(ps.shape, dtype=torch.float64).scatter_add_(
+            1, te.clamp(min=0), torch.where(te >= 0, g_ref["router_weights"], torch.zeros((), dtype=torch.float64)))
         rows = slice(rank * T, (rank + 1) * T)
         loc = slice(rank * El, (rank + 1) * El)
-        dt = torch.float32
-        _check("megatron y", out.reshape(T, -1), y_ref[rows], dt)
-        _check("megatron d hidden_states", xl.grad.reshape(T, -1), leaves[0].grad[rows], dt)
-        _check("megatron d probs", pl.grad, leaves[1].grad[rows], dt)
-        _check("megatron d local fc1", torch.stack([m.linear_fc1.weight.grad for m in experts]), leaves[2].grad[loc], dt)
-        _check("megatron d local fc2", torch.stack([m.linear_fc2.weight.grad for m in experts]), leaves[3].grad[loc], dt)
-        _check("megatron d shared fc1", _sum_over_ranks(sh.linear_fc1.weight.grad), leaves[4].grad, dt)
-        _check("megatron d shared gate", _sum_over_ranks(sh.gate_weight.grad), leaves[6].grad, dt)
+        check = functools.partial(assert_close_to_oracle, dtype=torch.float32)
+        check("megatron y", out.reshape(T, -1), y_ref[rows])
+        check("megatron d hidden_states", xl.grad.reshape(T, -1), g_ref["x"][rows])
+        check("megatron d probs", pl.grad, d_probs[rows])
+        check("megatron d local fc1", torch.stack([m.linear_fc1.weight.grad for m in experts]),
+              g_ref["gate_up_proj"][loc])
+        check("megatron d local fc2", torch.stack([m.linear_fc2.weight.grad for m in experts]), g_ref["down_proj"][loc])
+        check("megatron d shared fc1", _sum_over_ranks(sh.linear_fc1.weight.grad), g_ref["shared_gate_up_proj"])
+        check("megatron d shared gate", _sum_over_ranks(sh.gate_weight.grad), g_ref["shared_output_gate"])
 
         # the whole layer: router -> MoK EP -> output, and its backward
         layer.zero_grad(set_to_none=True)
@@ -497,19 +446,23 @@ def case_transformers_shard_experts(rank, world, seed):
     ids = torch.randint(0, 64, (world, 2, 7), generator=g)  # rank r's batch: ids[r]
     proj = torch.randn(world, 2, 7, 64, generator=g)
 
+    def check(name, out, want):
+        err, tol = rel_err(out, want), TOLERANCE[torch.float32]
+        assert err <= tol, f"{name}: relative error {err:.3e} vs the unsharded model exceeds {tol:.1e}"
+
     logits = model(input_ids=ids[rank]).logits
     (logits * proj[rank]).sum().backward()
     logits_ref = ref(input_ids=ids.reshape(world * 2, 7)).logits
     (logits_ref * proj.reshape(world * 2, 7, 64)).sum().backward()
-    _check("transformers logits", logits.detach(), logits_ref.detach()[2 * rank:2 * rank + 2], torch.float32)
+    check("transformers logits", logits, logits_ref[2 * rank:2 * rank + 2])
     ref_params = dict(ref.named_parameters())
     El = cfg.num_experts // world
     for name, prm in model.named_parameters():
         want = ref_params[name].grad
         if name in sharded:
-            _check(f"d {name}", prm.grad, want[rank * El:(rank + 1) * El], torch.float32)
+            check(f"d {name}", prm.grad, want[rank * El:(rank + 1) * El])
         elif want is not None and want.abs().sum() > 0:
-            _check(f"d {name} (summed over ranks)", _sum_over_ranks(prm.grad), want, torch.float32)
+            check(f"d {name} (summed over ranks)", _sum_over_ranks(prm.grad), want)
 
 
 # ---------------------------------------------------------------------------------------------- one rank, EP code path
@@ -523,20 +476,14 @@ def case_ep_code_path_on_one_rank(rank, world, seed):
 
     for j, kw in enumerate([dict(limit=1.0), dict(kind="drop", gate=False), dict(T=[0]), dict(dtype=torch.bfloat16)]):
         p = _problem(world, seed + j, **kw)
-        mine = p["ranks"][0]
-        dev = _DEVICE
-        leaf = lambda t: None if t is None else t.detach().to(dev).clone().requires_grad_()  # noqa: E731
-        a = dict(x=leaf(mine["x"]), rw=leaf(mine["rw"]), gate_up=leaf(p["gate_up"]), down=leaf(p["down"]),
-                 sgu=leaf(p["sgu"]), sd=leaf(p["sd"]), sog=leaf(p["sog"]))
-        y = distributed.moe(a["x"], a["rw"], mine["te"].to(dev), a["gate_up"], a["down"], a["sgu"], a["sd"], a["sog"],
-                            p["limit"], group=dist.group.WORLD)
-        y.backward(mine["dy"].to(dev))
-        y_ref, g_ref = _oracle(p)
-        dt = p["dtype"]
-        _check("y", y.cpu(), y_ref, dt)
-        for k, v in a.items():
-            if v is not None:
-                _check(f"d {k}", v.grad.cpu(), g_ref[k], dt)
+        mine, dy = _rank_case(p, 0)
+        y, grads = moe_with_grads(mine.detached(device=_DEVICE), dy.to(_DEVICE),
+                                  fn=functools.partial(distributed.moe, group=dist.group.WORLD))
+        y_ref, g_ref = oracle_with_grads(p["case"], p["dy"])
+        dt = mine.x.dtype
+        assert_close_to_oracle("y", y, y_ref, dt)
+        for n, g in grads.items():
+            assert_close_to_oracle(f"d {n}", g, g_ref[n], dt)
 
 
 SUITES = {
@@ -553,9 +500,6 @@ SUITES = {
 
 
 def test_group_without_torch_distributed_is_a_value_error(monkeypatch):
-    import mok_inductor
-    from _helpers import make_case
-
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     c = make_case(T=4, H=8, I=4, E=2, K=2, requires_grad=False)
     with pytest.raises(ValueError, match="^group: a process group was given but torch.distributed is not initialized$"):
