@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from . import _checks, ops
+from . import options as _options
 from .types import GradBuffers, RoutedOperands, Schedule, shared_saved_dtype
 
 __all__ = ["EPPlan", "EPForwardState", "group_size", "plan", "forward", "backward", "moe"]
@@ -323,6 +324,7 @@ class _EPMoE(torch.autograd.Function):
         y, state = forward(p, x, rw, w_gate, w_up, down, s_gate, s_up, sd, sog, limit)
         ctx.save_for_backward(x, rw, gate_up, down, sgu, sd, sog)
         ctx.plan, ctx.state, ctx.limit = p, state, limit
+        ctx.options = _options.current()  # the backward runs as its forward did (a per-call `options=` included)
         return y
 
     @staticmethod
@@ -334,8 +336,9 @@ class _EPMoE(torch.autograd.Function):
         if sgu is not None:
             s_gate, s_up = ops.split_gate_up(sgu)
         grads = GradBuffers.allocate(None, None, None, down, None, None, sd, sog, gate_up=gate_up, s_gate_up=sgu)
-        dx, drw = backward(ctx.plan, ctx.state, dy, x, rw, w_gate, w_up, down, s_gate, s_up, sd, sog, ctx.limit,
-                           grads=grads, accumulate=False)
+        with _options.override(ctx.options):
+            dx, drw = backward(ctx.plan, ctx.state, dy, x, rw, w_gate, w_up, down, s_gate, s_up, sd, sog, ctx.limit,
+                               grads=grads, accumulate=False)
         ctx.plan = ctx.state = None
         return dx, drw.to(rw.dtype), grads.d_gate_up, grads.d_down, grads.d_s_gate_up, grads.d_s_down, \
             grads.d_s_out_gate, None, None

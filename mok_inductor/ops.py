@@ -277,6 +277,7 @@ class _MoeFwdFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(gu, gu_shared)
         ctx.set_materialize_grads(False)
         ctx.swiglu_limit = swiglu_limit
+        ctx.options = options.current()  # the backward runs as its forward did (a per-call `options=` included)
         ctx.num_inputs = len(inputs)
         ctx.has_shared = shared_gate_up_proj is not None
         ctx.has_gate = shared_output_gate is not None
@@ -298,11 +299,12 @@ class _MoeFwdFunction(torch.autograd.Function):
             dy = torch.zeros_like(x)
         quantized = ctx.gate_up_mx or ctx.down_mx
         extra = (*mx, ctx.gate_up_grad, ctx.down_grad) if quantized else ()
-        dx, drw, dgu, dd, dsgu, dsd, dsg = torch.ops.mok.moe_bwd(
-            dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj,
-            down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, ctx.swiglu_limit,
-            *extra,
-        )
+        with options.override(ctx.options):
+            dx, drw, dgu, dd, dsgu, dsd, dsg = torch.ops.mok.moe_bwd(
+                dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj,
+                down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared,
+                ctx.swiglu_limit, *extra,
+            )
         grads = [
             dx, drw, None, None, None, None,
             None if ctx.gate_up_mx else dgu,

@@ -23,11 +23,12 @@ def _case():
 
 @pytest.fixture
 def spies(monkeypatch):
-    """Counts of the calls into the kernels' and the reference's forward."""
+    """Counts of the calls into the kernels' and the reference's forward and backward."""
     from mok_inductor import kernels, reference
 
-    calls = {"triton": 0, "reference": 0}
-    for mod, name, key in ((kernels, "forward", "triton"), (reference, "moe_forward", "reference")):
+    calls = {"triton": 0, "reference": 0, "triton bwd": 0, "reference bwd": 0}
+    for mod, name, key in ((kernels, "forward", "triton"), (reference, "moe_forward", "reference"),
+                           (kernels, "backward", "triton bwd"), (reference, "moe_backward", "reference bwd")):
         def counted(*args, _real=getattr(mod, name), _key=key, **kwargs):
             calls[_key] += 1
             return _real(*args, **kwargs)
@@ -43,10 +44,10 @@ def test_backend_reference_and_triton_on_cpu(spies):
     with mok_inductor.options.override(backend="triton"):
         assert mok_inductor.path_name(x) == "triton"
         y_tri = mok_inductor.moe(*c.args(), **c.kwargs())
-    assert spies == {"triton": 1, "reference": 0}
+    assert spies == {"triton": 1, "reference": 0, "triton bwd": 0, "reference bwd": 0}
     with mok_inductor.options.override(backend="reference"):
         y_ref = mok_inductor.moe(*c.args(), **c.kwargs())
-    assert spies == {"triton": 1, "reference": 1}
+    assert spies == {"triton": 1, "reference": 1, "triton bwd": 0, "reference bwd": 0}
     assert rel_err(y_tri, y_ref) <= TOLERANCE[torch.bfloat16]
 
 
@@ -54,15 +55,28 @@ def test_per_call_options(spies):
     c = _case()
     before = options.current()
     y_tri = mok_inductor.moe(*c.args(), **c.kwargs(), options={"backend": "triton"})
-    assert spies == {"triton": 1, "reference": 0} and options.current() is before
+    assert spies["triton"] == 1 and spies["reference"] == 0 and options.current() is before
     y_ref = mok_inductor.moe(*c.args(), **c.kwargs(), options=mok_inductor.Options(backend="reference"))
-    assert spies == {"triton": 1, "reference": 1} and options.current() is before
+    assert spies["triton"] == 1 and spies["reference"] == 1 and options.current() is before
     assert rel_err(y_tri, y_ref) <= TOLERANCE[torch.bfloat16]
     # the per-call options win over an enclosing override, for that call only
     with options.override(backend="triton"):
         mok_inductor.moe(*c.args(), **c.kwargs(), options={"backend": "reference"})
         assert options.current().backend == "triton"
-    assert spies == {"triton": 1, "reference": 2}
+    assert spies["triton"] == 1 and spies["reference"] == 2
+
+
+def test_per_call_options_reach_the_backward(spies):
+    """The backward runs later, outside the call: it must run with the options its forward ran with."""
+    c = make_case(T=6, H=32, I=16, E=3, K=2, dtype=torch.bfloat16, shared=True, gate=True, limit=0.8, drop=0.2,
+                  seed=7)
+    for backend, other in (("triton", "reference"), ("reference", "triton")):
+        with options.override(backend=other):  # what is in effect when backward() runs
+            y = mok_inductor.moe(*c.args(), **c.kwargs(), options={"backend": backend})
+            before = dict(spies)
+            y.sum().backward()
+        assert spies[f"{backend} bwd"] == before[f"{backend} bwd"] + 1
+        assert spies[f"{other} bwd"] == before[f"{other} bwd"]
 
 
 def test_per_call_options_are_refused_under_torch_compile():
