@@ -12,7 +12,7 @@ import torch
 
 import mok_inductor
 from mok_inductor import reference
-from mok_inductor.ops import split_gate_up
+from mok_inductor.types import split_gate_up
 
 
 def make_layer(T, H, I, Is, E, K, dtype, device, generator):

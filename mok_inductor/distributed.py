@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from . import _checks, ops
 from . import options as _options
-from .types import GradBuffers, RoutedOperands, Schedule, shared_saved_dtype
+from .types import GradBuffers, RoutedOperands, Schedule, shared_saved_dtype, split_gate_up
 
 __all__ = ["EPPlan", "EPForwardState", "group_size", "plan", "forward", "backward", "moe"]
 
@@ -317,10 +317,8 @@ class _EPMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, rw, gate_up, down, sgu, sd, sog, p, limit):
-        w_gate, w_up = ops.split_gate_up(gate_up)
-        s_gate = s_up = None
-        if sgu is not None:
-            s_gate, s_up = ops.split_gate_up(sgu)
+        w_gate, w_up = split_gate_up(gate_up)
+        s_gate, s_up = split_gate_up(sgu)
         y, state = forward(p, x, rw, w_gate, w_up, down, s_gate, s_up, sd, sog, limit)
         ctx.save_for_backward(x, rw, gate_up, down, sgu, sd, sog)
         ctx.plan, ctx.state, ctx.limit = p, state, limit
@@ -331,10 +329,8 @@ class _EPMoE(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, rw, gate_up, down, sgu, sd, sog = ctx.saved_tensors
-        w_gate, w_up = ops.split_gate_up(gate_up)
-        s_gate = s_up = None
-        if sgu is not None:
-            s_gate, s_up = ops.split_gate_up(sgu)
+        w_gate, w_up = split_gate_up(gate_up)
+        s_gate, s_up = split_gate_up(sgu)
         grads = GradBuffers.allocate(None, None, None, down, None, None, sd, sog, gate_up=gate_up, s_gate_up=sgu)
         with _options.override(ctx.options):
             dx, drw = backward(ctx.plan, ctx.state, dy, x, rw, w_gate, w_up, down, s_gate, s_up, sd, sog, ctx.limit,

@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .types import Operand, RoutedOperands, narrow_payload, transposed_payload
+from .types import Operand, RoutedOperands, narrow_payload, split_gate_up, transposed_payload
 
 BLOCK = 32
 E4M3_MAX = 448.0
@@ -151,8 +151,8 @@ def routed_operands(gate_up, down, *, columnwise: bool = True) -> RoutedOperands
     dd, ds, ddt, dst = down
     two_i = (gd.shape[-2] if isinstance(gd, torch.Tensor) else gd[0].shape[-2])
     i = two_i // 2
-    gate = Operand(narrow_payload(gd, -2, 0, i), narrow_payload(gs, -2, 0, i))
-    up = Operand(narrow_payload(gd, -2, i, i), narrow_payload(gs, -2, i, i))
+    (gate_data, up_data), (gate_scale, up_scale) = split_gate_up(gd), split_gate_up(gs)
+    gate, up = Operand(gate_data, gate_scale), Operand(up_data, up_scale)
     if not columnwise:  # a forward reads the row-wise operands only (views, but on every call's path)
         return RoutedOperands(gate, up, Operand(dd, ds), None, None, None)
     if gs is None:

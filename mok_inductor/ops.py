@@ -58,7 +58,7 @@ from torch import Tensor
 
 from . import _checks, options, reference
 from .types import (BackwardResult, ForwardResult, GradBuffers, RoutedOperands, Schedule, shared_saved_dtype,
-                    transposed_payload)
+                    split_gate_up, transposed_payload)
 
 _lib = torch.library.Library("mok", "DEF")
 
@@ -97,16 +97,6 @@ def path_name(t: Tensor) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # The one entry into the implementations
-
-
-def split_gate_up(w_E2IH):
-    """Zero-copy gate and up row views of a combined FC1 ([..., 2I, H] -> two [..., I, H]; a sequence of
-    per-expert [2I, H] tensors -> two sequences)."""
-    if not isinstance(w_E2IH, Tensor):
-        i = w_E2IH[0].shape[-2] // 2
-        return tuple(p.narrow(-2, 0, i) for p in w_E2IH), tuple(p.narrow(-2, i, i) for p in w_E2IH)
-    i = w_E2IH.shape[-2] // 2
-    return w_E2IH.narrow(-2, 0, i), w_E2IH.narrow(-2, i, i)
 
 
 def _reference_weights(operands: RoutedOperands, dtype: torch.dtype, backward: bool):
@@ -191,10 +181,6 @@ def routed_operands(gate_up_proj, down_proj, mx=(), *, columnwise: bool = True) 
     return mxfp8.routed_operands((gate_up_proj, gus, gut, gust), (down_proj, ds, dt, dst), columnwise=columnwise)
 
 
-def _shared(shared_gate_up_proj):
-    return split_gate_up(shared_gate_up_proj) if shared_gate_up_proj is not None else (None, None)
-
-
 # ---------------------------------------------------------------------------------------------
 # mok::schedule
 
@@ -240,7 +226,7 @@ def fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj):
 
 def moe_fwd_impl(x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
                  shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit, *mx_and_masters):
-    s_gate, s_up = _shared(shared_gate_up_proj)
+    s_gate, s_up = split_gate_up(shared_gate_up_proj)
     out = forward(x, router_weights, top_experts, Schedule(sorted_routes, expert_offsets, route_slots),
                   routed_operands(gate_up_proj, down_proj, mx_and_masters[:6], columnwise=False), s_gate, s_up,
                   shared_down_proj,
@@ -361,7 +347,7 @@ def moe_bwd_impl(*args):
     common, mx, gate_up_grad, down_grad = _bwd_args(args)
     (dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
      shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, swiglu_limit) = common
-    s_gate, s_up = _shared(shared_gate_up_proj)
+    s_gate, s_up = split_gate_up(shared_gate_up_proj)
     grads = GradBuffers.allocate(None, None, None, down_proj if down_grad else None, s_gate, s_up, shared_down_proj,
                                  shared_output_gate, gate_up=gate_up_proj if gate_up_grad else None,
                                  s_gate_up=shared_gate_up_proj, dtype=x.dtype,

@@ -78,19 +78,12 @@ class GradBuffers(NamedTuple):
                 return make(w, dtype=dt or w.dtype, memory_format=torch.contiguous_format)
             return tuple(make(p, dtype=dt or p.dtype, memory_format=torch.contiguous_format) for p in w)
 
-        def halves(buf):
-            if isinstance(buf, torch.Tensor):
-                i = buf.shape[-2] // 2
-                return buf.narrow(-2, 0, i), buf.narrow(-2, i, i)
-            i = buf[0].shape[-2] // 2
-            return tuple(p.narrow(-2, 0, i) for p in buf), tuple(p.narrow(-2, i, i) for p in buf)
-
         out = given._asdict()
         for combined, like, names in ((given.d_gate_up, gate_up, ("d_gate", "d_up", "d_gate_up")),
                                       (given.d_s_gate_up, s_gate_up, ("d_s_gate", "d_s_up", "d_s_gate_up"))):
             if combined is None and like is not None and out[names[0]] is None and out[names[1]] is None:
                 buf = fresh(like)
-                out[names[0]], out[names[1]] = halves(buf)
+                out[names[0]], out[names[1]] = split_gate_up(buf)
                 out[names[2]] = buf
         likes = dict(d_gate=w_gate, d_up=w_up, d_down=w_down, d_s_gate=s_gate, d_s_up=s_up, d_s_down=s_down)
         for name, like in likes.items():
@@ -142,6 +135,16 @@ def narrow_payload(p, dim: int, start: int, length: int):
     if p is None or isinstance(p, torch.Tensor):
         return None if p is None else p.narrow(dim, start, length)
     return tuple(t.narrow(dim, start, length) for t in p)
+
+
+def split_gate_up(payload):
+    """The zero-copy gate and up row views of a combined FC1: [..., 2I, H] -> two [..., I, H]; a sequence of
+    per-expert [2I, H] tensors -> two tuples; None -> (None, None). MXFP8 row-wise scales [..., 2I, H/32]
+    split the same way."""
+    if payload is None:
+        return None, None
+    i = (payload if isinstance(payload, torch.Tensor) else payload[0]).shape[-2] // 2
+    return narrow_payload(payload, -2, 0, i), narrow_payload(payload, -2, i, i)
 
 
 def transposed_payload(p):

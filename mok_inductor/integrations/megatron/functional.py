@@ -56,7 +56,7 @@ from typing import Any, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ... import _checks, ops, reference
-from ...types import BackwardResult, GradBuffers, RoutedOperands
+from ...types import BackwardResult, GradBuffers, RoutedOperands, split_gate_up
 
 __all__ = [
     "MoKConfig",
@@ -535,13 +535,6 @@ def _payload(name: str, obj, dim: int):
     raise TypeError(f"{name}: expected a tensor or a sequence of per-expert tensors, got {type(obj).__name__}")
 
 
-def _rows(kind: str, w, start: int, length: int):
-    """Zero-copy row views [start, start+length) of each expert of a combined FC1 payload."""
-    if kind == "dense":
-        return w.narrow(1, start, length)
-    return tuple(p.narrow(0, start, length) for p in w)
-
-
 def _num_experts(kind, w) -> int:
     return w.shape[0] if kind == "dense" else len(w)
 
@@ -605,7 +598,7 @@ def _operands(x, shared_gate, shared_up, shared_down, routed_gate, routed_up, ro
             )
         I = first[0] // 2
         _check_payload("routed_gate", kg, wg, (2 * I, H), dtype, device)
-        gate, up = _rows(kg, wg, 0, I), _rows(kg, wg, I, I)
+        gate, up = split_gate_up(wg)
     else:
         I = first[0]
         _check_payload("routed_gate", kg, wg, (I, H), dtype, device)
@@ -646,7 +639,7 @@ def _operands(x, shared_gate, shared_up, shared_down, routed_gate, routed_up, ro
                     f"{list(shared_gate.shape)}"
                 )
             Is = shared_gate.shape[0] // 2
-            s_gate, s_up = shared_gate.narrow(0, 0, Is), shared_gate.narrow(0, Is, Is)
+            s_gate, s_up = split_gate_up(shared_gate)
         else:
             Is = shared_gate.shape[0]
             _checks.require_shape("shared_gate", shared_gate, (Is, H), f"[Is, H] (H = {H} of x)")
@@ -799,7 +792,7 @@ def _routed_destinations(main_grads, tables, w: _Operands, H: int, device):
         if tables[1] is tables[0]:
             for e, t in enumerate(tg):
                 _main_grad_tensor(f"main_grad_storage_tables[0][{e}]", t, (2 * I, H), device, 2)
-            gate, up = _rows("split", tg, 0, I), _rows("split", tg, I, I)
+            gate, up = split_gate_up(tg)
         else:
             for name, tab in (("main_grad_storage_tables[0]", tg), ("main_grad_storage_tables[1]", tu)):
                 for e, t in enumerate(tab):
@@ -824,7 +817,7 @@ def _routed_destinations(main_grads, tables, w: _Operands, H: int, device):
     mg_g, mg_u, mg_d = main_grads[1], main_grads[3], main_grads[5]
     if mg_g is not None and mg_g is mg_u:
         kb = one("main_grads[1]", mg_g, (2 * I, H))
-        gate, up = _rows(kb[0], kb[1], 0, I), _rows(kb[0], kb[1], I, I)
+        gate, up = split_gate_up(kb[1])
     else:
         g, u = one("main_grads[1]", mg_g, (I, H)), one("main_grads[3]", mg_u, (I, H))
         gate, up = (g[1] if g else None), (u[1] if u else None)

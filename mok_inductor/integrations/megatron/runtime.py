@@ -34,6 +34,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ...types import split_gate_up
 from . import functional
 
 
@@ -65,7 +66,7 @@ def _gate_up_weight_arguments(shared_fc1, routed_fc1, intermediate_size: int):
     if not isinstance(shared_fc1, torch.Tensor) or shared_fc1.dim() != 2 or shared_fc1.shape[0] != 2 * i:
         shape = list(shared_fc1.shape) if isinstance(shared_fc1, torch.Tensor) else type(shared_fc1).__name__
         raise ValueError(f"MOK shared FC1 shape mismatch: expected [2*{i}, H], got {shape}")
-    return shared_fc1.narrow(0, 0, i), shared_fc1.narrow(0, i, i), routed_fc1, routed_fc1
+    return (*split_gate_up(shared_fc1), routed_fc1, routed_fc1)
 
 
 def _gate_up_main_grad_arguments(main_grads, main_grad_storage_tables, intermediate_size: int):
@@ -79,7 +80,7 @@ def _gate_up_main_grad_arguments(main_grads, main_grad_storage_tables, intermedi
         i = int(intermediate_size)
         if sh_fc1.dim() != 2 or sh_fc1.shape[0] != 2 * i:
             raise ValueError(f"MOK shared FC1 main_grad shape mismatch: expected [2*{i}, H], got {list(sh_fc1.shape)}")
-        sh_gate, sh_up = sh_fc1.narrow(0, 0, i), sh_fc1.narrow(0, i, i)
+        sh_gate, sh_up = split_gate_up(sh_fc1)
     tables = None
     if main_grad_storage_tables is not None:
         fc1_table, fc2_table = main_grad_storage_tables
