@@ -153,7 +153,7 @@ def test_workspace_is_cached_per_shape(gloo_group):
 
 def test_expert_parallel_workspace_records_its_group(monkeypatch, gloo_group):
     """A group of more than one rank is recorded (the EP path itself: tests/test_distributed.py)."""
-    monkeypatch.setattr(mf, "_group_size", lambda group: 4)
+    monkeypatch.setattr(mf.distributed, "group_size", lambda group: 4)
     ws = mf.get_workspace(mf.MoKConfig(), gloo_group, device="cpu", num_local_tokens=8, hidden_size=H, topk=K)
     assert ws.group is gloo_group and ws.ep_size == 4
 

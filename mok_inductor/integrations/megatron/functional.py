@@ -55,7 +55,7 @@ from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ... import _checks, ops, reference
+from ... import _checks, distributed, ops, reference
 from ...types import BackwardResult, GradBuffers, RoutedOperands, split_gate_up
 
 __all__ = [
@@ -202,14 +202,6 @@ def _cached_workspace(device: torch.device, T: int, H: int, K: int, group=None, 
     return per_group[key]
 
 
-def _group_size(group) -> int:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("group: a process group was given but torch.distributed is not initialized")
-    return dist.get_world_size(group)
-
-
 def get_workspace(config: MoKConfig, group, *, device, num_local_tokens: int, hidden_size: int,
                   topk: int) -> MoKWorkspace:
     """The workspace for [T, H] tokens with K routes each on `device`, cached per (device, T, H, K).
@@ -221,7 +213,7 @@ def get_workspace(config: MoKConfig, group, *, device, num_local_tokens: int, hi
     _require_config(config)
     size = 1
     if group is not None:
-        size = _group_size(group)
+        size = distributed.group_size(group)
     ep_group = group if size > 1 else None
     for name, value, lo in (("num_local_tokens", num_local_tokens, 0), ("hidden_size", hidden_size, 1),
                             ("topk", topk, 1)):
@@ -299,8 +291,6 @@ def build_schedule(workspace: MoKWorkspace, config: MoKConfig, top_experts: torc
         )
     ep = None
     if ws.ep_size > 1:
-        from ... import distributed
-
         ep = distributed.plan(top_experts, num_local_experts, ws.group, hidden_size=ws.hidden_size, dtype=None)
         sorted_routes, offsets, slots = ep.schedule_R
     else:
@@ -730,8 +720,6 @@ def forward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, x
     if mx is not None and ws.ep_size > 1:
         raise NotImplementedError("routed_gate: MXFP8 routed weights with expert parallelism are not supported yet")
     if ws.ep_size > 1:  # expert parallelism: dispatch, the same implementation on the received rows, combine
-        from ... import distributed
-
         y, state = distributed.forward(sch.ep, x, router_weights, w.gate, w.up, w.down, w.s_gate, w.s_up, w.s_down,
                                        w.s_out_gate, limit)
         ctx = MoKForwardContext(state.gu_N2I, state.gu_shared_T2Is, w.s_out_gate is not None, w.s_gate is not None,
@@ -913,8 +901,6 @@ def backward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, 
     if mx is not None and ws.ep_size > 1:
         raise NotImplementedError("routed_gate: MXFP8 routed weights with expert parallelism are not supported yet")
     if ws.ep_size > 1:  # expert parallelism: the forward's exchange in reverse (collective, no host sync)
-        from ... import distributed
-
         dx, d_rw = distributed.backward(sch.ep, fctx.ep, grad_output, x, router_weights, w.gate, w.up, w.down,
                                         w.s_gate, w.s_up, w.s_down, w.s_out_gate, limit, grads=grads,
                                         accumulate=accumulate)
