@@ -55,8 +55,8 @@ from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ... import _checks, distributed, ops, reference
-from ...types import BackwardResult, GradBuffers, RoutedOperands, split_gate_up
+from ... import _checks, distributed, ops
+from ...types import BackwardResult, GradBuffers, Operand, RoutedOperands, Schedule, split_gate_up
 
 __all__ = [
     "MoKConfig",
@@ -260,8 +260,9 @@ class MoKSchedule(NamedTuple):
     expert_padding: int
     ep: Any = None
 
-    def as_reference(self) -> reference.Schedule:
-        return reference.Schedule(self.sorted_routes, self.expert_offsets, self.route_slots)
+    def as_schedule(self) -> Schedule:
+        """The core `types.Schedule` of this schedule (the ops' argument)."""
+        return Schedule(self.sorted_routes, self.expert_offsets, self.route_slots)
 
 
 def build_schedule(workspace: MoKWorkspace, config: MoKConfig, top_experts: torch.Tensor, *,
@@ -484,7 +485,7 @@ def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
         i, h = piece(dt).shape[-2:]  # the column-wise down is [I, H] per expert
         standin_down = standin(dt, (h, i))
         dn = (standin_down, None, None, None)
-        ops_ = mxfp8.routed_operands(gu, dn)._replace(down_t=mxfp8.Operand(dt, st))
+        ops_ = mxfp8.routed_operands(gu, dn)._replace(down_t=Operand(dt, st))
     else:
         if isinstance(down, SplitRoutedWeight):
             dn = split_parts("routed_down", down)
@@ -726,7 +727,7 @@ def forward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, x
                                 limit, ws.num_local_tokens, w.E, state)
         return y, ctx
     operands = mx if mx is not None else RoutedOperands.of_weights(w.gate, w.up, w.down)
-    res = ops.forward(x, router_weights, sch.top_experts, sch.as_reference(), operands, w.s_gate, w.s_up, w.s_down,
+    res = ops.forward(x, router_weights, sch.top_experts, sch.as_schedule(), operands, w.s_gate, w.s_up, w.s_down,
                       w.s_out_gate, limit)
     ctx = MoKForwardContext(res.gu_N2I, res.gu_shared_T2Is, w.s_out_gate is not None, w.s_gate is not None, limit,
                             ws.num_local_tokens, w.E)
@@ -907,7 +908,7 @@ def backward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, 
         res = BackwardResult(dx, d_rw, grads)
     else:
         operands = mx if mx is not None else RoutedOperands.of_weights(w.gate, w.up, w.down)
-        res = ops.backward(grad_output, x, router_weights, sch.top_experts, sch.as_reference(), operands,
+        res = ops.backward(grad_output, x, router_weights, sch.top_experts, sch.as_schedule(), operands,
                            fctx.gu_N2I, w.s_gate, w.s_up, w.s_down, w.s_out_gate, fctx.gu_shared_T2Is, limit,
                            grads=grads, accumulate=accumulate)
     d_rw = res.d_router_weights_TK
