@@ -25,10 +25,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .._checks import FLOAT_DTYPES
 from ._fx import (Reject, arg, dtype, flat_source, getitem_of, is_fn, is_method, same, same_shape, shape,
                   strip_noop_casts, transposed_last2)
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 IDS_MAPS = {"sentinel": "ids >= E -> -1 (sentinel masks)", "clamp": "clamp(0, E-1)",
             "clamp_sentinel": "ids >= E -> -1 (masked routing weights), clamp(0, E-1)"}
 

@@ -14,7 +14,10 @@ from typing import Optional, Sequence
 
 import torch
 
-ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The float dtypes the op computes in: activations, weights, routing weights (one dtype per call).
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Megatron's main-grad buffers, into which the weight gradients are added.
+MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -77,7 +80,7 @@ def check_moe_args(
 ) -> None:
     """Validate the flattened arguments of `torch.ops.mok.moe` (x is [T, H])."""
     require_tensor("x", x)
-    require_dtype("x", x, ACTIVATION_DTYPES)
+    require_dtype("x", x, FLOAT_DTYPES)
     require_dim("x", x, 2, "[T, H]")
     T, H = x.shape
     device = x.device

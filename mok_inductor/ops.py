@@ -421,7 +421,7 @@ def _check_mxfp8(x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj
     gus, gut, gust, ds, dt, dst = mx
     gum, dm = masters
     _checks.require_tensor("x", x)
-    _checks.require_dtype("x", x, _checks.ACTIVATION_DTYPES)
+    _checks.require_dtype("x", x, _checks.FLOAT_DTYPES)
     for name, data, scale, master in (("gate_up_proj", gate_up_proj, gus, gum), ("down_proj", down_proj, ds, dm)):
         if scale is None and master is not None:
             raise ValueError(f"{name}: a master weight is for an MXFP8 weight (with scales); a plain weight receives "

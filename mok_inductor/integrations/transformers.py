@@ -56,6 +56,8 @@ from typing import Optional
 
 import torch
 
+from .._checks import FLOAT_DTYPES
+
 BACKEND_NAME = "mok"
 _HF_MOE_MODULE = "transformers.integrations.moe"
 
@@ -171,7 +173,7 @@ def _weights(module):
     E, two_i, H = gate_up.shape
     if two_i % 2 != 0 or tuple(down.shape) != (E, H, two_i // 2):
         return None, None, f"expert weight shapes gate_up {list(gate_up.shape)} / down {list(down.shape)} do not pair up"
-    if gate_up.dtype not in (torch.float32, torch.bfloat16, torch.float16) or down.dtype != gate_up.dtype:
+    if gate_up.dtype not in FLOAT_DTYPES or down.dtype != gate_up.dtype:
         return None, None, f"expert weights of dtype {gate_up.dtype}/{down.dtype} (MoK takes one float dtype)"
     return gate_up, down, ""
 

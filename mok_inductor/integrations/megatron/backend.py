@@ -33,12 +33,12 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from ..._checks import FLOAT_DTYPES
 from . import functional
 from .runtime import _MoKAutograd
 from .parameter_bridge import finish_weight_gradient, main_grad_buffer
 from .route_adapter import routing_map_to_mok_inputs
 
-_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MOK_CONFIG_FIELDS = tuple(f.name for f in functional.MoKConfig.__dataclass_fields__.values())
 
 
@@ -99,7 +99,7 @@ def check_megatron_config(config) -> None:
     need(getattr(config, "fp8", None) is None,
          "fp8 (MXFP8 routed weights included) is not supported; train in bf16, fp16 or fp32")
     need(getattr(config, "fp4", None) is None, "fp4 is not supported")
-    need(getattr(config, "params_dtype", torch.float32) in _PARAM_DTYPES,
+    need(getattr(config, "params_dtype", torch.float32) in FLOAT_DTYPES,
          f"params_dtype must be bfloat16, float16 or float32, got {getattr(config, 'params_dtype', None)}")
     need(getattr(config, "tensor_model_parallel_size", 1) == 1,
          "tensor parallelism is not supported (the shared expert would be sharded); set tensor_model_parallel_size=1")
@@ -246,7 +246,7 @@ class MoKMegakernel(MegatronModule):
                         f"MoK backend: {name} weight {j} has shape {list(p.shape)}, expected {list(shape)} "
                         f"(E={E}, I=moe_ffn_hidden_size={I}, H={H}; expert tensor parallelism is not supported)"
                     )
-                if p.dtype not in _PARAM_DTYPES:
+                if p.dtype not in FLOAT_DTYPES:
                     raise ValueError(f"MoK backend: {name} weight {j} has dtype {p.dtype}; expected bf16/fp16/fp32")
 
     def _bind_parameters(self) -> None:

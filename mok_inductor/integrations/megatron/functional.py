@@ -70,7 +70,6 @@ __all__ = [
     "backward",
 ]
 
-MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 _MAIN_GRAD_NAMES = ("shared_gate", "routed_gate", "shared_up", "routed_up", "shared_down", "routed_down")
 
 
@@ -658,7 +657,7 @@ def _check_activations(ws: MoKWorkspace, x, router_weights):
         raise TypeError(
             "x: expected dtype float32, bfloat16 or float16 (MXFP8 activations are not supported yet)"
         )
-    _checks.require_dtype("x", x, _checks.ACTIVATION_DTYPES)
+    _checks.require_dtype("x", x, _checks.FLOAT_DTYPES)
     _checks.require_shape("x", x, (ws.num_local_tokens, ws.hidden_size), "[T, H] (the workspace's shape)")
     if x.device != ws.device:
         raise ValueError(f"x: expected a tensor on {ws.device} (the workspace's device), got {x.device}")
@@ -754,7 +753,7 @@ def _table(name: str, obj, E: int):
 def _main_grad_tensor(name, t, shape, device, dim):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    _checks.require_dtype(name, t, MAIN_GRAD_DTYPES)
+    _checks.require_dtype(name, t, _checks.MAIN_GRAD_DTYPES)
     if t.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} (the device of x), got one on {t.device}")
     if shape is not None and tuple(t.shape) != tuple(shape):
@@ -800,7 +799,7 @@ def _routed_destinations(main_grads, tables, w: _Operands, H: int, device):
         kind, b = _payload(name, buf, 3)
         if _num_experts(kind, b) != E:
             raise ValueError(f"{name}: expected {E} experts, got {_num_experts(kind, b)}")
-        _check_payload(name, kind, b, shape, MAIN_GRAD_DTYPES, device, "a main-grad buffer")
+        _check_payload(name, kind, b, shape, _checks.MAIN_GRAD_DTYPES, device, "a main-grad buffer")
         return kind, b
 
     mg_g, mg_u, mg_d = main_grads[1], main_grads[3], main_grads[5]

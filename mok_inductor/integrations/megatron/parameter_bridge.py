@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+from ..._checks import MAIN_GRAD_DTYPES
 
 
 def main_grad_buffer(param: torch.Tensor) -> torch.Tensor:

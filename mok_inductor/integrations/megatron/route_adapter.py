@@ -13,7 +13,7 @@ from typing import Tuple
 
 import torch
 
-_PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from ..._checks import FLOAT_DTYPES
 
 
 def routing_map_to_mok_inputs(probs: torch.Tensor, routing_map: torch.Tensor, topk: int,
@@ -28,7 +28,7 @@ def routing_map_to_mok_inputs(probs: torch.Tensor, routing_map: torch.Tensor, to
         raise ValueError(
             f"routing_map: expected shape {list(probs.shape)} (the shape of probs), got {list(routing_map.shape)}"
         )
-    if probs.dtype not in _PROB_DTYPES:
+    if probs.dtype not in FLOAT_DTYPES:
         raise TypeError(f"probs: expected float32, bfloat16 or float16, got {probs.dtype}")
     if routing_map.device != probs.device:
         raise ValueError(
