@@ -153,17 +153,3 @@ def check_not_mutated(nodes: Iterable[fx.Node], allowed: Iterable[fx.Node] = ())
             if u not in allowed and is_mutating(u, n):
                 raise Reject(f"{n.name} is modified in place by {u.name} ({u.target}); "
                              "MoK does not compute that (bias, mask or clamp?)")
-
-
-def only_user(node: fx.Node) -> Optional[fx.Node]:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
-def users_matching(node: fx.Node, pred) -> list[fx.Node]:
-    return [u for u in node.users if pred(u)]
-
-
-def fn_names(node: fx.Node) -> str:
-    t = node.target
-    return t if isinstance(t, str) else getattr(t, "__name__", str(t))

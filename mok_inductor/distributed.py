@@ -53,7 +53,6 @@ __all__ = ["EPPlan", "EPForwardState", "group_size", "plan", "forward", "backwar
 
 _DUMMY_I = 16  # intermediate size of the shared-only call's placeholder routed expert (never read)
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
-_FIELDS = 7  # count, K, H, E_local, min id, max id, x dtype code
 
 
 def group_size(group) -> int:
