@@ -39,8 +39,7 @@ except ImportError:  # pragma: no cover - torch < 2.6
 # The packages whose files the compiled graphs depend on, innermost first: a wheel nests lowering inside
 # mok_inductor, and each file is counted once, under the innermost package that holds it.
 SOURCE_PACKAGES = ("mok_inductor.lowering", "mok_inductor")
-# Package data that can change a traced graph (tuned tile-config tables) is hashed with the code.
-SOURCE_SUFFIXES = (".py", ".json")
+SOURCE_SUFFIXES = (".py",)  # the files hashed into the cache key
 
 
 def package_version() -> str:
