@@ -24,13 +24,20 @@ from . import backend, cache, decompose, patterns
 backend.register()
 
 
+def install_graph_support() -> None:
+    """Install what compiled graphs of the `mok::` ops need, for `enable()` and `backend="mok"` alike: the
+    compile-cache key (Inductor looks the graph up with it) and the decomposition of the ops into their Triton
+    launches. Idempotent; `disable()` removes both."""
+    cache.install()
+    decompose.install()
+
+
 def enable() -> None:
     """Install the compile-cache key, the decomposition of the `mok::` ops into their Triton launches and the
     MoE graph pass; register transformers' "mok" experts backend when transformers is installed. Idempotent."""
     from ..integrations import transformers as _hf
 
-    cache.install()
-    decompose.install()
+    install_graph_support()
     patterns.enable()
     _hf.register_if_installed()
 

@@ -21,15 +21,16 @@ from typing import Any, Optional
 
 import torch
 
-from . import cache, decompose, patterns
+from . import patterns
 
 
 def mok_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None,
                 options: Optional[dict] = None, **kwargs: Any):
     options = dict(options or {})
     inner = options.pop("mok_inner", "inductor")
-    cache.install()
-    decompose.install()
+    from . import install_graph_support  # the package's; it imports this module before defining it
+
+    install_graph_support()
     patterns.rewrite(gm.graph)
     gm.recompile()
     if inner == "eager":
