@@ -229,8 +229,7 @@ def moe_fwd_impl(x, router_weights, top_experts, sorted_routes, expert_offsets, 
     s_gate, s_up = split_gate_up(shared_gate_up_proj)
     out = forward(x, router_weights, top_experts, Schedule(sorted_routes, expert_offsets, route_slots),
                   routed_operands(gate_up_proj, down_proj, mx_and_masters[:6], columnwise=False), s_gate, s_up,
-                  shared_down_proj,
-                  shared_output_gate, swiglu_limit)
+                  shared_down_proj, shared_output_gate, swiglu_limit)
     return tuple(out)
 
 
