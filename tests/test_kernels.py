@@ -20,9 +20,10 @@ import triton.language as tl
 from _helpers import TOLERANCE, check_against_oracle, make_case, oracle_with_grads, random_like, record_launches, rel_err
 
 import mok_inductor
-from mok_inductor import kernels, reference
+from mok_inductor import kernels, ops, reference
 from mok_inductor.kernels.common import swizzle
 from mok_inductor.ops import split_gate_up
+from mok_inductor.types import GradBuffers, Operand, RoutedOperands
 
 pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason="needs CUDA or TRITON_INTERPRET=1")
 
@@ -45,17 +46,24 @@ def _args(case):
     return wg, wu, case.down_proj, sg, su, case.shared_down_proj, case.shared_output_gate
 
 
-def _forward(impl, case, schedule):
+def _forward(backend, case, schedule, weights=None):
+    """The forward through the one entry (`mok_inductor.ops.forward`) on `backend` ("triton": the kernels,
+    "reference"); `weights`: routed (gate, up, down) in place of the case's (e.g. split per expert)."""
     wg, wu, wd, sg, su, sd, sog = _args(case)
-    return impl.moe_forward(case.x, case.router_weights, case.top_experts, schedule, wg, wu, wd, sg, su, sd, sog,
-                            case.swiglu_limit)
+    operands = RoutedOperands.of_weights(*(weights or (wg, wu, wd)))
+    with mok_inductor.options.override(backend=backend):
+        return ops.forward(case.x, case.router_weights, case.top_experts, schedule, operands, sg, su, sd, sog,
+                           case.swiglu_limit)
 
 
-def _backward(impl, case, schedule, fwd, dy, grads=None, accumulate=False):
+def _backward(backend, case, schedule, fwd, dy, grads=None, accumulate=False, weights=None):
+    """The backward through `mok_inductor.ops.backward` on `backend`, like `_forward`; `grads` None: fresh
+    buffers in x.dtype."""
     wg, wu, wd, sg, su, sd, sog = _args(case)
-    return impl.moe_backward(dy, case.x, case.router_weights, case.top_experts, schedule, wg, wu, wd, fwd.gu_N2I,
-                             sg, su, sd, sog, fwd.gu_shared_T2Is, case.swiglu_limit, grads=grads,
-                             accumulate=accumulate)
+    operands = RoutedOperands.of_weights(*(weights or (wg, wu, wd)))
+    with mok_inductor.options.override(backend=backend):
+        return ops.backward(dy, case.x, case.router_weights, case.top_experts, schedule, operands, fwd.gu_N2I, sg,
+                            su, sd, sog, fwd.gu_shared_T2Is, case.swiglu_limit, grads=grads, accumulate=accumulate)
 
 
 def _grads_by_name(case, bwd):
@@ -74,7 +82,7 @@ def _poisoned_grads(case, dtype=None):
     """Gradient destinations filled with NaN (every element must be written)."""
     wg, wu, wd, sg, su, sd, sog = _args(case)
     nan = lambda w: None if w is None else torch.full(w.shape, float("nan"), dtype=dtype or w.dtype, device=w.device)
-    return reference.GradBuffers(nan(wg), nan(wu), nan(wd), nan(sg), nan(su), nan(sd), nan(sog))
+    return GradBuffers(nan(wg), nan(wu), nan(wd), nan(sg), nan(su), nan(sd), nan(sog))
 
 
 def _check_all(case, *, factor=2.0, seed=7, oracle_device="cpu"):
@@ -87,10 +95,10 @@ def _check_all(case, *, factor=2.0, seed=7, oracle_device="cpu"):
     for a, b in zip(sched, ref_sched):
         assert torch.equal(a.cpu(), b)
     dy = random_like(case.x, seed)
-    fwd = _forward(kernels, case, sched)
-    bwd = _backward(kernels, case, sched, fwd, dy, grads=_poisoned_grads(case))
-    ref_fwd = _forward(reference, case, sched)
-    ref_bwd = _backward(reference, case, sched, ref_fwd, dy)
+    fwd = _forward("triton", case, sched)
+    bwd = _backward("triton", case, sched, fwd, dy, grads=_poisoned_grads(case))
+    ref_fwd = _forward("reference", case, sched)
+    ref_bwd = _backward("reference", case, sched, ref_fwd, dy)
     y64, g64 = oracle_with_grads(case, dy, oracle_device)
     tol = TOLERANCE[dtype]
     floor = tol / 10
@@ -296,8 +304,8 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
     for tma in (True, False):
         tma_flags.clear()
         with mok_inductor.options.override(tma=tma, **knobs):
-            fwd = _forward(kernels, case, sched)
-            bwd = _backward(kernels, case, sched, fwd, dy)
+            fwd = _forward("triton", case, sched)
+            bwd = _backward("triton", case, sched, fwd, dy)
         runs[tma] = (fwd.y_TH, *_grads_by_name(case, bwd).values())
         used = {k for k, on in tma_flags if on}
         if tma and aligned:  # every GEMM but the weight gradients
@@ -320,11 +328,11 @@ def test_tma_only_with_many_rows_per_expert(monkeypatch):
     sched = kernels.build_schedule(case.top_experts, 8)
     flags, real_launch = [], kernels.common.launch
     monkeypatch.setattr(kernels.common, "launch", lambda k, *a, **kw: flags.append(kw.get("TMA")) or real_launch(k, *a, **kw))
-    y = _forward(kernels, case, sched).y_TH
+    y = _forward("triton", case, sched).y_TH
     assert flags.count(True) == 0 and flags.count(False) == 2  # gate/up, down
     flags.clear()
     with mok_inductor.options.override(tma_min_rows=2):
-        assert torch.equal(_forward(kernels, case, sched).y_TH, y)
+        assert torch.equal(_forward("triton", case, sched).y_TH, y)
     assert flags.count(True) == 2
 
 
@@ -336,7 +344,7 @@ def test_two_pass_bwd_act_equals_fused(limit, monkeypatch):
                      requires_grad=False, seed=5)
     E = case.gate_up_proj.shape[0]
     sched = kernels.build_schedule(case.top_experts, E)
-    fwd = _forward(kernels, case, sched)
+    fwd = _forward("triton", case, sched)
     dy = random_like(case.x, 11)
     rw = case.router_weights.float().reshape(-1)
     down_t = kernels.plain_t(case.down_proj)
@@ -439,14 +447,14 @@ def test_accumulate_into_main_grads(buf_dtype):
     E = case.gate_up_proj.shape[0]
     sched = kernels.build_schedule(case.top_experts, E)
     dy = random_like(case.x, 3)
-    fwd = _forward(kernels, case, sched)
+    fwd = _forward("triton", case, sched)
     base = _poisoned_grads(case, buf_dtype)
-    base = reference.GradBuffers(*(None if b is None else random_like(b, i) for i, b in enumerate(base)))
+    base = GradBuffers(*(None if b is None else random_like(b, i) for i, b in enumerate(base)))
     if base.d_s_out_gate is not None:
         base = base._replace(d_s_out_gate=base.d_s_out_gate.float())
-    start = reference.GradBuffers(*(None if b is None else b.clone() for b in base))
-    out = _backward(kernels, case, sched, fwd, dy, grads=base, accumulate=True)
-    fresh = _backward(reference, case, sched, _forward(reference, case, sched), dy)
+    start = GradBuffers(*(None if b is None else b.clone() for b in base))
+    out = _backward("triton", case, sched, fwd, dy, grads=base, accumulate=True)
+    fresh = _backward("reference", case, sched, _forward("reference", case, sched), dy)
     tol = TOLERANCE[torch.bfloat16]
     for name, got, b0, g in zip(out.grads._fields, out.grads, start, fresh.grads):
         if got is None:
@@ -486,20 +494,16 @@ def test_split_per_expert_weights_read_in_place(name, combined, monkeypatch):
     monkeypatch.setattr(kernels.operands, "address_table", lambda p, d: tables.append(p) or real_table(p, d))
     sched = kernels.build_schedule(case.top_experts, E)
     dy = random_like(case.x, 5)
-    args = (case.x, case.router_weights, case.top_experts, sched)
-    fwd3 = kernels.moe_forward(*args, wg, wu, wd, sg, su, sd, sog, case.swiglu_limit)
-    fwdl = kernels.moe_forward(*args, lg, lu, ld, sg, su, sd, sog, case.swiglu_limit)
+    fwd3 = _forward("triton", case, sched)
+    fwdl = _forward("triton", case, sched, weights=(lg, lu, ld))
     assert {tuple(t.data_ptr() for t in w) for w in (lg, lu, ld)} <= set(tables)
     for a, b in zip(fwdl, fwd3):
         assert torch.equal(a, b)
     g3 = _poisoned_grads(case)
     gl = _poisoned_grads(case)  # the routed destinations as per-expert lists
     gl = gl._replace(**{f: [t.clone() for t in getattr(gl, f)] for f in ("d_gate", "d_up", "d_down")})
-    rest = (sg, su, sd, sog, fwd3.gu_shared_T2Is, case.swiglu_limit)
-    b3 = kernels.moe_backward(dy, case.x, case.router_weights, case.top_experts, sched, wg, wu, wd, fwd3.gu_N2I,
-                              *rest, grads=g3)
-    bl = kernels.moe_backward(dy, case.x, case.router_weights, case.top_experts, sched, lg, lu, ld, fwdl.gu_N2I,
-                              *rest, grads=gl)
+    b3 = _backward("triton", case, sched, fwd3, dy, grads=g3)
+    bl = _backward("triton", case, sched, fwdl, dy, grads=gl, weights=(lg, lu, ld))
     assert torch.equal(bl.dx_TH, b3.dx_TH) and torch.equal(bl.d_router_weights_TK, b3.d_router_weights_TK)
     for got, want in zip(bl.grads, b3.grads):
         if want is not None:
@@ -519,11 +523,10 @@ def test_split_weights_of_mixed_strides_are_stacked(monkeypatch):
     assert ExpertTable.of(mixed) is None and ExpertTable.of(_split(wd)) is not None
     assert ExpertTable.of([wd[0], wd[1][:, :8]]) is None  # shapes differ
     sched = kernels.build_schedule(case.top_experts, 3)
-    args = (case.x, case.router_weights, case.top_experts, sched)
-    y3 = kernels.moe_forward(*args, wg, wu, wd).y_TH
+    y3 = _forward("triton", case, sched).y_TH
     stacked, real_stack = [], torch.stack
     monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacked.append(len(ts)) or real_stack(ts, *a, **k))
-    yl = kernels.moe_forward(*args, _split(wg), _split(wu), mixed).y_TH
+    yl = _forward("triton", case, sched, weights=(_split(wg), _split(wu), mixed)).y_TH
     assert stacked == [3]  # the down weight only; gate and up through tables
     assert torch.equal(yl, y3)
 
@@ -550,13 +553,13 @@ def test_split_mxfp8_weights_through_tables(dequantize, monkeypatch, knobs):
     dy = random_like(case.x, 3)
 
     def grads():
-        return reference.GradBuffers(*(torch.zeros(3, *s_, dtype=torch.bfloat16, device=DEV)
+        return GradBuffers(*(torch.zeros(3, *s_, dtype=torch.bfloat16, device=DEV)
                                        for s_ in ((32, 64), (32, 64), (64, 32))))
 
     b3 = kernels.backward(dy, *args[:3], sched, ops3, f3.gu_N2I, grads=grads())
     bl = kernels.backward(dy, *args[:3], sched, opsl, fl.gu_N2I, grads=grads())
     assert torch.equal(b3.dx_TH, bl.dx_TH) and torch.equal(b3.d_router_weights_TK, bl.d_router_weights_TK)
-    mixed = opsl._replace(down=mxfp8.Operand(tuple(plain_down), None))  # MXFP8 gate/up, a plain split down
+    mixed = opsl._replace(down=Operand(tuple(plain_down), None))  # MXFP8 gate/up, a plain split down
     kernels.forward(*args, mixed)
     n = len(kernels.operands._TABLES)
     for _ in range(3):
@@ -596,10 +599,9 @@ def test_address_tables(misaligned, monkeypatch):
     monkeypatch.setattr(kernels.common, "launch", lambda k, g, *a, **kw: flags.append(kw.get("W_TABLE")) or
                         real_launch(k, g, *a, **kw))
     sched = kernels.build_schedule(case.top_experts, 3)
-    args = (case.x, case.router_weights, case.top_experts, sched)
-    yl = kernels.moe_forward(*args, split(wg), split(wu), split(wd)).y_TH
+    yl = _forward("triton", case, sched, weights=(split(wg), split(wu), split(wd))).y_TH
     assert set(f for f in flags if f is not None) == {1 if misaligned else 2}
-    assert torch.equal(yl, kernels.moe_forward(*args, wg, wu, wd).y_TH)
+    assert torch.equal(yl, _forward("triton", case, sched).y_TH)
 
 
 def test_strided_and_expanded_inputs():
@@ -608,9 +610,9 @@ def test_strided_and_expanded_inputs():
     E = case.gate_up_proj.shape[0]
     sched = kernels.build_schedule(case.top_experts, E)
     dy = torch.ones(1, 1, device=DEV).expand(*case.x.shape)
-    fwd = _forward(kernels, case, sched)
-    got = _backward(kernels, case, sched, fwd, dy)
-    want = _backward(reference, case, sched, _forward(reference, case, sched), dy.contiguous())
+    fwd = _forward("triton", case, sched)
+    got = _backward("triton", case, sched, fwd, dy)
+    want = _backward("reference", case, sched, _forward("reference", case, sched), dy.contiguous())
     assert rel_err(got.dx_TH, want.dx_TH) <= TOLERANCE[torch.float32]
     assert rel_err(got.grads.d_gate, want.grads.d_gate) <= TOLERANCE[torch.float32]
 
@@ -624,8 +626,8 @@ def test_bitwise_deterministic():
     first = None
     for _ in range(runs):
         sched = kernels.build_schedule(case.top_experts, E)
-        fwd = _forward(kernels, case, sched)
-        bwd = _backward(kernels, case, sched, fwd, dy)
+        fwd = _forward("triton", case, sched)
+        bwd = _backward("triton", case, sched, fwd, dy)
         outs = [*sched, fwd.y_TH, fwd.gu_N2I, fwd.gu_shared_T2Is, bwd.dx_TH, bwd.d_router_weights_TK,
                 *(g for g in bwd.grads if g is not None)]
         if first is None:
@@ -673,8 +675,8 @@ def test_cuda_graph_capture():
 
     def step():
         sched = kernels.build_schedule(case.top_experts, E)
-        fwd = _forward(kernels, case, sched)
-        return fwd.y_TH, _backward(kernels, case, sched, fwd, dy).dx_TH
+        fwd = _forward("triton", case, sched)
+        return fwd.y_TH, _backward("triton", case, sched, fwd, dy).dx_TH
 
     eager = step()  # warm-up (autotuning) outside the capture
     torch.cuda.synchronize()
@@ -698,8 +700,8 @@ def test_cuda_graph_capture_split_weights():
 
     def step(g_, u_, d_):
         sched = kernels.build_schedule(case.top_experts, E)
-        fwd = kernels.moe_forward(case.x, case.router_weights, case.top_experts, sched, g_, u_, d_)
-        bwd = kernels.moe_backward(dy, case.x, case.router_weights, case.top_experts, sched, g_, u_, d_, fwd.gu_N2I)
+        fwd = _forward("triton", case, sched, weights=(g_, u_, d_))
+        bwd = _backward("triton", case, sched, fwd, dy, weights=(g_, u_, d_))
         return fwd.y_TH, bwd.dx_TH
 
     eager = step(lg, lu, ld)

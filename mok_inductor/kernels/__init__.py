@@ -1,7 +1,6 @@
-"""The Triton kernels of the CUDA path, behind one entry: `forward` and `backward` over the routed weights as
-kernel operands (`mok_inductor.types.RoutedOperands`: bf16/fp16/fp32, or MXFP8 e4m3 data + E8M0 scales, 3-D
-or split per expert), `build_schedule`, and `moe_forward` / `moe_backward` (plain weights, the interface of
-`mok_inductor.reference`).
+"""The Triton kernels of the CUDA path, behind one entry: `build_schedule`, and `forward` and `backward` over the
+routed weights as kernel operands (`mok_inductor.types.RoutedOperands`: bf16/fp16/fp32, or MXFP8 e4m3 data +
+E8M0 scales, 3-D or split per expert; `RoutedOperands.of_weights` for float weights).
 
 Forward:
     top_experts --build_schedule--> sorted routes, expert offsets (a stable counting sort on the device)
@@ -72,14 +71,6 @@ if _HAVE_TRITON:
 
     # the kernel families' modules (their `_*_kernel` objects are the Triton kernels Inductor's code names)
     MODULES = (_schedule, operands, mx_loop, gate_up, grouped_gemm, combine, bwd_act, wgrad)
-
-
-def _plain_operands(w_gate, w_up, w_down, *, transposed: bool) -> RoutedOperands:
-    """bf16 (float) weights, 3-D or sequences of E 2-D tensors, as kernel operands: the row-wise ones (the
-    forward's) or the transposed ones (the backward's), the others None."""
-    if transposed:
-        return RoutedOperands(None, None, None, plain_t(w_gate), plain_t(w_up), plain_t(w_down))
-    return RoutedOperands(plain(w_gate), plain(w_up), plain(w_down), None, None, None)
 
 
 def _num_experts(op) -> int:
@@ -158,14 +149,6 @@ def shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_
     return gu_shared, s_TH, logit_T
 
 
-
-def moe_forward(x_TH, router_weights_TK, top_experts_TK, schedule, w_gate, w_up, w_down, s_gate=None,
-                s_up=None, s_down=None, s_out_gate_1H=None, swiglu_limit=None) -> ForwardResult:
-    return forward(x_TH, router_weights_TK, top_experts_TK, schedule,
-                   _plain_operands(w_gate, w_up, w_down, transposed=False),
-                   s_gate, s_up, s_down, s_out_gate_1H, swiglu_limit)
-
-
 def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperands, s_gate=None, s_up=None,
             s_down=None, s_out_gate_1H=None, swiglu_limit=None) -> ForwardResult:
     """The forward with the routed weights as kernel operands (`types.RoutedOperands`: bf16, or MXFP8
@@ -239,17 +222,6 @@ def shared_backward(x_TH, dy_TH, s_gate, s_up, s_down, s_out_gate_1H, gu_shared_
     else:
         grads.d_s_out_gate.copy_(d_w)
     return dx_s, s_out_gate_1H.reshape(-1), d_logit
-
-
-
-def moe_backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, w_gate, w_up, w_down, gu_N2I,
-                 s_gate=None, s_up=None, s_down=None, s_out_gate_1H=None, gu_shared_T2Is=None, swiglu_limit=None,
-                 *, grads=None, accumulate=False) -> BackwardResult:
-    grads = GradBuffers.allocate(grads, w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate_1H)
-    return backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule,
-                    _plain_operands(w_gate, w_up, w_down, transposed=True),
-                    gu_N2I, s_gate, s_up, s_down, s_out_gate_1H, gu_shared_T2Is, swiglu_limit, grads=grads,
-                    accumulate=accumulate)
 
 
 def backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperands, gu_N2I, s_gate=None,
