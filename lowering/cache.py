@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - torch < 2.6
 # The packages whose files the compiled graphs depend on, innermost first: a wheel nests lowering inside
 # mok_inductor, and each file is counted once, under the innermost package that holds it.
 SOURCE_PACKAGES = ("mok_inductor.lowering", "mok_inductor")
-SOURCE_SUFFIXES = (".py",)  # the files hashed into the cache key
+SOURCE_SUFFIXES = (".py", ".json")  # the files hashed into the cache key (.json: the shipped tile configs)
 
 
 def package_version() -> str:
@@ -94,14 +94,28 @@ def options_key() -> str:
     return repr(options.current())
 
 
+def user_tables() -> list[Path]:
+    """The user's tile-config tables (`options.tables_dir`): the configs of traced launches come from them."""
+    from ..kernels import configs
+
+    folder = configs.user_dir()
+    return sorted(folder.glob("*.json")) if folder.is_dir() else []
+
+
 def fingerprint(files: Optional[Iterable[Path]] = None, version: Optional[str] = None) -> str:
-    """sha256 hex of the versions, the options in effect and (name, bytes) of each source file. Read afresh on
-    each call (a few dozen small files) so an edited file or a changed option changes it within a running
-    process too."""
+    """sha256 hex of the versions, the options in effect, (name, bytes) of each source file and of the user's
+    tile-config tables. Read afresh on each call (a few dozen small files) so an edited file, table or a
+    changed option changes it within a running process too."""
     h = hashlib.sha256()
     h.update(f"mok-inductor {version if version is not None else package_version()}\n".encode())
     h.update(f"torch {torch.__version__}\n".encode())
     h.update(f"options {options_key()}\n".encode())
+    for p in user_tables():
+        h.update(f"user table {p.name}\n".encode())
+        try:
+            h.update(p.read_bytes())
+        except OSError:
+            h.update(b"<missing>")
     names = _sources_with_names()
     for p in (hashed_sources() if files is None else files):
         p = Path(p)

@@ -7,6 +7,12 @@ Triton kernel launches themselves, and Inductor copies our kernels into its gene
 `torch.library.triton_op` does) instead of calling an opaque op. Elsewhere (CPU, backend "reference") the
 ops stay opaque and the compiled graph calls them.
 
+A graph traced with a symbolic size (torch.compile with a dynamic token count) keeps the ops opaque too: the
+kernels' tile configs come from tables keyed on a bucket of the row count (`mok_inductor.kernels.configs`),
+and only the op's implementation, running at each call, knows the bucket; inlined, the launches would run one
+config for every token count. torch.export inlines them anyway (a deployed package must hold its kernels),
+with the configs of the traced example's row counts.
+
 `install()` registers the rule on a library fragment of its own, so `uninstall()` can take it away;
 `mok_inductor.lowering.enable()` / `disable()` call them. Without it the ops work the same, opaque in
 compiled graphs.
@@ -33,12 +39,22 @@ def _rule(impl):
         if any(t not in (Tensor, FakeTensor, FunctionalTensor) for t in types):
             return NotImplemented
         first = args[0]
-        if first.device.type == "cuda" and ops.use_triton(first):
+        if first.device.type == "cuda" and ops.use_triton(first) and (
+                torch.compiler.is_exporting() or not _symbolic(args, kwargs)):
             with mode:
                 return impl(*args, **kwargs)
         return mode.__torch_dispatch__(func, types, args, kwargs)
 
     return rule
+
+
+def _symbolic(args, kwargs) -> bool:
+    """Whether a tensor argument has a symbolic size."""
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, Tensor) and any(isinstance(s, torch.SymInt) for s in t.shape):
+                return True
+    return False
 
 
 def install() -> None:

@@ -11,6 +11,7 @@ Environment variables, read once when this module is imported (later changes to 
 
     MOK_BACKEND=auto|reference|triton   `backend`
     MOK_AUTOTUNE=0|1                     `autotune`
+    MOK_TABLES_DIR=path                  `tables_dir`
     MOK_TMA=0|1                          `tma`
     MOK_PATTERNS_LOG=0|1                 `log_patterns`
 
@@ -41,7 +42,13 @@ class Options:
     backend: which implementation runs the ops. "auto": the Triton kernels on CUDA tensors, the PyTorch
         reference (`mok_inductor.reference`) on CPU; "reference": always the reference; "triton": always the
         kernels (on CPU tensors only under TRITON_INTERPRET=1).
-    autotune: autotune the kernels' tile configs at run time; False runs each kernel's first config.
+    autotune: search the tile configs at run time: the first launch of a kernel at a (problem, row bucket) the
+        user's table lacks times every candidate config and records the fastest in that table (seconds per
+        new shape, once per machine). False (the default) takes the configs of the tuned tables, shipped and
+        the user's, and of their nearest shapes where no table has the problem (`mok_inductor.kernels.configs`;
+        `python -m mok_inductor.tune` writes tables for a model).
+    tables_dir: the folder of the user's tile-config tables, which take precedence over the shipped ones;
+        None: $XDG_CACHE_HOME/mok_inductor/tables (~/.cache/mok_inductor/tables without XDG_CACHE_HOME).
     tma: let the grouped GEMMs load through TMA descriptors where the operands allow (Hopper).
     log_patterns: log every MoE block the graph pass replaces, and why it left others alone.
 
@@ -49,14 +56,15 @@ class Options:
     mx_dequantize_min_rows: MXFP8 weights are dequantized once per call into a transient copy at this many
         routes per expert and more, and read by the GEMMs' K loops below it (decode: weight bytes dominate).
     mx_f16_dot_max_rows: up to this many, the MXFP8 K loops run on the fp16 tensor cores (decode).
-    mx_few_rows: up to this many, traced launches (torch.compile) use the few-rows MXFP8 tile configs.
+    mx_few_rows: up to this many, MXFP8 launches that no table covers use the few-rows tile configs.
     two_pass_min_rows: at this many and more, the SwiGLU backward runs as a second pass after the
         down-projection's data-gradient GEMM instead of in its epilogue.
     tma_min_rows: the fewest rows per expert at which the TMA loads pay for their descriptors.
     """
 
     backend: str = "auto"
-    autotune: bool = True
+    autotune: bool = False
+    tables_dir: Optional[str] = None
     tma: bool = True
     log_patterns: bool = False
     mx_dequantize_min_rows: int = 256
@@ -68,6 +76,10 @@ class Options:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"options.backend: expected one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.tables_dir is not None and not isinstance(self.tables_dir, (str, os.PathLike)):
+            raise TypeError(f"options.tables_dir: expected a path or None, got {self.tables_dir!r}")
+        if isinstance(self.tables_dir, os.PathLike):
+            object.__setattr__(self, "tables_dir", os.fspath(self.tables_dir))
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.type in ("bool", bool) and not isinstance(v, bool):
@@ -83,8 +95,18 @@ class Options:
         return dataclasses.replace(self, **changes)
 
 
-_ENV = {"backend": "MOK_BACKEND", "autotune": "MOK_AUTOTUNE", "tma": "MOK_TMA", "log_patterns": "MOK_PATTERNS_LOG"}
+_ENV = {"backend": "MOK_BACKEND", "autotune": "MOK_AUTOTUNE", "tma": "MOK_TMA", "log_patterns": "MOK_PATTERNS_LOG",
+        "tables_dir": "MOK_TABLES_DIR"}
+_STRINGS = ("backend", "tables_dir")
 _FALSE = ("0", "false", "False", "no", "off", "")
+
+
+def default_tables_dir(environ: Mapping[str, str] = os.environ):
+    """$XDG_CACHE_HOME/mok_inductor/tables, or ~/.cache/mok_inductor/tables (the user's tile-config tables)."""
+    from pathlib import Path
+
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mok_inductor" / "tables"
 
 
 def from_env(environ: Mapping[str, str] = os.environ) -> Options:
@@ -93,7 +115,7 @@ def from_env(environ: Mapping[str, str] = os.environ) -> Options:
     for name, var in _ENV.items():
         if var in environ:
             raw = environ[var]
-            changes[name] = raw if name == "backend" else raw not in _FALSE
+            changes[name] = raw if name in _STRINGS else raw not in _FALSE
     try:
         return Options().replace(**changes)
     except (ValueError, TypeError) as e:
@@ -103,6 +125,7 @@ def from_env(environ: Mapping[str, str] = os.environ) -> Options:
 
 _lock = threading.Lock()
 _default = from_env()
+DEFAULT_TABLES_DIR = default_tables_dir()  # (where `tables_dir` is None)
 _stack: list = []
 
 

@@ -3,7 +3,7 @@
 - Without CUDA, the Triton kernels run under Triton's interpreter on CPU tensors: TRITON_INTERPRET=1
   must be set before triton is first imported, so it is set here, at collection start.
 - Every test session compiles into its own Inductor cache directory, so a stale on-disk cache from
-  another checkout can never answer for this one.
+  another checkout can never answer for this one, and has its own (empty) user tile-config table folder.
 """
 
 import os
@@ -20,6 +20,8 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="mok-inductor-cache-"))
+# ... and reads tile-config tables from a folder of its own (empty: the shipped tables alone), never the user's
+os.environ.setdefault("MOK_TABLES_DIR", tempfile.mkdtemp(prefix="mok-inductor-tables-"))
 
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -16,7 +16,8 @@ and u) instead of h [N, I].
 
 Families, one module each:
 
-    common.py        launch plumbing (autotune configs, wrap_triton when traced), tile enumeration, swizzle
+    common.py        launch plumbing (wrap_triton when traced), tile enumeration, swizzle
+    configs.py       tile configs: the tuned tables (tables/*.json), the fallback heuristic, the opt-in search
     operands.py      weight operands: strides, split weights through address tables (`ExpertTable`), TMA
                      descriptors, MXFP8 dequantized once per call (`dequantized`)
     mx_loop.py       the MXFP8 K loops on the fp16 tensor cores (`MxLoop`), the activation rows in fp16
@@ -40,7 +41,9 @@ are read in place through a device table of the experts' addresses (`operands.Ex
 while torch.compile traces, or when the experts differ in strides). Per-expert gradient destinations are
 written through one float32 buffer.
 
-Tuning thresholds and switches come from `mok_inductor.options.current()` when a launch is prepared.
+Tile configs come from tables keyed on the problem and a power-of-two bucket of the row count
+(`configs`); no kernel specialises on a row count, so a new token count compiles nothing. Tuning thresholds
+and switches come from `mok_inductor.options.current()` when a launch is prepared.
 
 Shape legend: T tokens, H hidden, I intermediate, Is shared intermediate, E experts, K routes per token,
 N = T*K.

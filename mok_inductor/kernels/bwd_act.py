@@ -24,6 +24,7 @@ import triton.language as tl
 from .. import options
 from . import common
 from .common import GROUP_M, _tile_ids, _tile_rows, cfg, clamp_gu, mma, row_tiles_worst, to_out
+from .configs import Family, dtype_name, register
 from .operands import tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile, w_tma_tile
 
 
@@ -39,14 +40,14 @@ _BWD_ACT_INTERPRET = cfg(16, 16, 32, 1, 1)
 def _min_block_n(configs) -> int:
     """The smallest BLOCK_N a launch may pick: the partial router-gradient buffer has one row per I-tile."""
     picked = [_BWD_ACT_INTERPRET] if common.INTERPRET else configs
-    return min(c.kwargs["BLOCK_N"] for c in picked)
+    return min(c.block_n for c in picked)
 
 
 _BWD_ACT_MIN_BLOCK_N = _min_block_n(_BWD_ACT_CONFIGS)
 
 
 # The two-pass variant's GEMM holds only its accumulator: the large tiles of a plain GEMM; 128 x 256 first,
-# the eager autotuner's pick at the training shapes
+# the searched pick at the training shapes
 _BWD_GEMM_CONFIGS = [cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4), cfg(64, 128, 64, 4, 4),
                      cfg(128, 64, 64, 4, 4)]
 
@@ -54,7 +55,7 @@ _BWD_GEMM_CONFIGS = [cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 8, 3), cfg(128, 
 _SWIGLU_BWD_BLOCK = (16, 32) if common.INTERPRET else (32, 256)  # (rows, columns per step) of the second pass
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_sp"])  # (a new token count compiles nothing)
 def _bwd_act_body(
     dy_ptr, stride_dt, stride_dh,  # dy [T, H] (any strides, stride 0 too)
     routes_ptr, offsets_ptr,  # sorted_routes [M], expert_offsets [E+1]
@@ -115,18 +116,13 @@ def _bwd_act_body(
     tl.store(dscale_ptr + pid_n * stride_sp + route, part, mask=rmask)
 
 
-_BWD_ACT_KEY = ["M", "H", "I", "E", "TOPK", "TMA"]
-
-
+_FIELDS = ("dtype", "H", "I", "E", "TMA")
+_OUTPUTS = ("dgu_ptr", "dscale_ptr", "hs_ptr", "dh_ptr")
 _tma_hook = tma_pre_hook((), ("wd_desc",))
-
-
-_bwd_act_kernel = common.autotune(_BWD_ACT_CONFIGS, _BWD_ACT_INTERPRET, key=_BWD_ACT_KEY,
-                                   eager_pre_hook=_tma_hook)(_bwd_act_body)
-
-
-_bwd_gemm_kernel = common.autotune(_BWD_GEMM_CONFIGS, _BWD_ACT_INTERPRET, key=_BWD_ACT_KEY,
-                                    eager_pre_hook=_tma_hook)(_bwd_act_body)
+BWD_ACT = register(Family("bwd_act", _bwd_act_body, _BWD_ACT_CONFIGS, fields=_FIELDS, sizes=("H", "I", "E"),
+                          outputs=_OUTPUTS, interpret=_BWD_ACT_INTERPRET, pre_hook=_tma_hook))
+BWD_GEMM = register(Family("bwd_gemm", _bwd_act_body, _BWD_GEMM_CONFIGS, fields=_FIELDS, sizes=("H", "I", "E"),
+                           outputs=_OUTPUTS, interpret=_BWD_ACT_INTERPRET, pre_hook=_tma_hook))
 
 
 @triton.jit
@@ -161,7 +157,7 @@ def _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, 
     return part
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _swiglu_bwd_kernel(
     dh_ptr,  # float32 [M, I]: dy @ down[e] per sorted row (from _bwd_act_kernel with STORE_ACC)
     routes_ptr, offsets_ptr, gu_ptr, stride_gm, stride_gn, scale_ptr, dgu_ptr, stride_om, stride_on,
@@ -220,7 +216,7 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
     lim = 0.0 if limit is None else float(limit)
     tma = tma_weights((down_t,)) if tma_eligible(dy_TH, M, E) else None
     common.launch(
-        _bwd_gemm_kernel if two_pass else _bwd_act_kernel, grid,
+        BWD_GEMM if two_pass else BWD_ACT, grid,
         dy_TH, dy_TH.stride(0), dy_TH.stride(1), routes_N, offsets_E1, *w_args(down_t),
         gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1), scale_arg,
         dgu, dgu.stride(0), dgu.stride(1), dscale_P, dscale_P.stride(0), hs, dh,
@@ -228,6 +224,7 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
         M, H, I, E, topk, lim, MX_D=down_t.quantized, STORE_ACC=two_pass,
         TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
         GROUPS_POW2=common.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(down_t), **flags,
+        rows=M, problem=(dtype_name(dtype), H, I, E, tma is not None),
     )
     if two_pass:
         bm, bn = _SWIGLU_BWD_BLOCK

@@ -1,4 +1,4 @@
-"""Shared by the kernel families: launch plumbing (interpreter, autotune configs, launches through
+"""Shared by the kernel families: launch plumbing (interpreter, tile configs from `configs`, launches through
 `wrap_triton` when traced), size choices without guards, and device helpers (tile enumeration, the L2
 swizzle, expert addresses, the dot and the output rounding, the clamped SwiGLU).
 
@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import options
 from ..options import INTERPRET
+from . import configs
+from .configs import Tile
 
 GROUP_M = 8  # row tiles per L2 group (see _tile_ids)
 
@@ -31,53 +32,8 @@ GROUP_M = 8  # row tiles per L2 group (see _tile_ids)
 # Configs and launches
 
 
-def cfg(bm, bn, bk, warps, stages) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
-
-
-def with_pre_hook(configs: list, pre_hook) -> list:
-    return [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=pre_hook)
-            for c in configs]
-
-
-def autotune(configs: list, interpret_config, key: list, restore_value=None, eager_pre_hook=None, few_rows=None):
-    """`@triton.autotune` over `configs` for eager launches (`interpret_config` alone under the interpreter:
-    one small tile, the interpreter is slow), with its first config alone kept for eager launches under
-    `options.autotune=False` (see `launch`), and variants kept for launches traced by torch.compile (see
-    `traced_variant`): the first config alone (Inductor's default mode, which re-benchmarks every config it is
-    given: one config keeps the compile cheap), all `configs` (mode="max-autotune"), and `few_rows` alone where
-    given (the default mode's config for launches at few rows per expert: `launch(..., few_rows=True)`). The
-    first config of each list is the one measured best at the large training shapes.
-    `eager_pre_hook(nargs)` runs before each eager launch with the config's meta-parameters (host TMA
-    descriptors take their block shapes from it); Inductor accepts no pre-hooks, so traced launches have none."""
-    extra = {"restore_value": restore_value} if restore_value else {}
-
-    def deco(fn):
-        picked = [interpret_config] if INTERPRET else configs
-        if eager_pre_hook is not None:
-            picked = with_pre_hook(picked, eager_pre_hook)
-        eager = triton.autotune(configs=picked, key=key, **extra)(fn)
-        eager.mok_untuned = eager if len(picked) == 1 else triton.autotune(configs=picked[:1], key=key, **extra)(fn)
-        eager.mok_traced_variants = (triton.autotune(configs=configs[:1], key=key, **extra)(fn),
-                                     triton.autotune(configs=configs, key=key, **extra)(fn),
-                                     None if few_rows is None else triton.autotune(configs=[few_rows], key=key,
-                                                                                   **extra)(fn))
-        return eager
-
-    return deco
-
-
-def traced_variant(kernel, few_rows: bool = False):
-    """The kernel a traced launch hands to Inductor: all tile configs under max-autotune, else the first, or
-    the few-rows config where the launch asks for it and the kernel has one."""
-    variants = getattr(kernel, "mok_traced_variants", None)
-    if variants is None:
-        return kernel
-    from torch._inductor import config
-
-    if config.max_autotune or config.max_autotune_gemm:
-        return variants[1]
-    return variants[2] if few_rows and variants[2] is not None else variants[0]
+def cfg(bm, bn, bk, warps, stages) -> Tile:
+    return Tile(bm, bn, bk, warps, stages)
 
 
 def traced(args) -> bool:
@@ -96,15 +52,46 @@ def without_pointers(tensors) -> bool:
     return torch.compiler.is_compiling() or traced(tensors)
 
 
-def launch(kernel, grid, *args, few_rows: bool = False, **kwargs) -> None:
-    """kernel[grid](*args, **kwargs), through wrap_triton when traced (`few_rows`: see `traced_variant`); an
-    eager launch under `options.autotune=False` runs the kernel's first tile config."""
-    if not INTERPRET and traced(args):
-        torch.library.wrap_triton(traced_variant(kernel, few_rows))[grid](*args, **kwargs)
-    elif not options.current().autotune:
-        getattr(kernel, "mok_untuned", kernel)[grid](*args, **kwargs)
+def launch(kernel, grid, *args, problem: tuple = (), rows=None, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), through wrap_triton when traced. A `configs.Family` is launched at `rows`
+    rows of `problem` (`_launch_tuned`); a plain kernel with the meta-parameters given."""
+    if isinstance(kernel, configs.Family):
+        _launch_tuned(kernel, grid, args, kwargs, problem, rows)
+    elif not INTERPRET and traced(args):
+        torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
     else:
         kernel[grid](*args, **kwargs)
+
+
+def _launch_tuned(family: configs.Family, grid, args, kwargs, problem: tuple, rows) -> None:
+    """A launch of a tuned kernel family at `rows` rows of `problem` (`configs`): the config of the tables
+    (searched first where `options.autotune` asks for it), or under Inductor's max-autotune every candidate.
+    A traced launch at a symbolic row count (torch.export with a dynamic token count; torch.compile keeps
+    those ops opaque, see `mok_inductor.lowering.decompose`) takes the config of the traced example's rows."""
+    dev = args[0].device
+    if INTERPRET:
+        configs.launch_eager(family, family.interpret, grid, args, kwargs)
+        return
+    if traced(args):
+        from torch._inductor import config
+
+        if config.max_autotune or config.max_autotune_gemm:
+            torch.library.wrap_triton(family.autotuned())[grid](*args, **kwargs)
+            return
+        if isinstance(rows, torch.SymInt):
+            hint = getattr(rows.node, "hint", None)
+            rows = int(hint) if hint is not None else 1 << 20
+        tile = configs.pick(family, problem, int(rows), dev)
+        torch.library.wrap_triton(family.fn)[grid](*args, **kwargs, **tile.launch_kwargs)
+        return
+    state = configs.needs_search(family, problem, rows, dev)
+    if state is None:
+        tile = configs.pick(family, problem, rows, dev)
+    else:
+        timed = configs.time_candidates(family, grid, list(args), kwargs, configs.default_timer)
+        tile = min(timed, key=lambda t: t[0])[1]
+        configs.record(state, family, problem, rows, tile)
+    configs.launch_eager(family, tile, grid, args, kwargs)
 
 
 def at_least(n, bound: int, symbolic: bool) -> bool:

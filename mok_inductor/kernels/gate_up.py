@@ -21,17 +21,14 @@ import triton.language as tl
 from ..types import clip_bounds
 from . import common
 from .common import GROUP_M, _tile_ids, _tile_rows, cfg, mma, row_tiles_worst, swiglu, to_out
-from .mx_loop import (_MX_F16_CONFIGS, _gate_up_mx_block, act_step_t, few_rows_per_expert, group_scales, mx_group,
-                      mx_one, mx_rows, mx_step_t, mx_trans, scale_step, step_scales, use_mx_loop, w_block_scales)
+from .configs import Family, dtype_name, register
+from .mx_loop import (_MX_F16_CONFIGS, MX_F16_SMALL_GATE_UP, _gate_up_mx_block, act_step_t, group_scales, mx_group, mx_one, mx_rows, mx_step_t, mx_trans, scale_step, step_scales, use_mx_loop, w_block_scales)
 from .operands import tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile, w_tma_tile
 
 
 # the last: decode (a few rows per expert, the weights streamed)
 _GATE_UP_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 64, 64, 4, 4), cfg(64, 128, 64, 4, 4), cfg(128, 64, 64, 8, 4),
                     cfg(64, 64, 128, 4, 3), cfg(64, 64, 64, 4, 6)]
-
-
-_GATE_UP_KEY = ["M", "H", "I", "E", "TOPK", "TMA"]
 
 
 @triton.jit
@@ -137,7 +134,7 @@ def _gate_up_tile(
         tl.store(h_ptrs, to_out(h, h_ptr, DOT_PREC), mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (a new token count compiles nothing)
 def _gate_up_kernel(
     x_ptr, stride_xt, stride_xh,  # x [T, H] (MX_LOOP: fp16, `row_f16`)
     xr_ptr,  # MX_LOOP: x's row scales [T] float32 (else unused)
@@ -182,19 +179,16 @@ def _gate_up_kernel(
                   W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
-# one jitted body (its name is the one Inductor's code and profiles show), autotuned over two config lists
-_gate_up_body = _gate_up_kernel
-
-
-_gate_up_kernel = common.autotune(_GATE_UP_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY,
-                                   eager_pre_hook=tma_pre_hook((), ("g_desc", "u_desc")))(_gate_up_body)
-
-
-# compiled graphs (Inductor's default mode: one config) at up to `mx_few_rows` routes per expert on average take
-# the eager autotuner's 8-row picks at decode (`few_rows`); the 16-row first config otherwise, and where the row
-# count is symbolic (no guard)
-_gate_up_f16_kernel = common.autotune(_MX_F16_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GATE_UP_KEY + ["MX_LOOP"],
-                                       few_rows=cfg(8, 32, 256, 2, 3))(_gate_up_body)
+# one jitted body (its name is the one Inductor's code and profiles show), tuned as two families: the MXFP8 fp16
+# K loops' row tiles are not the dequantizing loop's
+_FIELDS = ("dtype", "H", "I", "E", "TMA")
+_OUTPUTS = ("gu_ptr", "h_ptr")
+GATE_UP = register(Family("gate_up", _gate_up_kernel, _GATE_UP_CONFIGS, fields=_FIELDS, sizes=("H", "I", "E"),
+                          outputs=_OUTPUTS, interpret=cfg(16, 16, 32, 1, 1),
+                          pre_hook=tma_pre_hook((), ("g_desc", "u_desc"))))
+GATE_UP_MX = register(Family("gate_up_mx", _gate_up_kernel, _MX_F16_CONFIGS, fields=("dtype", "H", "I", "E", "MX_LOOP"),
+                             sizes=("H", "I", "E"), outputs=_OUTPUTS, interpret=cfg(16, 16, 32, 1, 1),
+                             small=MX_F16_SMALL_GATE_UP))
 
 
 def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=None, single=False):
@@ -212,11 +206,12 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
     mx_loop = use_mx_loop(x_TH.dtype, M, E, gate, up)
     tma = None if mx_loop or not tma_eligible(x_TH, M, E) else tma_weights((gate, up))
     h = h_out if h_out is not None else gu_out
+    dtype = dtype_name(x_TH.dtype)
     x_TH, xr, mx_loop = mx_rows(x_TH, mx_loop, gate, up)
     keep_clip = limit is not None and gu_out.dtype in (torch.bfloat16, torch.float16)
     above, below = (float(v) for v in clip_bounds(limit, gu_out.dtype)) if keep_clip else (0.0, 0.0)
     common.launch(
-        _gate_up_f16_kernel if mx_loop else _gate_up_kernel, lambda meta: (tiles(meta),),
+        GATE_UP_MX if mx_loop else GATE_UP, lambda meta: (tiles(meta),),
         x_TH, x_TH.stride(0), x_TH.stride(1), xr, routes_N, offsets_E1,
         *w_args(gate), *w_args(up),
         gu_out, gu_out.stride(0), gu_out.stride(1), h, h.stride(0), h.stride(1),
@@ -225,7 +220,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         SINGLE=single, MX_G=gate.quantized, MX_U=up.quantized, WRITE_H=h_out is not None,
         HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip, DOT_PREC=common.dot_precision(x_TH.dtype),
         MX_LOOP=int(mx_loop), TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
-        GROUPS_POW2=common.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(gate, up),
-        few_rows=bool(mx_loop) and few_rows_per_expert(M, E),
+        GROUPS_POW2=common.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(gate, up), rows=M,
+        problem=(dtype, H, I, E, int(mx_loop)) if mx_loop else (dtype, H, I, E, tma is not None),
     )
     return gu_out

@@ -17,12 +17,12 @@ import triton.language as tl
 
 from . import common
 from .common import GROUP_M, _tile_ids, _tile_rows, cfg, mma, row_tiles_worst, to_out
-from .mx_loop import (_MX_F16_CONFIGS, MxLoop, _mx_block, act_step_t, few_rows_per_expert, group_scales, mx_group,
-                      mx_one, mx_rows, mx_step_t, mx_trans, scale_step, step_scales, use_mx_loop, w_block_scales)
+from .configs import Family, dtype_name, register
+from .mx_loop import (_MX_F16_CONFIGS, MX_F16_SMALL_DOWN, MxLoop, _mx_block, act_step_t, group_scales, mx_group, mx_one, mx_rows, mx_step_t, mx_trans, scale_step, step_scales, use_mx_loop, w_block_scales)
 from .operands import row_desc, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile, w_tma_tile
 
 
-# 128 x 256 first: the eager autotuner's pick for both launches (the forward down GEMM and the dx GEMM) at the
+# 128 x 256 first: the searched pick for both launches (the forward down GEMM and the dx GEMM) at the
 # training shapes; compiled graphs run it
 _GROUPED_ROWS_CONFIGS = [cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 8, 3), cfg(64, 128, 64, 4, 4),
                          cfg(128, 128, 64, 4, 4), cfg(64, 64, 128, 4, 3)]
@@ -79,7 +79,7 @@ def _tma_k_loop(acc, a_desc, a_k0, row_start, w_desc, w_row0, n0, kd_full, W_KMA
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (a new token count compiles nothing)
 def _grouped_rows_kernel(
     a_ptr, stride_am, stride_ak,  # A [M, KD or 2*KD], sorted rows (MX_LOOP: fp16, `row_f16`)
     ar_ptr,  # MX_LOOP: A's row scales [M] float32 (else unused)
@@ -137,21 +137,14 @@ def _grouped_rows_kernel(
     tl.store(o_ptrs, to_out(acc, out_ptr, DOT_PREC), mask=rmask[:, None] & cmask[None, :])
 
 
-# TWO and SCATTER in the key: the down GEMM and the dx GEMM have the same sizes at some shapes
-_GROUPED_ROWS_KEY = ["M", "NCOL", "KD", "E", "TWO", "SCATTER", "TMA"]
-
-
-_grouped_rows_body = _grouped_rows_kernel
-
-
-_grouped_rows_kernel = common.autotune(
-    _GROUPED_ROWS_CONFIGS, cfg(16, 16, 32, 1, 1), key=_GROUPED_ROWS_KEY,
-    eager_pre_hook=tma_pre_hook(("a_desc",), ("w1_desc", "w2_desc")))(_grouped_rows_body)
-
-
-_grouped_rows_f16_kernel = common.autotune(_MX_F16_CONFIGS, cfg(16, 16, 32, 1, 1),
-                                            key=_GROUPED_ROWS_KEY + ["MX_LOOP"],
-                                            few_rows=cfg(8, 32, 128, 1, 4))(_grouped_rows_body)
+# TWO and SCATTER in the problem: the down GEMM and the dx GEMM have the same sizes at some shapes
+GROUPED_ROWS = register(Family(
+    "grouped_rows", _grouped_rows_kernel, _GROUPED_ROWS_CONFIGS,
+    fields=("dtype", "NCOL", "KD", "E", "TWO", "SCATTER", "TMA"), sizes=("NCOL", "KD", "E"), outputs=("out_ptr",),
+    interpret=cfg(16, 16, 32, 1, 1), pre_hook=tma_pre_hook(("a_desc",), ("w1_desc", "w2_desc"))))
+GROUPED_ROWS_MX = register(Family(
+    "grouped_rows_mx", _grouped_rows_kernel, _MX_F16_CONFIGS, fields=("dtype", "NCOL", "KD", "E", "TWO", "MX_LOOP"),
+    sizes=("NCOL", "KD", "E"), outputs=("out_ptr",), interpret=cfg(16, 16, 32, 1, 1), small=MX_F16_SMALL_DOWN))
 
 
 def _tma_args(a_MK, w1, w2, two: bool, mx_loop: MxLoop):
@@ -186,15 +179,18 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, 
     mx_loop = use_mx_loop(a_MK.dtype, M, E, w1, w2)
     tma, tma_meta = _tma_args(a_MK, w1, w2, two, mx_loop)
     dot_prec = common.dot_precision(a_MK.dtype)
+    dtype = dtype_name(a_MK.dtype)
     a_MK, ar, mx_loop = mx_rows(a_MK, mx_loop, w1, w2)
     common.launch(
-        _grouped_rows_f16_kernel if mx_loop else _grouped_rows_kernel, grid,
+        GROUPED_ROWS_MX if mx_loop else GROUPED_ROWS, grid,
         a_MK, a_MK.stride(0), a_MK.stride(1), ar, routes_N, offsets_E1,
         *w_args(w1), *w_args(w2),
         out, out.stride(0), out.stride(1), *tma,
         M, NCOL, KD, E,
         SINGLE=single, SCATTER=scatter, TWO=two, MX1=w1.quantized, MX2=w2.quantized,
         DOT_PREC=dot_prec, MX_LOOP=int(mx_loop), GROUP_M=GROUP_M, GROUPS_POW2=common.next_pow2(E + 1),
-        **tma_meta, **w_meta(w1, w2), few_rows=bool(mx_loop) and few_rows_per_expert(M, E),
+        **tma_meta, **w_meta(w1, w2), rows=M,
+        problem=((dtype, NCOL, KD, E, two, int(mx_loop)) if mx_loop
+                 else (dtype, NCOL, KD, E, two, scatter, tma_meta["TMA"])),
     )
     return out

@@ -252,12 +252,9 @@ def _gate_up_mx_block(acc_g, acc_u, a_row, a_row_t, stride_xh, kb, rmask, wg, sg
 _MX_F16_CONFIGS = [cfg(16, 64, 128, 4, 4), cfg(16, 128, 128, 4, 3), cfg(16, 64, 256, 4, 3), cfg(16, 32, 128, 2, 4),
                    cfg(16, 64, 64, 4, 6), cfg(32, 64, 128, 4, 4), cfg(64, 64, 128, 4, 3), cfg(128, 128, 64, 8, 3),
                    cfg(8, 32, 256, 2, 3), cfg(8, 64, 128, 4, 4), cfg(8, 32, 128, 1, 4)]
-
-
-def few_rows_per_expert(M, E: int) -> bool:
-    """Whether a launch over M sorted rows of E experts has at most `options.mx_few_rows` rows per expert on
-    average (False where M is symbolic and that is not statically known)."""
-    return not common.at_least(M, options.current().mx_few_rows * max(E, 1) + 1, True)
+# without a table, at up to `options.mx_few_rows` routes per expert: the 8-row picks of a search at decode
+MX_F16_SMALL_GATE_UP = cfg(8, 32, 256, 2, 3)
+MX_F16_SMALL_DOWN = cfg(8, 32, 128, 1, 4)
 
 
 def use_mx_loop(act_dtype: torch.dtype, M, E: int, *ops) -> MxLoop:
@@ -283,7 +280,7 @@ def mx_rows(a_RK, mx_loop: MxLoop, *ops):
     return a16, r_s, MxLoop.F16_WORDS if scale_words(*ops) else MxLoop.F16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _row_f16_kernel(a_ptr, stride_am, stride_ak, o_ptr, r_ptr, R, KA, BLOCK_R: tl.constexpr,
                     BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
     """o[r] = a[r] / r_s[r] in fp16 (o [R, KA] contiguous), r_s[r] float32 the power of two that puts the row's

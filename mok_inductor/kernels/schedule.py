@@ -39,7 +39,7 @@ def _keys(te_ptr, routes, N, E):
     return keys, mask, bad
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _schedule_count_kernel(
     te_ptr,  # top_experts [N] (flat, int32 or int64)
     counts_ptr,  # int32 [C, G] out
@@ -57,7 +57,7 @@ def _schedule_count_kernel(
     tl.store(bad_ptr + c, tl.sum(bad.to(tl.int32), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C"])
 def _schedule_prefix_kernel(
     counts_ptr,  # int32 [C, G]
     base_ptr,  # int32 [C, G] out: routes of key g in chunks < c
@@ -90,7 +90,7 @@ def _schedule_prefix_kernel(
     tl.store(totals_ptr + g, carry, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "C"])
 def _schedule_scatter_kernel(
     te_ptr,  # top_experts [N]
     base_ptr,  # int32 [C, G]: routes of key g in chunks < c (not FUSED)

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from . import common
 from .common import GROUP_M, cfg, mma, swizzle, to_out
+from .configs import Family, dtype_name, register
 
 
 # 128 x 256 first (the best plain Triton GEMM at the training shapes)
@@ -49,7 +50,7 @@ def _wgrad_tiles(r0, hi, ks, nxt, tokens_ptr, a_ptr, stride_ar, a_cols, mmask, b
     return a, b, nxt
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (a new token count compiles nothing)
 def _wgrad_body(
     a_ptr, stride_ar, stride_am,  # A: row index = token (A_GATHER) or sorted row; [*, MD] (SPLIT: [*, 2 MD])
     b_ptr, stride_br, stride_bn,  # B: row index = token (B_GATHER) or sorted row; [*, ND]
@@ -112,12 +113,9 @@ def _wgrad_body(
     tl.store(d_ptrs, to_out(acc, dst_ptr, DOT_PREC), mask=dmask)
 
 
-# (SPLIT and A_GATHER in the key: at H == I the down and the gate/up weight gradients share MD, ND, M, E)
-_WGRAD_KEY = ["MD", "ND", "M", "E", "SPLIT", "A_GATHER"]
-
-
-_wgrad_kernel = common.autotune(_WGRAD_CONFIGS, cfg(16, 16, 16, 1, 1), key=_WGRAD_KEY,
-                                 restore_value=["dst_ptr", "dst2_ptr"])(_wgrad_body)
+# (SPLIT and A_GATHER in the problem: at H == I the down and the gate/up weight gradients share MD, ND, E)
+WGRAD = register(Family("wgrad", _wgrad_body, _WGRAD_CONFIGS, fields=("dtype", "MD", "ND", "E", "SPLIT", "A_GATHER"),
+                        sizes=("MD", "ND", "E"), outputs=("dst_ptr", "dst2_ptr"), interpret=cfg(16, 16, 16, 1, 1)))
 
 
 def _span(t) -> int:
@@ -153,12 +151,13 @@ def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, accu
     rows_out = 2 * MD if split else MD
     grid = lambda meta: (common.cdiv(rows_out, meta["BLOCK_M"]) * common.cdiv(ND, meta["BLOCK_N"]), E)
     common.launch(
-        _wgrad_kernel, grid,
+        WGRAD, grid,
         a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), idx, offsets_E1,
         dst_EMN, dst_EMN.stride(0), dst_EMN.stride(1), dst_EMN.stride(2), d2, d2.stride(0), d2.stride(1), d2.stride(2),
         MD, ND, M, E,
         SINGLE=single, A_GATHER=a_gather, B_GATHER=b_gather, GATHER=gather, ACCUMULATE=accumulate, SPLIT=split,
         OFF32=off32, DOT_PREC=common.dot_precision(b.dtype), GROUP_M=GROUP_M,
+        rows=M, problem=(dtype_name(b.dtype), MD, ND, E, split, a_gather),
     )
     return dst_EMN
 

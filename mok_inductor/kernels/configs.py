@@ -1,0 +1,436 @@
+"""Tile configs of the tuned kernel families: tables, the fallback heuristic, and the opt-in run-time search.
+
+A tuned kernel family (`Family`: the grouped GEMMs, the fused SwiGLU backward, the weight gradient) takes its
+tile config (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from a table keyed on
+
+- the problem: the family's `fields` (the dtype, the GEMM's sizes, the flags that select another kernel), and
+- the bucket of its row count: the smallest power of two >= rows (bucket b holds rows in (b/2, b]).
+
+Tables are JSON files, one per GPU name (`table_name`): the ones shipped in `kernels/tables/` and the user's in
+`options.tables_dir` (written by `python -m mok_inductor.tune` and by the run-time search), which take
+precedence. A GPU without a table of its own name uses a shipped table of the same compute capability.
+A problem no table holds takes the configs of the nearest problem of the same family and flags in those tables
+(sizes compared on a log scale), at the bucket nearest in rows per expert; with no tables at all, the family's
+`default` (its first candidate; `small` at few rows per expert where the family has one).
+
+With `options.autotune`, a launch whose (problem, bucket) the user's table lacks times every candidate on
+scratch copies of the outputs, runs the fastest and records it in the user's table (so later processes
+read it like a tuned table); the shipped tables are then not consulted.
+
+Every config a table names must be one of its family's `candidates` (the configs the kernels are tested and
+tuned with): anything else is an error when the table is loaded, not a silent fallback. Row counts never
+specialise a kernel (`do_not_specialize`), so a new token count compiles nothing once its bucket's
+configs have compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .. import options
+from ..options import INTERPRET
+
+FORMAT = "mok-inductor/tile-configs/1"
+SHIPPED_DIR = Path(__file__).resolve().parent / "tables"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """One tile config."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def meta(self) -> dict:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k}
+
+    @property
+    def launch_kwargs(self) -> dict:
+        return {**self.meta, "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def as_list(self) -> list:
+        return [self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages]
+
+    def triton_config(self):
+        import triton
+
+        return triton.Config(self.meta, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+class Family:
+    """A tuned kernel: its jitted function, the candidate configs (first: the pick at large training shapes),
+    the problem `fields` (the first is always "dtype"; `sizes` name the GEMM sizes among them, compared on a
+    log scale by the heuristic; the other fields select kernel variants and must match), the
+    arguments it writes (`outputs`, searched on scratch copies), the interpreter's one config, an optional
+    `small` config for launches at few rows per expert, and an eager `pre_hook(nargs)` run before each launch
+    (host TMA descriptors take their block shapes from the config)."""
+
+    def __init__(self, name: str, fn, candidates: list, *, fields: tuple, sizes: tuple, outputs: tuple,
+                 interpret: Tile, small: Optional[Tile] = None, pre_hook: Optional[Callable] = None):
+        assert fields[0] == "dtype" and set(sizes) <= set(fields[1:]), (fields, sizes)
+        assert small is None or small in candidates, (name, small)
+        self.name, self.fn, self.candidates, self.sizes = name, fn, tuple(candidates), tuple(sizes)
+        self.fields, self.outputs, self.interpret, self.small, self.pre_hook = fields, outputs, interpret, small, pre_hook
+        arg_names = list(fn.arg_names)
+        self.output_positions = tuple(arg_names.index(n) for n in outputs)
+        self.arg_names = arg_names
+        self._all = None
+
+    def default(self, rows: int, experts: int) -> Tile:
+        """The config without any table: `small` at up to `options.mx_few_rows` rows per expert, else the first."""
+        if self.small is not None and rows <= options.current().mx_few_rows * max(experts, 1):
+            return self.small
+        return self.candidates[0]
+
+    def autotuned(self):
+        """The kernel with every candidate as a `triton.autotune` config (for Inductor's max-autotune)."""
+        if self._all is None:
+            import triton
+
+            self._all = triton.autotune(configs=[c.triton_config() for c in self.candidates], key=[])(self.fn)
+        return self._all
+
+    def __repr__(self):
+        return f"Family({self.name})"
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    assert family.name not in FAMILIES, family.name
+    FAMILIES[family.name] = family
+    return family
+
+
+def bucket(rows: int) -> int:
+    """The row bucket of `rows`: the smallest power of two >= max(rows, 1)."""
+    rows = max(int(rows), 1)
+    return 1 << (rows - 1).bit_length()
+
+
+def table_name(device_name: str) -> str:
+    """The file stem of a GPU's table: its name in lower case, runs of other characters as '-'."""
+    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Table files
+
+
+class Table:
+    """{family name: {problem tuple: {bucket: Tile}}} with the file's device facts."""
+
+    def __init__(self, device: str = "", capability: str = "", entries: Optional[dict] = None, source: str = ""):
+        self.device, self.capability, self.source = device, capability, source
+        self.entries: dict = entries if entries is not None else {}
+
+    def get(self, family: str, problem: tuple) -> Optional[dict]:
+        return self.entries.get(family, {}).get(problem)
+
+    def put(self, family: str, problem: tuple, bkt: int, tile: Tile) -> None:
+        self.entries.setdefault(family, {}).setdefault(problem, {})[bkt] = tile
+
+    def to_json(self) -> dict:
+        out = {"format": FORMAT, "device": self.device, "capability": self.capability, "families": {}}
+        for name in sorted(self.entries):
+            fields = FAMILIES[name].fields
+            rows = []
+            for problem in sorted(self.entries[name], key=repr):
+                per = self.entries[name][problem]
+                rows.append({"problem": dict(zip(fields, problem)),
+                             "configs": {str(b): per[b].as_list() for b in sorted(per)}})
+            out["families"][name] = rows
+        return out
+
+
+class TableError(ValueError):
+    pass
+
+
+def _problem_from_json(family: Family, raw, where: str) -> tuple:
+    if not isinstance(raw, dict) or set(raw) != set(family.fields):
+        raise TableError(f"{where}: problem must have exactly the fields {list(family.fields)}, got {raw!r}")
+    values = []
+    for f in family.fields:
+        v = raw[f]
+        if f == "dtype":
+            if not isinstance(v, str) or not isinstance(getattr(torch, v, None), torch.dtype):
+                raise TableError(f"{where}: dtype {v!r} is not a torch dtype name")
+        elif f in family.sizes:
+            if type(v) is not int or v < 0:
+                raise TableError(f"{where}: size {f!r} must be a non-negative int, got {v!r}")
+        elif type(v) not in (bool, int):
+            raise TableError(f"{where}: field {f!r} must be a bool or an int, got {v!r}")
+        values.append(v)
+    return tuple(values)
+
+
+def parse(data, source: str = "<table>") -> Table:
+    """A validated `Table` from the parsed JSON of a table file; `TableError` naming `source` and the entry on
+    anything malformed, an unknown family, or a config that is not one of its family's candidates."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise TableError(f"{source}: not a tile-config table (expected \"format\": {FORMAT!r})")
+    families = data.get("families")
+    if not isinstance(families, dict):
+        raise TableError(f"{source}: \"families\" must be an object")
+    table = Table(str(data.get("device", "")), str(data.get("capability", "")), source=source)
+    for name, rows in families.items():
+        family = FAMILIES.get(name)
+        if family is None:
+            raise TableError(f"{source}: unknown kernel family {name!r} (known: {', '.join(sorted(FAMILIES))})")
+        if not isinstance(rows, list):
+            raise TableError(f"{source}: family {name!r} must hold a list of entries")
+        for i, row in enumerate(rows):
+            where = f"{source}: {name}[{i}]"
+            if not isinstance(row, dict) or set(row) != {"problem", "configs"}:
+                raise TableError(f"{where}: an entry is {{\"problem\": ..., \"configs\": ...}}")
+            problem = _problem_from_json(family, row["problem"], where)
+            configs = row["configs"]
+            if not isinstance(configs, dict) or not configs:
+                raise TableError(f"{where}: \"configs\" must map row buckets to configs")
+            for key, value in configs.items():
+                if not key.isdigit() or int(key) < 1 or int(key) & (int(key) - 1):
+                    raise TableError(f"{where}: row bucket {key!r} is not a power of two")
+                if not (isinstance(value, list) and len(value) == 5 and all(type(v) is int for v in value)):
+                    raise TableError(f"{where}: bucket {key}: a config is [BLOCK_M, BLOCK_N, BLOCK_K, num_warps, "
+                                     f"num_stages], got {value!r}")
+                tile = Tile(*value)
+                if tile not in family.candidates:
+                    raise TableError(f"{where}: bucket {key}: {value} is not a config the {name} kernel takes "
+                                     f"(its candidates: {[c.as_list() for c in family.candidates]})")
+                table.put(name, problem, int(key), tile)
+    return table
+
+
+def load(path) -> Table:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TableError(f"{path}: not valid JSON ({e})") from None
+    return parse(data, str(path))
+
+
+def save(table: Table, path) -> None:
+    """Write `table` to `path` atomically (a temporary file renamed over it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(table.to_json(), indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def shipped_tables() -> list[Path]:
+    return sorted(SHIPPED_DIR.glob("*.json"))
+
+
+def user_dir(opts=None) -> Path:
+    """The user's table folder: `options.tables_dir`, else $XDG_CACHE_HOME (or ~/.cache)/mok_inductor/tables."""
+    opts = opts or options.current()
+    if opts.tables_dir:
+        return Path(opts.tables_dir).expanduser()
+    return options.DEFAULT_TABLES_DIR
+
+
+# ---------------------------------------------------------------------------------------------
+# Lookup
+
+
+@dataclasses.dataclass
+class _Tables:
+    """The tables one (device, user folder, autotune) sees: the user's first, then the shipped ones of this
+    GPU's name, else of its compute capability; and the memo of picks."""
+
+    device: str
+    capability: str
+    user_path: Path
+    user: Table
+    shipped: list
+    autotune: bool
+    picks: dict = dataclasses.field(default_factory=dict)
+
+    def chain(self) -> list:
+        return [self.user] if self.autotune else [self.user, *self.shipped]
+
+
+_lock = threading.Lock()
+_states: dict = {}
+_devices: dict = {}
+
+
+def _device_facts(device: torch.device) -> tuple:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    facts = _devices.get(idx)
+    if facts is None:
+        major, minor = torch.cuda.get_device_capability(idx)
+        facts = _devices[idx] = (torch.cuda.get_device_name(idx), f"{major}.{minor}")
+    return facts
+
+
+def tables_for(device_name: str, capability: str, opts=None) -> _Tables:
+    """The tables (and pick memo) for a GPU, loaded once per (GPU, user folder, autotune)."""
+    opts = opts or options.current()
+    folder = user_dir(opts)
+    key = (device_name, capability, str(folder), opts.autotune)
+    state = _states.get(key)
+    if state is not None:
+        return state
+    with _lock:
+        state = _states.get(key)
+        if state is None:
+            stem = table_name(device_name)
+            user_path = folder / f"{stem}.json"
+            user = load(user_path) if user_path.is_file() else Table(device_name, capability, source=str(user_path))
+            shipped = [load(p) for p in shipped_tables()]
+            same = [t for t in shipped if table_name(t.device) == stem]
+            shipped = same or [t for t in shipped if t.capability == capability]
+            state = _states[key] = _Tables(device_name, capability, user_path, user, shipped, opts.autotune)
+    return state
+
+
+def reset() -> None:
+    """Forget every loaded table and pick (tables are read again at the next launch)."""
+    with _lock:
+        _states.clear()
+
+
+def _nearest_bucket(per: dict, bkt: int, scale: float = 1.0) -> Tile:
+    """The config of the bucket of `per` nearest to bkt * scale on a log scale (ties: the larger bucket)."""
+    target = math.log2(bkt * scale)
+    best = min(per, key=lambda b: (abs(math.log2(b) - target), -b))
+    return per[best]
+
+
+def _problem_distance(family: Family, a: tuple, b: tuple) -> float:
+    d = 0.0
+    for f, x, y in zip(family.fields, a, b):
+        if f in family.sizes:
+            d += abs(math.log2(max(x, 1)) - math.log2(max(y, 1)))
+        elif x != y:
+            return math.inf
+    return d
+
+
+def _experts(family: Family, problem: tuple) -> int:
+    return problem[family.fields.index("E")] if "E" in family.fields else 1
+
+
+def lookup(state: _Tables, family: Family, problem: tuple, rows: int) -> tuple:
+    """(tile, where it came from: "table", "nearest" or "default") for `rows` rows of `problem`, without search."""
+    bkt = bucket(rows)
+    for table in state.chain():
+        per = table.get(family.name, problem)
+        if per:
+            return per.get(bkt) or _nearest_bucket(per, bkt), "table"
+    best, best_d = None, math.inf
+    for table in state.chain():
+        for other, per in table.entries.get(family.name, {}).items():
+            d = _problem_distance(family, problem, other)
+            if d < best_d:
+                best, best_d = (other, per), d
+    if best is not None:  # the same rows per expert as this launch
+        other, per = best
+        return _nearest_bucket(per, bkt, _experts(family, other) / max(_experts(family, problem), 1)), "nearest"
+    return family.default(rows, _experts(family, problem)), "default"
+
+
+def pick(family: Family, problem: tuple, rows: int, device: torch.device) -> Tile:
+    """The config a launch of `family` at `rows` rows of `problem` runs (no search: see `search`)."""
+    if INTERPRET:
+        return family.interpret
+    state = tables_for(*_device_facts(device))
+    key = (family.name, problem, bucket(rows))
+    tile = state.picks.get(key)
+    if tile is None:
+        tile = state.picks[key] = lookup(state, family, problem, rows)[0]
+    return tile
+
+
+def needs_search(family: Family, problem: tuple, rows: int, device: torch.device) -> Optional[_Tables]:
+    """The tables to record a search in, where `options.autotune` is on and this (problem, bucket) has no
+    pick yet; else None."""
+    if INTERPRET or not options.current().autotune:
+        return None
+    state = tables_for(*_device_facts(device))
+    key = (family.name, problem, bucket(rows))
+    if key in state.picks:
+        return None
+    per = state.user.get(family.name, problem)
+    if per and bucket(rows) in per:
+        state.picks[key] = per[bucket(rows)]
+        return None
+    return state
+
+
+def record(state: _Tables, family: Family, problem: tuple, rows: int, tile: Tile) -> None:
+    """Keep a searched pick in memory and in the user's table file (read again first: other processes may have
+    added entries since)."""
+    bkt = bucket(rows)
+    state.picks[(family.name, problem, bkt)] = tile
+    with _lock:
+        state.user.put(family.name, problem, bkt, tile)
+        on_disk = load(state.user_path) if state.user_path.is_file() else None
+        if on_disk is not None:
+            for name, problems in on_disk.entries.items():
+                for prob, per in problems.items():
+                    for b, t in per.items():
+                        if state.user.get(name, prob) is None or b not in state.user.get(name, prob):
+                            state.user.put(name, prob, b, t)
+        state.user.device, state.user.capability = state.device, state.capability
+        save(state.user, state.user_path)
+
+
+def time_candidates(family: Family, grid, args: list, kwargs: dict, timer: Callable) -> list:
+    """[(ms, tile)] of every candidate of `family` launched on `args` (`timer(run, tile)` -> ms), its outputs
+    replaced by scratch copies
+    (the caller's buffers are neither read after being written nor changed). A candidate the GPU cannot run
+    (too much shared memory, too many registers) times as infinity."""
+    scratch = list(args)
+    for pos in family.output_positions:
+        if isinstance(scratch[pos], torch.Tensor):
+            scratch[pos] = scratch[pos].clone()
+    out = []
+    for tile in family.candidates:
+        def run(tile=tile):
+            launch_eager(family, tile, grid, scratch, kwargs)
+        try:
+            ms = timer(run, tile)
+        except Exception as e:  # noqa: BLE001 - Triton raises several types for resources it lacks
+            if "OutOfResources" not in type(e).__name__ and "out of resource" not in str(e).lower():
+                raise
+            ms = math.inf
+        out.append((ms, tile))
+    return out
+
+
+def default_timer(fn, tile: Tile) -> float:
+    """Median milliseconds of fn (a launch of `tile`), after a first call (compiles it)."""
+    import triton.testing
+
+    fn()
+    return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+
+
+def launch_eager(family: Family, tile: Tile, grid, args, kwargs: dict) -> None:
+    meta = tile.launch_kwargs
+    if family.pre_hook is not None:
+        family.pre_hook({**dict(zip(family.arg_names, args)), **kwargs, **meta})
+    family.fn[grid](*args, **kwargs, **meta)

@@ -1,0 +1,222 @@
+"""Tune the kernels' tile configs for a model's MoE layer shape on this GPU and write them to a table.
+
+    python -m mok_inductor.tune --hidden 4096 --intermediate 14336 --experts 8 --topk 2
+    python -m mok_inductor.tune --model path/to/config.json --expert-parallel 8   # a transformers config
+    python -m mok_inductor.tune --preset qwen3-30b-a3b,mixtral-8x7b --max-tokens 16384
+    python -m mok_inductor.tune --list-presets
+
+For each token count (powers of two from 1 to --max-tokens) the layer's forward and backward run once with
+`options.autotune` on: each kernel launch at a (problem, row bucket) times every candidate tile config and
+keeps the fastest (`mok_inductor.kernels.configs`). The picks are merged into the table of this GPU in --out
+(default: the user's table folder, `options.tables_dir`, which later runs read before the shipped tables),
+replacing earlier picks of the same problem and bucket. Takes about a second per token count at small ones,
+longer where the layer is large, plus the Triton compiles of the candidates (once per machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+# name: (hidden, intermediate, experts (local), routes per token, shared expert intermediate or 0)
+PRESETS = {
+    "qwen3-30b-a3b": (2048, 768, 128, 8, 0),
+    "qwen3-235b-a22b": (4096, 1536, 128, 8, 0),
+    "qwen2-57b-a14b": (3584, 2560, 64, 8, 20480),
+    "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4, 5632),
+    "mixtral-8x7b": (4096, 14336, 8, 2, 0),
+    "mixtral-8x22b": (6144, 16384, 8, 2, 0),
+    "gpt-oss-20b": (2880, 2880, 32, 4, 0),
+    "gpt-oss-120b": (2880, 2880, 128, 4, 0),
+    "deepseek-v3-ep8": (7168, 2048, 32, 8, 2048),  # 256 experts over 8 ranks; Kimi-K2's slices have these sizes
+    "deepseek-v3-ep16": (7168, 2048, 16, 8, 2048),
+    "olmoe-1b-7b": (2048, 1024, 64, 8, 0),
+}
+
+
+def shape_from_config(path: str, expert_parallel: int = 1) -> tuple:
+    """(hidden, intermediate, local experts, topk, shared intermediate) from a transformers config (a
+    config.json, a folder holding one, or a model id transformers can resolve)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if p.is_file():
+        cfg = json.loads(p.read_text())
+    else:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(path).to_dict()
+    cfg = {**cfg.get("text_config", {}), **cfg}
+
+    def first(*names, default=None):
+        for n in names:
+            if cfg.get(n) is not None:
+                return cfg[n]
+        if default is not None:
+            return default
+        raise ValueError(f"{path}: none of {names} in the config")
+
+    hidden = first("hidden_size")
+    inter = first("moe_intermediate_size", "intermediate_size")
+    experts = first("num_experts", "num_local_experts", "n_routed_experts")
+    topk = first("num_experts_per_tok", "experts_per_token", "top_k")
+    shared = first("shared_expert_intermediate_size", default=0)
+    if not shared and cfg.get("n_shared_experts"):
+        shared = int(cfg["n_shared_experts"]) * inter
+    if experts % expert_parallel:
+        raise ValueError(f"{experts} experts do not divide over {expert_parallel} ranks")
+    return int(hidden), int(inter), experts // expert_parallel, int(topk), int(shared)
+
+
+def _layer(T, H, I, E, K, Is, dtype, device, gen):
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype).requires_grad_()
+
+    x = rand(T, H)
+    logits = torch.randn(T, E, generator=gen, device=device)
+    rw, te = torch.topk(logits.softmax(-1), K)
+    w = dict(gate_up_proj=rand(E, 2 * I, H, scale=H ** -0.5), down_proj=rand(E, H, I, scale=I ** -0.5))
+    if Is:
+        w.update(shared_gate_up_proj=rand(2 * Is, H, scale=H ** -0.5), shared_down_proj=rand(H, Is, scale=Is ** -0.5),
+                 shared_output_gate=rand(1, H, scale=H ** -0.5))
+    return x, rw, te, w
+
+
+def tune_shape(shape: tuple, tokens: list, folder: Path, *, dtype=torch.bfloat16, mxfp8: bool = False,
+               backward: bool = True, progress=None, device="cuda") -> None:
+    """Run the layer at each token count with the search on, recording into `folder`'s table."""
+    import mok_inductor
+    from mok_inductor import mxfp8 as mx
+    from mok_inductor import options
+    from mok_inductor.kernels import configs
+
+    H, I, E, K, Is = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    with options.override(autotune=True, tables_dir=str(folder)):
+        configs.reset()
+        for i, T in enumerate(tokens):
+            x, rw, te, w = _layer(T, H, I, E, K, Is, dtype, device, gen)
+            y = mok_inductor.moe(x, rw, te, **w)
+            if backward:
+                y.backward(torch.randn_like(y))
+            if mxfp8 and T * K <= options.current().mx_dequantize_min_rows * E:
+                q = {k: mx.quantize(w[k].detach(), columnwise=False) for k in ("gate_up_proj", "down_proj")}
+                with torch.no_grad():
+                    mok_inductor.moe(x.detach(), rw, te, q["gate_up_proj"], q["down_proj"],
+                                     **{k: v.detach() for k, v in w.items() if k.startswith("shared")})
+            del x, y, w
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize()
+            if progress is not None:
+                progress(i + 1, T)
+
+
+def merge_into(src: Path, dst: Path) -> int:
+    """Merge every table in `src` into the same-named table in `dst` (src's picks replace dst's); -> the picks
+    merged."""
+    from mok_inductor.kernels import configs
+
+    n = 0
+    for f in sorted(src.glob("*.json")):
+        new = configs.load(f)
+        target = dst / f.name
+        table = configs.load(target) if target.is_file() else configs.Table(new.device, new.capability)
+        for fam, problems in new.entries.items():
+            for prob, per in problems.items():
+                for b, tile in per.items():
+                    table.put(fam, prob, b, tile)
+                    n += 1
+        table.device, table.capability = new.device or table.device, new.capability or table.capability
+        configs.save(table, target)
+    return n
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, width: int = 30):
+        self.total, self.width, self.done, self.start = total, width, 0, time.time()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        filled = self.width * self.done // max(self.total, 1)
+        bar = "#" * filled + "." * (self.width - filled)
+        sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {label} ({time.time() - self.start:.0f} s)   ")
+        if self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mok_inductor.tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--intermediate", type=int, help="the routed experts' intermediate size")
+    p.add_argument("--experts", type=int, help="local experts (after expert parallelism)")
+    p.add_argument("--topk", type=int, help="routes per token")
+    p.add_argument("--shared-intermediate", type=int, default=0, help="the shared expert's intermediate size")
+    p.add_argument("--model", help="a transformers config.json, a folder holding one, or a model id")
+    p.add_argument("--expert-parallel", type=int, default=1, help="with --model: ranks the experts spread over")
+    p.add_argument("--preset", help=f"comma-separated, or 'all': {', '.join(PRESETS)}")
+    p.add_argument("--list-presets", action="store_true")
+    p.add_argument("--tokens", help="comma-separated token counts (default: powers of two up to --max-tokens)")
+    p.add_argument("--max-tokens", type=int, default=65536)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--mxfp8", action="store_true", help="also tune the MXFP8 decode kernels (forward)")
+    p.add_argument("--forward-only", action="store_true")
+    p.add_argument("--out", help="table folder (default: the user's, options.tables_dir)")
+    args = p.parse_args(argv)
+
+    if args.list_presets:
+        for name, s in PRESETS.items():
+            print(f"{name}: hidden {s[0]}, intermediate {s[1]}, experts {s[2]}, topk {s[3]}, shared {s[4]}")
+        return 0
+    shapes = {}
+    if args.preset:
+        names = list(PRESETS) if args.preset == "all" else args.preset.split(",")
+        unknown = [n for n in names if n not in PRESETS]
+        if unknown:
+            p.error(f"unknown preset(s) {unknown}; --list-presets shows them")
+        shapes.update({n: PRESETS[n] for n in names})
+    if args.model:
+        shapes[args.model] = shape_from_config(args.model, args.expert_parallel)
+    if args.hidden or args.intermediate or args.experts or args.topk:
+        if not (args.hidden and args.intermediate and args.experts and args.topk):
+            p.error("--hidden, --intermediate, --experts and --topk go together")
+        shapes["command line"] = (args.hidden, args.intermediate, args.experts, args.topk, args.shared_intermediate)
+    if not shapes:
+        p.error("give a shape: --hidden/--intermediate/--experts/--topk, --model or --preset")
+    if not torch.cuda.is_available():
+        p.error("tuning needs a CUDA GPU")
+    if args.tokens:
+        tokens = [int(t) for t in args.tokens.split(",")]
+    else:
+        tokens = [1 << i for i in range(args.max_tokens.bit_length()) if 1 << i <= args.max_tokens]
+
+    from mok_inductor.kernels import configs
+
+    out = Path(args.out).expanduser() if args.out else configs.user_dir()
+    dtype = getattr(torch, args.dtype)
+    bar = Progress(len(shapes) * len(tokens))
+    with tempfile.TemporaryDirectory() as tmp:
+        def done(i, T, name):  # merged after every token count: an interrupted run keeps what it tuned
+            bar.step(f"{name} T={T}")
+            merge_into(Path(tmp), out)
+
+        for name, shape in shapes.items():
+            tune_shape(shape, tokens, Path(tmp), dtype=dtype, mxfp8=args.mxfp8, backward=not args.forward_only,
+                       progress=lambda i, T, name=name: done(i, T, name))
+    path = out / (configs.table_name(torch.cuda.get_device_name()) + ".json")
+    n = sum(len(per) for problems in configs.load(path).entries.values() for per in problems.values())
+    print(f"{path}: {n} picks")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

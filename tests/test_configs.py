@@ -1,0 +1,441 @@
+"""Tile-config tables (mok_inductor/kernels/configs.py) and the tuning command (mok_inductor/tune.py), on CPU:
+bucketing, the table format and its validation at load, the lookup order (user table, this GPU's shipped
+table, a table of the same compute capability, the nearest problem, the family's default), the run-time
+search's plumbing (every candidate timed on scratch outputs, the fastest recorded and read back by a later
+process), and the tuner's plumbing. The kernels under the interpreter run one config (`Family.interpret`);
+the search's kernel launches here run that interpreter on a toy kernel."""
+
+import json
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import mok_inductor
+from mok_inductor import kernels, options, tune
+from mok_inductor.kernels import configs
+from mok_inductor.kernels.configs import Tile
+
+H100 = ("NVIDIA H100 80GB HBM3", "9.0")
+GATE_UP = kernels.gate_up.GATE_UP
+
+
+def _problem(H=2048, I=768, E=128, tma=True, dtype="bfloat16"):
+    return (dtype, H, I, E, tma)
+
+
+def _table(device, capability, entries):
+    """A table JSON object: entries = [(family, problem tuple, {bucket: Tile})]."""
+    t = configs.Table(device, capability)
+    for fam, prob, per in entries:
+        for b, tile in per.items():
+            t.put(fam, prob, b, tile)
+    return t.to_json()
+
+
+def _write(path, obj):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj))
+    return path
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+    """(user folder, shipped folder), both empty, in effect for the test; picks forgotten before and after."""
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+    user.mkdir()
+    shipped.mkdir()
+    monkeypatch.setattr(configs, "SHIPPED_DIR", shipped)
+    configs.reset()
+    with options.override(tables_dir=str(user), autotune=False):
+        yield user, shipped
+    configs.reset()
+
+
+def test_bucket_is_the_next_power_of_two():
+    assert [configs.bucket(n) for n in (0, 1, 2, 3, 4, 5, 1000, 1024, 1025, 4097 * 8)] == \
+        [1, 1, 2, 4, 4, 8, 1024, 1024, 2048, 65536]
+
+
+def test_table_name_of_gpu_names():
+    assert configs.table_name("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert configs.table_name("NVIDIA H200") == "nvidia-h200"
+
+
+def test_every_family_is_registered_with_valid_candidates():
+    names = {"gate_up", "gate_up_mx", "grouped_rows", "grouped_rows_mx", "bwd_act", "bwd_gemm", "wgrad"}
+    assert set(configs.FAMILIES) == names
+    for fam in configs.FAMILIES.values():
+        assert len(set(fam.candidates)) == len(fam.candidates) > 1
+        assert all(math.log2(v).is_integer() for t in fam.candidates for v in (t.block_m, t.block_n, t.block_k))
+        assert fam.fields[0] == "dtype" and "E" in fam.sizes
+        assert all(n in fam.arg_names for n in fam.outputs)
+
+
+def test_table_round_trip(tmp_path):
+    fam = configs.FAMILIES["grouped_rows"]
+    prob = ("bfloat16", 2048, 768, 128, False, True, True)
+    per = {1: fam.candidates[3], 64: fam.candidates[1], 65536: fam.candidates[0]}
+    path = tmp_path / "t.json"
+    t = configs.Table("NVIDIA H100 80GB HBM3", "9.0")
+    for b, tile in per.items():
+        t.put("grouped_rows", prob, b, tile)
+    configs.save(t, path)
+    raw = json.loads(path.read_text())
+    assert raw["format"] == configs.FORMAT and raw["device"] == "NVIDIA H100 80GB HBM3"
+    entry = raw["families"]["grouped_rows"][0]
+    assert entry["problem"] == dict(zip(fam.fields, prob))
+    back = configs.load(path)
+    assert back.get("grouped_rows", prob) == per and back.capability == "9.0"
+
+
+def _valid():
+    fam = GATE_UP
+    return {"format": configs.FORMAT, "device": "X", "capability": "9.0",
+            "families": {"gate_up": [{"problem": dict(zip(fam.fields, _problem())),
+                                      "configs": {"64": fam.candidates[0].as_list()}}]}}
+
+
+@pytest.mark.parametrize("breakage, message", [
+    (lambda d: d.update(format="other/1"), "not a tile-config table"),
+    (lambda d: d["families"].update(nope=[]), "unknown kernel family 'nope'"),
+    (lambda d: d["families"]["gate_up"][0]["problem"].pop("TMA"), "exactly the fields"),
+    (lambda d: d["families"]["gate_up"][0]["problem"].update(H=-1), "size 'H'"),
+    (lambda d: d["families"]["gate_up"][0]["problem"].update(dtype="bfloat17"), "not a torch dtype"),
+    (lambda d: d["families"]["gate_up"][0]["configs"].update({"48": [128, 128, 64, 8, 3]}), "not a power of two"),
+    (lambda d: d["families"]["gate_up"][0]["configs"].update({"64": [128, 128, 64, 8]}), "a config is"),
+    (lambda d: d["families"]["gate_up"][0]["configs"].update({"64": [128, 128, 64, 8, 7]}),
+     "not a config the gate_up kernel takes"),
+    (lambda d: d["families"]["gate_up"][0]["configs"].update({"64": [256, 256, 256, 8, 3]}),
+     "not a config the gate_up kernel takes"),
+])
+def test_a_bad_table_is_an_error_at_load(tmp_path, breakage, message):
+    data = _valid()
+    configs.parse(data)  # the unbroken one loads
+    breakage(data)
+    path = _write(tmp_path / "bad.json", data)
+    with pytest.raises(configs.TableError, match=message) as e:
+        configs.load(path)
+    assert str(path) in str(e.value)
+
+
+def test_a_bad_table_in_the_user_folder_fails_the_launch_not_silently(tables):
+    user, _ = tables
+    data = _valid()
+    data["families"]["gate_up"][0]["configs"]["64"] = [16, 16, 16, 1, 1]
+    _write(user / "nvidia-h100-80gb-hbm3.json", data)
+    with pytest.raises(configs.TableError, match="not a config the gate_up kernel takes"):
+        configs.tables_for(*H100)
+
+
+def test_not_json_is_an_error(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text("{")
+    with pytest.raises(configs.TableError, match="not valid JSON"):
+        configs.load(path)
+
+
+def test_lookup_exact_bucket_then_nearest_bucket(tables):
+    user, _ = tables
+    c = GATE_UP.candidates
+    _write(user / "nvidia-h100-80gb-hbm3.json",
+           _table(*H100, [("gate_up", _problem(), {8: c[5], 1024: c[2], 65536: c[0]})]))
+    state = configs.tables_for(*H100)
+    assert configs.lookup(state, GATE_UP, _problem(), 8) == (c[5], "table")
+    assert configs.lookup(state, GATE_UP, _problem(), 5) == (c[5], "table")  # bucket 8
+    assert configs.lookup(state, GATE_UP, _problem(), 1000) == (c[2], "table")
+    assert configs.lookup(state, GATE_UP, _problem(), 1) == (c[5], "table")  # nearest: 8
+    assert configs.lookup(state, GATE_UP, _problem(), 2 ** 20)[0] == c[0]
+    assert configs.lookup(state, GATE_UP, _problem(), 4096)[0] == c[2]  # 2 octaves from 1024, 4 from 65536
+
+
+def test_lookup_tie_prefers_the_larger_bucket(tables):
+    user, _ = tables
+    c = GATE_UP.candidates
+    _write(user / "nvidia-h100-80gb-hbm3.json", _table(*H100, [("gate_up", _problem(), {1024: c[2], 65536: c[0]})]))
+    state = configs.tables_for(*H100)
+    assert configs.lookup(state, GATE_UP, _problem(), 8192)[0] == c[0]
+
+
+def test_lookup_nearest_problem_same_flags_and_rows_per_expert(tables):
+    user, _ = tables
+    c = GATE_UP.candidates
+    near = _problem(H=4096, I=1536, E=128)  # one octave off in H and I
+    far = _problem(H=7168, I=2048, E=32)
+    other_flag = _problem(H=2048, I=768, E=128, tma=False)  # the same sizes, another kernel variant
+    _write(user / "nvidia-h100-80gb-hbm3.json", _table(*H100, [
+        ("gate_up", near, {64: c[3], 1024: c[1]}),
+        ("gate_up", far, {64: c[4]}),
+        ("gate_up", other_flag, {64: c[5], 1024: c[5]}),
+    ]))
+    state = configs.tables_for(*H100)
+    assert configs.lookup(state, GATE_UP, _problem(H=3072, I=1024), 1024) == (c[1], "nearest")
+    assert configs.lookup(state, GATE_UP, _problem(H=3072, I=1024), 64)[0] == c[3]
+    # 64 experts with 512 rows: 8 rows per expert, as the E=128 entry's bucket 1024 (and not its bucket 512)
+    assert configs.lookup(state, GATE_UP, _problem(H=4096, I=1536, E=64), 512)[0] == c[1]
+    assert configs.lookup(state, GATE_UP, _problem(H=4096, I=1536, E=64), 32)[0] == c[3]
+    # another dtype has no neighbour: the default
+    assert configs.lookup(state, GATE_UP, _problem(dtype="float32"), 64) == (GATE_UP.candidates[0], "default")
+
+
+def test_defaults_without_tables(tables):
+    state = configs.tables_for(*H100)
+    mx = configs.FAMILIES["gate_up_mx"]
+    few = options.current().mx_few_rows
+    prob = ("bfloat16", 2048, 768, 128, 2)
+    assert configs.lookup(state, mx, prob, few * 128) == (mx.small, "default")
+    assert configs.lookup(state, mx, prob, few * 128 + 1) == (mx.candidates[0], "default")
+    with options.override(mx_few_rows=few + 1):
+        assert configs.lookup(state, mx, prob, few * 128 + 1)[0] == mx.small
+    assert configs.lookup(state, GATE_UP, _problem(), 1) == (GATE_UP.candidates[0], "default")
+
+
+def test_user_table_before_shipped_by_name_then_capability(tables):
+    user, shipped = tables
+    c = GATE_UP.candidates
+    p = _problem()
+    _write(shipped / "nvidia-h100-80gb-hbm3.json", _table(*H100, [("gate_up", p, {64: c[1]})]))
+    _write(shipped / "nvidia-h200.json", _table("NVIDIA H200", "9.0", [("gate_up", p, {64: c[2]})]))
+    _write(shipped / "nvidia-a100.json", _table("NVIDIA A100-SXM4-80GB", "8.0", [("gate_up", p, {64: c[4]})]))
+    assert configs.lookup(configs.tables_for(*H100), GATE_UP, p, 64)[0] == c[1]
+    assert configs.lookup(configs.tables_for("NVIDIA H200", "9.0"), GATE_UP, p, 64)[0] == c[2]
+    # a GPU without a table of its own: the same compute capability's (either sm_90 table is a fair pick)
+    assert configs.lookup(configs.tables_for("NVIDIA H100 PCIe", "9.0"), GATE_UP, p, 64)[0] in (c[1], c[2])
+    assert configs.lookup(configs.tables_for("NVIDIA A100 80GB PCIe", "8.0"), GATE_UP, p, 64)[0] == c[4]
+    assert configs.lookup(configs.tables_for("Some GPU", "12.0"), GATE_UP, p, 64)[1] == "default"
+    _write(user / "nvidia-h100-80gb-hbm3.json", _table(*H100, [("gate_up", p, {64: c[3]})]))
+    configs.reset()
+    assert configs.lookup(configs.tables_for(*H100), GATE_UP, p, 64)[0] == c[3]  # the user's first
+    with options.override(autotune=True):  # searching: the user's picks only
+        state = configs.tables_for(*H100)
+        assert [t.source for t in state.chain()] == [str(user / "nvidia-h100-80gb-hbm3.json")]
+
+
+def test_shipped_tables_load_and_name_their_gpu():
+    # every shipped table passes validation (a bad config would fail here, in CI, before any GPU run)
+    files = configs.shipped_tables()
+    for f in files:
+        t = configs.load(f)
+        assert configs.table_name(t.device) == f.stem and t.capability == "9.0"
+        assert t.entries, f
+
+
+def test_pick_memoises_and_the_interpreter_runs_one_config(tables, monkeypatch):
+    user, _ = tables
+    c = GATE_UP.candidates
+    _write(user / "nvidia-h100-80gb-hbm3.json", _table(*H100, [("gate_up", _problem(), {64: c[2]})]))
+    monkeypatch.setattr(configs, "_device_facts", lambda dev: H100)
+    if options.INTERPRET:
+        assert configs.pick(GATE_UP, _problem(), 64, torch.device("cpu")) == GATE_UP.interpret
+    monkeypatch.setattr(configs, "INTERPRET", False)
+    assert configs.pick(GATE_UP, _problem(), 50, torch.device("cpu")) == c[2]
+    state = configs.tables_for(*H100)
+    assert state.picks[("gate_up", _problem(), 64)] == c[2]
+    state.user.entries.clear()  # the memo answers without the table
+    assert configs.pick(GATE_UP, _problem(), 33, torch.device("cpu")) == c[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# The run-time search, on a toy kernel
+
+
+@triton.jit
+def _toy_kernel(x_ptr, out_ptr, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out += 2 * x (reads its output: a search on the caller's buffer would add more than once)."""
+    offs = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    o = tl.load(out_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, o + 2 * x, mask=mask)
+
+
+_TOY_TILES = [Tile(16, 16, 16, 1, 1), Tile(32, 16, 16, 1, 1), Tile(64, 16, 16, 2, 2)]
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    fam = configs.Family("toy", _toy_kernel, _TOY_TILES, fields=("dtype", "N"), sizes=("N",), outputs=("out_ptr",),
+                         interpret=_TOY_TILES[0])
+    monkeypatch.setitem(configs.FAMILIES, "toy", fam)
+    return fam
+
+
+def _toy_launch(fam, x, out):
+    n = x.numel()
+    kernels.common.launch(fam, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]),), x, out, n,
+                          problem=("float32", 1), rows=n)
+
+
+def test_search_times_every_candidate_on_scratch_outputs_and_records_the_fastest(tables, toy, monkeypatch):
+    user, _ = tables
+    monkeypatch.setattr(configs, "INTERPRET", False)
+    monkeypatch.setattr(kernels.common, "INTERPRET", False)
+    monkeypatch.setattr(configs, "_device_facts", lambda dev: H100)
+    timed = []
+    fake_ms = {_TOY_TILES[0]: 3.0, _TOY_TILES[1]: 1.0, _TOY_TILES[2]: 2.0}
+
+    def timer(run, tile):
+        run()
+        timed.append(tile)
+        return fake_ms[tile]
+
+    monkeypatch.setattr(configs, "default_timer", timer)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(100, generator=gen)
+    out0 = torch.randn(100, generator=gen)
+    out = out0.clone()
+    with options.override(autotune=True):
+        _toy_launch(toy, x, out)
+    assert timed == _TOY_TILES  # each candidate once
+    assert torch.equal(out, out0 + 2 * x)  # the caller's buffer: the final launch alone
+    saved = configs.load(user / "nvidia-h100-80gb-hbm3.json")
+    assert saved.get("toy", ("float32", 1)) == {128: _TOY_TILES[1]} and saved.device == H100[0]
+    # the same bucket again: no search
+    with options.override(autotune=True):
+        _toy_launch(toy, x[:90], out[:90])
+    assert len(timed) == 3
+    # a later process (tables read afresh) takes the recorded pick, searching or not
+    configs.reset()
+    launched = []
+    real = configs.launch_eager
+    monkeypatch.setattr(configs, "launch_eager", lambda f, tile, *a: launched.append(tile) or real(f, tile, *a))
+    with options.override(autotune=True):
+        _toy_launch(toy, x, out)
+    _toy_launch(toy, x, out)
+    assert launched == [_TOY_TILES[1]] * 2 and len(timed) == 3
+    # another bucket is searched, and added to the same file
+    with options.override(autotune=True):
+        _toy_launch(toy, x[:20], out[:20])
+    assert len(timed) == 6
+    assert set(configs.load(user / "nvidia-h100-80gb-hbm3.json").get("toy", ("float32", 1))) == {32, 128}
+
+
+def test_search_skips_a_candidate_the_gpu_cannot_run(tables, toy, monkeypatch):
+    monkeypatch.setattr(configs, "INTERPRET", False)
+    monkeypatch.setattr(kernels.common, "INTERPRET", False)
+    monkeypatch.setattr(configs, "_device_facts", lambda dev: H100)
+
+    class OutOfResources(Exception):
+        pass
+
+    def timer(run, tile):
+        if tile == _TOY_TILES[1]:
+            raise OutOfResources("shared memory")
+        run()
+        return 1.0 if tile == _TOY_TILES[2] else 2.0
+
+    monkeypatch.setattr(configs, "default_timer", timer)
+    x, out = torch.randn(10), torch.zeros(10)
+    with options.override(autotune=True):
+        _toy_launch(toy, x, out)
+        assert configs.tables_for(*H100).picks[("toy", ("float32", 1), 16)] == _TOY_TILES[2]
+
+    def broken(run, tile):
+        raise ValueError("a real bug")
+
+    monkeypatch.setattr(configs, "default_timer", broken)
+    with options.override(autotune=True), pytest.raises(ValueError, match="a real bug"):
+        _toy_launch(toy, x[:3], out[:3])  # any other error is not swallowed
+
+
+def test_options_tables_dir_from_the_environment(tmp_path):
+    assert options.from_env({"MOK_TABLES_DIR": str(tmp_path)}).tables_dir == str(tmp_path)
+    assert options.from_env({}).tables_dir is None and options.from_env({}).autotune is False
+    assert options.default_tables_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "mok_inductor" / "tables"
+    with pytest.raises(TypeError, match="tables_dir"):
+        mok_inductor.Options(tables_dir=3)
+    assert mok_inductor.Options(tables_dir=tmp_path).tables_dir == str(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tuning command
+
+
+@pytest.mark.parametrize("cfg, ep, want", [
+    ({"model_type": "qwen3_moe", "hidden_size": 2048, "moe_intermediate_size": 768, "intermediate_size": 6144,
+      "num_experts": 128, "num_experts_per_tok": 8}, 1, (2048, 768, 128, 8, 0)),
+    ({"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_local_experts": 8,
+      "num_experts_per_tok": 2}, 1, (4096, 14336, 8, 2, 0)),
+    ({"model_type": "qwen2_moe", "hidden_size": 2048, "moe_intermediate_size": 1408, "num_experts": 60,
+      "num_experts_per_tok": 4, "shared_expert_intermediate_size": 5632}, 1, (2048, 1408, 60, 4, 5632)),
+    ({"model_type": "deepseek_v3", "hidden_size": 7168, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+      "num_experts_per_tok": 8, "n_shared_experts": 1}, 8, (7168, 2048, 32, 8, 2048)),
+    ({"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_local_experts": 32,
+      "experts_per_token": 4}, 1, (2880, 2880, 32, 4, 0)),
+])
+def test_tune_reads_transformers_configs(tmp_path, cfg, ep, want):
+    path = _write(tmp_path / "m" / "config.json", cfg)
+    assert tune.shape_from_config(str(path.parent), ep) == want
+    assert tune.shape_from_config(str(path), ep) == want
+
+
+def test_tune_rejects_uneven_expert_parallelism(tmp_path):
+    path = _write(tmp_path / "config.json", {"hidden_size": 8, "moe_intermediate_size": 8, "num_experts": 6,
+                                             "num_experts_per_tok": 2})
+    with pytest.raises(ValueError, match="6 experts do not divide over 4 ranks"):
+        tune.shape_from_config(str(path), 4)
+
+
+def test_tune_command_line_errors(capsys):
+    with pytest.raises(SystemExit):
+        tune.main(["--hidden", "64"])
+    assert "go together" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune.main(["--preset", "nope"])
+    assert "unknown preset" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune.main([])
+    assert "give a shape" in capsys.readouterr().err
+    assert tune.main(["--list-presets"]) == 0
+    assert "mixtral-8x7b: hidden 4096" in capsys.readouterr().out
+
+
+def test_tune_merge_replaces_picks_of_the_same_bucket_only(tmp_path):
+    c = GATE_UP.candidates
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    name = "nvidia-h100-80gb-hbm3.json"
+    _write(dst / name, _table(*H100, [("gate_up", _problem(), {64: c[1], 128: c[2]})]))
+    _write(src / name, _table(*H100, [("gate_up", _problem(), {64: c[3]}), ("gate_up", _problem(E=64), {1: c[4]})]))
+    assert tune.merge_into(src, dst) == 2
+    got = configs.load(dst / name)
+    assert got.get("gate_up", _problem()) == {64: c[3], 128: c[2]} and got.get("gate_up", _problem(E=64)) == {1: c[4]}
+
+
+def test_tune_shape_records_a_pick_for_every_launch(tmp_path, monkeypatch):
+    # the layer (with a shared expert) forward and backward at two token counts through the Triton kernels
+    # with the search on: every tuned launch gets a pick in the table (the timer here is a stand-in that does
+    # not run the candidates; the toy-kernel test above runs them)
+    monkeypatch.setattr(configs, "INTERPRET", False)
+    monkeypatch.setattr(kernels.common, "INTERPRET", False)
+    monkeypatch.setattr(configs, "_device_facts", lambda dev: H100)
+    if not options.INTERPRET:
+        pytest.skip("runs the kernels under the interpreter (the CPU-only test machine)")
+    seen = []
+
+    def timer(run, tile):
+        seen.append(tile)
+        return float(hash(tile) % 97)
+
+    monkeypatch.setattr(configs, "default_timer", timer)
+    # the final launch of each pick runs the interpreter's one config (the picks' big tiles are for GPUs)
+    real = configs.launch_eager
+    monkeypatch.setattr(configs, "launch_eager", lambda fam, tile, *a: real(fam, fam.interpret, *a))
+    steps = []
+    with options.override(backend="triton"):
+        tune.tune_shape((32, 16, 4, 2, 24), [1, 4], tmp_path, dtype=torch.float32, device="cpu",
+                        progress=lambda i, T: steps.append((i, T)))
+    assert steps == [(1, 1), (2, 4)]
+    table = configs.load(tmp_path / "nvidia-h100-80gb-hbm3.json")
+    fams = set(table.entries)
+    assert {"gate_up", "grouped_rows", "wgrad"} <= fams and fams & {"bwd_act", "bwd_gemm"}
+    for fam, problems in table.entries.items():
+        for prob, per in problems.items():
+            for b, tile in per.items():
+                assert tile == min(configs.FAMILIES[fam].candidates, key=lambda t: hash(t) % 97)
+    # the routed launches at 2 and 8 rows, the shared expert's (E = 1) at 1 and 4
+    assert set(table.get("gate_up", ("float32", 32, 16, 4, False))) == {2, 8}
+    assert set(table.get("gate_up", ("float32", 32, 24, 1, False))) == {1, 4}
+    assert len(seen) == sum(len(configs.FAMILIES[f].candidates) * len(per)
+                            for f, probs in table.entries.items() for per in probs.values())
