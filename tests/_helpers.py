@@ -289,7 +289,8 @@ def baseline_with_grads(case: MoeCase, dy: torch.Tensor):
 
 def record_launches(monkeypatch) -> list:
     """The kernels launched through `mok_inductor.kernels.common.launch` from here on, in order (a list filled
-    as they run; every launch still runs)."""
+    as they run; every launch still runs): the `configs.Family` of a tuned kernel (e.g.
+    `kernels.gate_up.GATE_UP_MX`), else the jitted kernel."""
     from mok_inductor.kernels import common
 
     launched, real = [], common.launch

@@ -50,6 +50,17 @@ def _probe(variant: str) -> dict:
 
         torch.cuda.is_available = real
         mok_inductor.options.set_default(backend="triton")  # the kernels, not the CPU reference, for CPU tensors
+        # (the tile-config lookup asks torch.cuda for the GPU's name: a stand-in one, sm_90 as told to Triton)
+        mok_inductor.kernels.configs._device_facts = lambda device: ("probe-sm90", "9.0")
+    import tempfile
+
+    import mok_inductor
+    import mok_inductor.kernels.configs as tile_configs
+
+    # no tile-config tables (an empty user folder, no shipped ones): the launches take their families' defaults,
+    # so the configs reported do not depend on the tables of the machine (table lookups: tests/test_configs.py)
+    mok_inductor.options.set_default(tables_dir=tempfile.mkdtemp(prefix="mok-probe-tables-"))
+    tile_configs.shipped_tables = lambda: []
     from torch._functorch.aot_autograd import aot_export_module
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
@@ -120,9 +131,13 @@ def _probe(variant: str) -> dict:
         if n.target is hop:
             consts = n.kwargs["kwargs"]  # (the launch's arguments; the constexprs among them as values)
             if consts.get("MX_LOOP"):
+                # a launch at one config passes BLOCK_* as constexpr arguments and num_warps/num_stages, which
+                # wrap_triton turns into a one-config autotuner (a Config without BLOCK_*); under max-autotune
+                # the family's autotuner holds every candidate, BLOCK_* in its Configs
                 k = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
-                mx_launches.append([name(n), consts["MX_LOOP"], [[c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
-                                    c.kwargs["BLOCK_K"], c.num_warps, c.num_stages] for c in k.configs]])
+                tiles = [[c.kwargs.get(b, consts.get(b)) for b in ("BLOCK_M", "BLOCK_N", "BLOCK_K")]
+                         + [c.num_warps, c.num_stages] for c in getattr(k, "configs", ())]
+                mx_launches.append([name(n), consts["MX_LOOP"], tiles])
     return dict(kernels=kernels, clones=clones, scatters=scatters, mx=mx_launches)
 
 
@@ -146,9 +161,10 @@ def test_compiled_backward_writes_its_gradients_in_place(variant):
 
 def test_compiled_mxfp8_decode_reads_scale_words_on_8_row_tiles():
     # MXFP8 at decode sizes (4 routes per expert, rows scaled once): traced, the forward's K loops read the
-    # scales by words (their offsets aligned: operands.scale_words) on the 8-row configs (options.mx_few_rows),
-    # each whole K step as one dot (mx_loop.MxLoop.F16_WORDS), the backward's dx GEMM likewise; the graph
-    # still reinplaces as the other variants
+    # scales by words (their offsets aligned: operands.scale_words) on the 8-row configs (without a table, the
+    # MXFP8 families' `small` tiles at up to options.mx_few_rows routes per expert), each whole K step as one
+    # dot (mx_loop.MxLoop.F16_WORDS), the backward's dx GEMM likewise; the graph still reinplaces as the other
+    # variants
     from mok_inductor.kernels.mx_loop import MxLoop
 
     got = _run_probe("mxfp8-decode")

@@ -19,6 +19,7 @@ from mok_inductor.kernels import configs
 from mok_inductor.kernels.configs import Tile
 
 H100 = ("NVIDIA H100 80GB HBM3", "9.0")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # (the toy kernel's tensors: the interpreter's on CPU)
 GATE_UP = kernels.gate_up.GATE_UP
 
 
@@ -187,8 +188,10 @@ def test_defaults_without_tables(tables):
     prob = ("bfloat16", 2048, 768, 128, 2)
     assert configs.lookup(state, mx, prob, few * 128) == (mx.small, "default")
     assert configs.lookup(state, mx, prob, few * 128 + 1) == (mx.candidates[0], "default")
-    with options.override(mx_few_rows=few + 1):
-        assert configs.lookup(state, mx, prob, few * 128 + 1)[0] == mx.small
+    # by bucket: at 96 experts the bound few * 96 falls inside a bucket, whose rows all get one config
+    assert configs.lookup(state, mx, ("bfloat16", 2048, 768, 96, 2), few * 96 - 8)[0] == mx.candidates[0]
+    with options.override(mx_few_rows=2 * few):
+        assert configs.lookup(configs.tables_for(*H100), mx, prob, few * 128 + 1)[0] == mx.small
     assert configs.lookup(state, GATE_UP, _problem(), 1) == (GATE_UP.candidates[0], "default")
 
 
@@ -216,6 +219,7 @@ def test_user_table_before_shipped_by_name_then_capability(tables):
 def test_shipped_tables_load_and_name_their_gpu():
     # every shipped table passes validation (a bad config would fail here, in CI, before any GPU run)
     files = configs.shipped_tables()
+    assert files
     for f in files:
         t = configs.load(f)
         assert configs.table_name(t.device) == f.stem and t.capability == "9.0"
@@ -283,8 +287,8 @@ def test_search_times_every_candidate_on_scratch_outputs_and_records_the_fastest
 
     monkeypatch.setattr(configs, "default_timer", timer)
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(100, generator=gen)
-    out0 = torch.randn(100, generator=gen)
+    x = torch.randn(100, generator=gen).to(DEV)
+    out0 = torch.randn(100, generator=gen).to(DEV)
     out = out0.clone()
     with options.override(autotune=True):
         _toy_launch(toy, x, out)
@@ -327,7 +331,7 @@ def test_search_skips_a_candidate_the_gpu_cannot_run(tables, toy, monkeypatch):
         return 1.0 if tile == _TOY_TILES[2] else 2.0
 
     monkeypatch.setattr(configs, "default_timer", timer)
-    x, out = torch.randn(10), torch.zeros(10)
+    x, out = torch.randn(10, device=DEV), torch.zeros(10, device=DEV)
     with options.override(autotune=True):
         _toy_launch(toy, x, out)
         assert configs.tables_for(*H100).picks[("toy", ("float32", 1), 16)] == _TOY_TILES[2]

@@ -205,14 +205,17 @@ import triton
 from mok_inductor import kernels
 from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code as closure
 
-problems, checked = [], 0
+problems, checked, seen = [], 0, set()
 for module in kernels.MODULES:
     for name, obj in vars(module).items():
-        fn = obj
+        fn = obj  # the launched kernels: *_kernel, and the tuned families' jitted functions
         while not isinstance(fn, triton.runtime.jit.JITFunction) and hasattr(fn, "fn"):
             fn = fn.fn
-        if not (name.endswith("_kernel") and isinstance(fn, triton.runtime.jit.JITFunction)):
+        if not ((name.endswith("_kernel") or isinstance(obj, kernels.configs.Family))
+                and isinstance(fn, triton.runtime.jit.JITFunction)) or fn in seen:
             continue
+        seen.add(fn)
+        name = fn.__name__
         checked += 1
         path = os.path.join(tempfile.mkdtemp(), name + ".py")
         with open(path, "w") as f:
@@ -229,7 +232,8 @@ for module in kernels.MODULES:
                 if ins.opname == "LOAD_GLOBAL" and ins.argval not in ns and not hasattr(builtins, ins.argval):
                     problems.append(f"{name}: {f.__name__} loads {ins.argval}")
 print(checked, problems)
-sys.exit(1 if problems or not checked else 0)
+body_names = {f.__name__ for f in seen}
+sys.exit(1 if problems or not {"_bwd_act_body", "_wgrad_body", "_gate_up_kernel"} <= body_names else 0)
 """
 
 
@@ -283,8 +287,8 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
     # the TMA descriptor loads (options.tma: weights of gate/up, bwd_act, down and dx; the sorted A rows of down
     # and dx) against pointer loads only: bitwise the same forward and backward, the shared expert (one [1, n, k]
     # group) and `-1` routes included; H = 80, I = 80 give whole K steps and a tail both under the interpreter
-    # (BLOCK_K 32) and on CUDA (64); H = 36, I = 42 (72-, 84-, 168-byte bf16 rows, not 16-byte aligned) must fall
-    # back to pointer loads in every launch, equally right
+    # (BLOCK_K 32) and on CUDA (64, the default tiles); H = 36, I = 42 (72-, 84-, 168-byte bf16 rows, not 16-byte
+    # aligned) must fall back to pointer loads in every launch, equally right
 
     # (tma_min_rows 0: tiny shapes; the size rule has its own test)
     knobs = dict(two_pass_min_rows=0 if two_pass else 1 << 30, tma_min_rows=0)
@@ -309,8 +313,8 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
         runs[tma] = (fwd.y_TH, *_grads_by_name(case, bwd).values())
         used = {k for k, on in tma_flags if on}
         if tma and aligned:  # every GEMM but the weight gradients
-            assert {kernels.gate_up._gate_up_kernel, kernels.grouped_gemm._grouped_rows_kernel} <= used
-            assert used & {kernels.bwd_act._bwd_act_kernel, kernels.bwd_act._bwd_gemm_kernel}
+            assert {kernels.gate_up.GATE_UP, kernels.grouped_gemm.GROUPED_ROWS} <= used
+            assert used & {kernels.bwd_act.BWD_ACT, kernels.bwd_act.BWD_GEMM}
         else:
             assert not used
     for a, b in zip(runs[True], runs[False]):
@@ -352,7 +356,7 @@ def test_two_pass_bwd_act_equals_fused(limit, monkeypatch):
     launched = record_launches(monkeypatch)
     outs = [kernels.bwd_act.bwd_act(dy, down_t, fwd.gu_N2I, rw, sched.sorted_routes_N, sched.expert_offsets_E1, 2,
                                     limit, two_pass=two) for two in (False, True)]
-    assert launched[0] is kernels.bwd_act._bwd_act_kernel and launched[1] is kernels.bwd_act._bwd_gemm_kernel
+    assert launched[0] is kernels.bwd_act.BWD_ACT and launched[1] is kernels.bwd_act.BWD_GEMM
     n_valid = int(sched.expert_offsets_E1[-1])
     (dgu0, ds0, hs0), (dgu1, ds1, hs1) = outs
     assert torch.equal(dgu0[:n_valid], dgu1[:n_valid]) and torch.equal(hs0[:n_valid], hs1[:n_valid])
@@ -646,7 +650,7 @@ def test_whole_op_with_triton_backend(monkeypatch):
     case = make_case(T=9, H=16, I=16, E=3, K=2, dtype=torch.float32, shared=True, gate=True, device=DEV)
     with mok_inductor.options.override(backend="triton"):
         check_against_oracle(case)
-    assert kernels.gate_up._gate_up_kernel in launched and kernels.combine._combine_kernel in launched
+    assert kernels.gate_up.GATE_UP in launched and kernels.combine._combine_kernel in launched
 
 
 # ---------------------------------------------------------------------------------------------

@@ -129,6 +129,7 @@ import triton.language as tl  # noqa: E402
 import mok_inductor  # noqa: E402
 from _helpers import DEVICES, TOLERANCE, make_case, record_launches, rel_err  # noqa: E402
 from mok_inductor import kernels  # noqa: E402
+from mok_inductor.kernels import configs  # noqa: E402
 
 T, H, I, IS, E, K = 6, 64, 32, 32, 3, 2
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -329,8 +330,8 @@ def test_dequantizing_k_loop_with_bf16_activations(monkeypatch, layout):
     launched = record_launches(monkeypatch)
     p = _problem(torch.bfloat16, _TRITON_DEV, shared=True, limit=0.9, seed=29 + len(layout))
     _run_and_check(p, layout, torch.bfloat16)
-    assert kernels.gate_up._gate_up_kernel in launched and kernels.gate_up._gate_up_f16_kernel not in launched
-    assert kernels.grouped_gemm._grouped_rows_f16_kernel not in launched
+    assert kernels.gate_up.GATE_UP in launched and kernels.gate_up.GATE_UP_MX not in launched
+    assert kernels.grouped_gemm.GROUPED_ROWS in launched and kernels.grouped_gemm.GROUPED_ROWS_MX not in launched
 
 
 @pytest.mark.parametrize("layout,quantized,shared,limit", [
@@ -500,7 +501,7 @@ def test_fp16_loop_with_block_scales_far_apart(monkeypatch):
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
     kernels.grouped_gemm.grouped_rows(a.to(dev), Operand(q.data.to(dev), q.scale.to(dev)), out, routes.to(dev), offsets.to(dev),
                          scatter=False)
-    assert kernels.grouped_gemm._grouped_rows_f16_kernel in launched
+    assert kernels.grouped_gemm.GROUPED_ROWS_MX in launched
     wd = mxfp8.dequantize(q, dtype=torch.float64)
     want = torch.cat([a[:11].double() @ wd[0].t(), a[11:].double() @ wd[1].t()])
     out = out.cpu()
@@ -525,8 +526,8 @@ def _mx_dot_on(monkeypatch):
 
 
 def _f16_kernels():
-    """(gate/up, grouped rows) kernels of the fp16 K loops, as their modules hold them now."""
-    return kernels.gate_up._gate_up_f16_kernel, kernels.grouped_gemm._grouped_rows_f16_kernel
+    """(gate/up, grouped rows) kernel families of the fp16 K loops."""
+    return kernels.gate_up.GATE_UP_MX, kernels.grouped_gemm.GROUPED_ROWS_MX
 
 
 def test_fp16_tensor_cores_at_decode_sizes_only(monkeypatch):
@@ -556,16 +557,16 @@ def test_fp16_tensor_cores_at_decode_sizes_only(monkeypatch):
     g = torch.Generator().manual_seed(23)
     q1, q2 = mxfp8.quantize(_weight(E, 2 * I, H, seed=3)), mxfp8.quantize(_weight(E, H, I, seed=4))
     q1, q2 = _to_device(q1, _TRITON_DEV), _to_device(q2, _TRITON_DEV)
-    for t, want in ((2 * E // K, kernels.gate_up._gate_up_f16_kernel), (2 * E // K + 1, kernels.gate_up._gate_up_kernel)):
+    for t, want in ((2 * E // K, kernels.gate_up.GATE_UP_MX), (2 * E // K + 1, kernels.gate_up.GATE_UP)):
         x = torch.randn(t, H, generator=g).bfloat16().to(_TRITON_DEV)
         rw = (torch.rand(t, K, generator=g) + 0.1).to(_TRITON_DEV)
         te = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]).to(_TRITON_DEV)
         launched.clear()
         with torch.no_grad():
             mok_inductor.moe(x, rw, te, q1, q2)
-        gate_up = [k for k in launched if k in (kernels.gate_up._gate_up_f16_kernel, kernels.gate_up._gate_up_kernel)]
+        gate_up = [k for k in launched if k in (kernels.gate_up.GATE_UP_MX, kernels.gate_up.GATE_UP)]
         assert gate_up == [want], (t, gate_up)
-        assert launched.count(kernels.mx_loop._row_f16_kernel) == (2 if want is kernels.gate_up._gate_up_f16_kernel else 0)
+        assert launched.count(kernels.mx_loop._row_f16_kernel) == (2 if want is kernels.gate_up.GATE_UP_MX else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -608,7 +609,7 @@ def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch):
         launched.clear()
         with mok_inductor.options.override(mx_f16_dot_max_rows=0):  # the dequantizing loop
             y_deq = mok_inductor.moe(x.bfloat16().to(dev), *args, q1, q2)
-        assert kernels.gate_up._gate_up_kernel in launched and gate_up not in launched
+        assert kernels.gate_up.GATE_UP in launched and gate_up not in launched
         launched.clear()
         mok_inductor.moe(x.to(dev), *args, q1, q2)  # float32 activations
         assert gate_up not in launched and rows not in launched
@@ -625,9 +626,9 @@ def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, kd):
     from mok_inductor.mxfp8 import Operand
 
     launched = _mx_dot_on(monkeypatch)
-    wide = triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128}, num_warps=1)],
-                           key=["M", "NCOL", "KD", "E"])(kernels.grouped_gemm._grouped_rows_body)
-    monkeypatch.setattr(kernels.grouped_gemm, "_grouped_rows_f16_kernel", wide)
+    wide = configs.Tile(16, 16, 128, 1, 3)
+    _force_tile(monkeypatch, wide, [kernels.grouped_gemm.GROUPED_ROWS_MX])
+    tiles = _record_tiles(monkeypatch)
     e, n, m = 2, 48, 20
     q = mxfp8.quantize(_weight(e, n, kd, seed=5), columnwise=False)
     nb = kd // 32
@@ -640,28 +641,19 @@ def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, kd):
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
     kernels.grouped_gemm.grouped_rows(a.to(dev), Operand(q.data.to(dev), buf.to(dev)[..., :nb]), out, routes.to(dev),
                          offsets.to(dev), scatter=False)
-    assert wide in launched
+    assert kernels.grouped_gemm.GROUPED_ROWS_MX in launched and tiles == [(kernels.grouped_gemm.GROUPED_ROWS_MX, wide)]
     w = mxfp8.dequantize(q, dtype=torch.float64)
     want = torch.cat([a[:12].double() @ w[0].t(), a[12:].double() @ w[1].t()])
     assert torch.isfinite(out).all() and rel_err(out, want) <= TOLERANCE[torch.bfloat16]
 
 
-_F16_NAMES = ("gate_up._gate_up_f16_kernel", "grouped_gemm._grouped_rows_f16_kernel")
-
-
-def _kernel_attr(name):
-    """(module, attribute) of kernels' `module.attribute` name."""
-    mod, attr = name.split(".")
-    return getattr(kernels, mod), attr
-
-
-def _record_modes(monkeypatch, names=_F16_NAMES) -> list:
-    """(kernel, MX_LOOP) of each launch of the two fp16 K-loop kernels (the kernels' attributes `names`, as they
-    are at the launch) from here on (a list filled as they run; every launch still runs)."""
+def _record_modes(monkeypatch) -> list:
+    """(kernel family, MX_LOOP) of each launch of the two fp16 K-loop families from here on (a list filled as
+    they run; every launch still runs)."""
     seen, real = [], kernels.common.launch
 
     def launch(kernel, *args, **kwargs):
-        if kernel in tuple(getattr(*_kernel_attr(n)) for n in names):
+        if kernel in _f16_kernels():
             seen.append((kernel, kwargs.get("MX_LOOP")))
         return real(kernel, *args, **kwargs)
 
@@ -669,14 +661,35 @@ def _record_modes(monkeypatch, names=_F16_NAMES) -> list:
     return seen
 
 
-def _one_mx_config(monkeypatch, block_m, block_k, names=_F16_NAMES):
-    """Both fp16 K-loop kernels (gate/up, grouped rows; the kernels' attributes `names`) on one tile config:
-    BLOCK_N 32, 2 warps."""
-    one = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": block_k}, num_warps=2)]
-    monkeypatch.setattr(*_kernel_attr(names[0]), triton.autotune(one, key=["M", "H", "I", "E"])(
-        kernels.gate_up._gate_up_body))
-    monkeypatch.setattr(*_kernel_attr(names[1]), triton.autotune(one, key=["M", "NCOL", "KD", "E"])(
-        kernels.grouped_gemm._grouped_rows_body))
+def _force_tile(monkeypatch, tile, families):
+    """Launches of `families` on `tile` alone: the interpreter's tile (`Family.interpret`) and, on CUDA, the
+    tables' pick (`configs.pick`); a later call for the same families replaces the tile."""
+    real = getattr(configs.pick, "unforced", configs.pick)
+
+    def pick(family, *args, **kwargs):
+        return tile if family in families else real(family, *args, **kwargs)
+
+    pick.unforced = real
+    monkeypatch.setattr(configs, "pick", pick)
+    for family in families:
+        monkeypatch.setattr(family, "interpret", tile)
+
+
+def _record_tiles(monkeypatch) -> list:
+    """(kernel family, tile) of each eager launch of a tuned kernel from here on (a list filled as they run)."""
+    seen, real = [], configs.launch_eager
+
+    def launch_eager(family, tile, *args, **kwargs):
+        seen.append((family, tile))
+        return real(family, tile, *args, **kwargs)
+
+    monkeypatch.setattr(configs, "launch_eager", launch_eager)
+    return seen
+
+
+def _one_mx_config(monkeypatch, block_m, block_k):
+    """Both fp16 K-loop families (gate/up, grouped rows) on one tile config: BLOCK_N 32, 2 warps, 3 stages."""
+    _force_tile(monkeypatch, configs.Tile(block_m, 32, block_k, 2, 3), _f16_kernels())
 
 
 def _spread_problem(seed, *, t, h, i, e, k):

@@ -93,11 +93,12 @@ def test_per_call_options_are_refused_under_torch_compile():
 
 def test_override_nesting_and_restore():
     base = options.current()
-    with options.override(autotune=False) as outer:
-        assert options.current() is outer and not outer.autotune and outer.tma == base.tma
-        with options.override({"tma": False}) as inner:
+    flip = not base.autotune  # (a change from the default)
+    with options.override(autotune=flip) as outer:
+        assert options.current() is outer and outer.autotune is flip and outer.tma == base.tma
+        with options.override({"tma": not base.tma}) as inner:
             assert options.current() is inner
-            assert (inner.autotune, inner.tma) == (False, False)  # the inner block keeps the outer change
+            assert (inner.autotune, inner.tma) == (flip, not base.tma)  # the inner block keeps the outer change
         assert options.current() is outer
         with pytest.raises(RuntimeError, match="boom"):
             with options.override(backend="reference"):
@@ -131,6 +132,8 @@ def test_unknown_and_bad_values_are_rejected():
         mok_inductor.Options(autotune=1)
     with pytest.raises(ValueError, match="^options.tma_min_rows: expected a non-negative int"):
         mok_inductor.Options(tma_min_rows=-1)
+    with pytest.raises(TypeError, match="^options.tables_dir: expected a path or None"):
+        mok_inductor.Options(tables_dir=1)
     c = _case()
     with pytest.raises(ValueError, match="^options: unknown option"):
         mok_inductor.moe(*c.args(), **c.kwargs(), options={"bakcend": "reference"})
@@ -140,9 +143,11 @@ def test_unknown_and_bad_values_are_rejected():
 
 def test_from_env():
     assert options.from_env({}) == mok_inductor.Options()
-    got = options.from_env({"MOK_BACKEND": "reference", "MOK_AUTOTUNE": "0", "MOK_TMA": "off",
-                            "MOK_PATTERNS_LOG": "1", "UNRELATED": "x"})
-    assert got == mok_inductor.Options(backend="reference", autotune=False, tma=False, log_patterns=True)
+    got = options.from_env({"MOK_BACKEND": "reference", "MOK_AUTOTUNE": "1", "MOK_TMA": "off",
+                            "MOK_PATTERNS_LOG": "1", "MOK_TABLES_DIR": "/tmp/mok tables", "UNRELATED": "x"})
+    assert got == mok_inductor.Options(backend="reference", autotune=True, tma=False, log_patterns=True,
+                                       tables_dir="/tmp/mok tables")
+    assert options.from_env({"MOK_AUTOTUNE": "0"}).autotune is False
     with pytest.raises(ValueError, match=r"options.backend: .*got 'gpu' \(from the environment: MOK_BACKEND='gpu'\)"):
         options.from_env({"MOK_BACKEND": "gpu"})
 
@@ -155,3 +160,20 @@ def test_the_environment_is_read_once(monkeypatch):
            "mok_inductor.path_name(torch.zeros(1)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["triton", "triton"]
+
+
+def test_tile_config_options(tmp_path):
+    # the tables by default (autotune off: a search writes the user's table, so it is opted into); the user's
+    # table folder: tables_dir (a path-like becomes its string), else the cache folder of the environment
+    from pathlib import Path
+
+    from mok_inductor.kernels import configs
+
+    assert mok_inductor.Options().autotune is False and mok_inductor.Options().tables_dir is None
+    assert mok_inductor.Options(tables_dir=tmp_path).tables_dir == str(tmp_path)
+    assert options.default_tables_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "mok_inductor" / "tables"
+    assert options.default_tables_dir({}) == Path.home() / ".cache" / "mok_inductor" / "tables"
+    assert configs.user_dir(mok_inductor.Options(tables_dir=str(tmp_path / "t"))) == tmp_path / "t"
+    assert configs.user_dir(mok_inductor.Options()) == options.DEFAULT_TABLES_DIR
+    with options.override(tables_dir=str(tmp_path)):
+        assert configs.user_dir() == tmp_path

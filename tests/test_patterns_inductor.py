@@ -121,14 +121,26 @@ def test_fingerprint_follows_version_options_and_every_source_byte(tmp_path):
     extra = tmp_path / "extra.py"
     extra.write_text("A = 1\n")
     files = cache.hashed_sources() + [extra]
-    base = cache.fingerprint(files)
-    assert cache.fingerprint(files) == base
-    assert cache.fingerprint(files, version="0.0.0+other") != base
-    with mok_inductor.options.override(autotune=not mok_inductor.options.current().autotune):
+    tables = tmp_path / "tables"  # the user's tile-config tables (none yet)
+    with mok_inductor.options.override(tables_dir=str(tables)):
+        base = cache.fingerprint(files)
+        assert cache.fingerprint(files) == base
+        assert cache.fingerprint(files, version="0.0.0+other") != base
+        with mok_inductor.options.override(autotune=not mok_inductor.options.current().autotune):
+            assert cache.fingerprint(files) != base
+        assert cache.fingerprint(files) == base
+        # a user table (traced launches take their configs from it), and an edit of it
+        tables.mkdir()
+        table = tables / "some-gpu.json"
+        table.write_text('{"format": "mok-inductor/tile-configs/1", "families": {}}\n')
+        with_table = cache.fingerprint(files)
+        assert with_table != base
+        table.write_text('{"format": "mok-inductor/tile-configs/1", "device": "some gpu", "families": {}}\n')
+        assert cache.fingerprint(files) not in (base, with_table)
+        table.unlink()
+        assert cache.fingerprint(files) == base
+        extra.write_text("A = 2\n")
         assert cache.fingerprint(files) != base
-    assert cache.fingerprint(files) == base
-    extra.write_text("A = 2\n")
-    assert cache.fingerprint(files) != base
     sources = cache.hashed_sources()
     assert len(sources) == len(set(sources))
     assert any(p.name == "ops.py" and p.parent.name == "mok_inductor" for p in sources)
@@ -221,8 +233,9 @@ def _check_hit_then_miss(tmp_path, monkeypatch):
     _assert_miss(*_compile_once())
     _assert_hit(*_compile_once())  # same sources and options: both caches answer
 
-    # changed options (the traced graph may differ: other kernels, configs, loads)
-    with mok_inductor.options.override(autotune=not mok_inductor.options.current().autotune):
+    # changed options (the traced graph may differ: other kernels, configs, loads; a search's table in tmp_path)
+    with mok_inductor.options.override(autotune=not mok_inductor.options.current().autotune,
+                                       tables_dir=str(tmp_path / "tables")):
         _assert_miss(*_compile_once())
     _assert_hit(*_compile_once())  # the options as before: the first entry answers again
 

@@ -90,7 +90,8 @@ class Family:
         self._all = None
 
     def default(self, rows: int, experts: int) -> Tile:
-        """The config without any table: `small` at up to `options.mx_few_rows` rows per expert, else the first."""
+        """The config without any table: `small` at up to `options.mx_few_rows` rows per expert, else the first
+    (`lookup` asks with the row bucket, so that one bucket has one config)."""
         if self.small is not None and rows <= options.current().mx_few_rows * max(experts, 1):
             return self.small
         return self.candidates[0]
@@ -286,10 +287,10 @@ def _device_facts(device: torch.device) -> tuple:
 
 
 def tables_for(device_name: str, capability: str, opts=None) -> _Tables:
-    """The tables (and pick memo) for a GPU, loaded once per (GPU, user folder, autotune)."""
+    """The tables (and pick memo) for a GPU, loaded once per (GPU, user folder, autotune, mx_few_rows)."""
     opts = opts or options.current()
     folder = user_dir(opts)
-    key = (device_name, capability, str(folder), opts.autotune)
+    key = (device_name, capability, str(folder), opts.autotune, opts.mx_few_rows)  # (mx_few_rows: `Family.default`)
     state = _states.get(key)
     if state is not None:
         return state
@@ -349,7 +350,7 @@ def lookup(state: _Tables, family: Family, problem: tuple, rows: int) -> tuple:
     if best is not None:  # the same rows per expert as this launch
         other, per = best
         return _nearest_bucket(per, bkt, _experts(family, other) / max(_experts(family, problem), 1)), "nearest"
-    return family.default(rows, _experts(family, problem)), "default"
+    return family.default(bkt, _experts(family, problem)), "default"  # (by bucket: the memo holds one per bucket)
 
 
 def pick(family: Family, problem: tuple, rows: int, device: torch.device) -> Tile:
