@@ -145,7 +145,8 @@ def moe_grouped_mm_compiled(x, rw, te, w_gu, w_d):
 
 def moe_mok_compiled(x, rw, te, w_gu, w_d):
     """mok under torch.compile(fullgraph=True, dynamic=False): what a compiled model gets (after
-    mok_inductor.enable(), Inductor's generated code launches the same kernels, each with its first tile config)."""
+    mok_inductor.enable(), Inductor's generated code launches the same kernels, each with the tile config of the
+    tables for the shape)."""
     return _compiled_fn(moe_mok)(x, rw, te, w_gu, w_d)
 
 
