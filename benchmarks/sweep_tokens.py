@@ -11,10 +11,11 @@ Per shape and T (bf16, balanced routing of bench_moe.make_inputs), parts:
      (tables, no search, the default tables folder: MOK_* variables are dropped); with --child-cache fresh
      (the default) each process has an empty Triton cache, so a tile config not compiled yet is compiled there.
      `compiles`: kernels written to the Triton cache during that call.
-  b  warm fwd and fwd+bwd with the tables' configs (default options): median of triton.testing.do_bench.
+  b  warm fwd and fwd+bwd with the tables' configs (default options): median of triton.testing.do_bench, and
+     the kernels' device time per call (`*_dev_ms`, torch.profiler; host time left out).
   c  the same after a full search at this T (options autotune=True, a fresh tables folder per (shape, T),
      picks of b forgotten first); `search_s`: the first calls, which search. The tables it wrote go to
-     DIR/tables/. table/autotune = b / c (target: at most 1.05).
+     DIR/tables/. table/autotune = b / c of the kernels' device time (target: at most 1.05).
   d  torch.compile(mok_inductor.moe, fullgraph=True) after mok_inductor.enable(): static (dynamic=False, a fresh
      compile per T) and dynamic (dynamic=True, one compile reused over the T of the sweep, in order: its first
      call at each T and the Dynamo graphs that call compiled). compiled/eager = d / b, fwd+bwd.
@@ -69,6 +70,22 @@ def warm_ms(fn, device, rep, min_calls=10):
     if device == "cuda":
         return bench(fn, warmup=max(10, rep // 4, 2 * est), rep=max(rep, min_calls * est))[0]
     return statistics.median([est] + [first_ms(fn, device) for _ in range(2)])
+
+
+def device_ms(fn, device, iters=5):
+    """Mean GPU time of one call's kernels (ms): the sum of their durations under torch.profiler, host time left
+    out (an eager call at a small T is host-bound, and the host's noise would hide the kernels' differences)."""
+    if device != "cuda":
+        return float("nan")
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        sync(device)
+    return sum(e.self_device_time_total for e in prof.key_averages()) / iters / 1e3
 
 
 def layer(fn, shape, T, device):
@@ -155,6 +172,7 @@ def measure(a, fn, shape, T, **opts):
         res.update(first_fwd_ms=first_ms(fwd, a.device), new_graphs_fwd_bwd=u1 - u0)
         res["new_graphs_fwd"] = unique_graphs() - u1
         res.update(fwd_ms=warm_ms(fwd, a.device, a.rep), fwd_bwd_ms=warm_ms(step, a.device, a.rep))
+        res.update(fwd_dev_ms=device_ms(fwd, a.device), fwd_bwd_dev_ms=device_ms(step, a.device))
     return res
 
 
@@ -190,7 +208,7 @@ def _ratio(x, y):
 
 def table(records):
     out = ["| shape | T | a: first call ms (compiles) | b: table fwd / fwd+bwd ms | c: autotune fwd / fwd+bwd ms "
-           "(search s) | table/autotune fwd / fwd+bwd | d: static fwd / fwd+bwd ms | d: dynamic fwd / fwd+bwd ms | "
+           "(search s) | table/autotune fwd / fwd+bwd (CUDA: kernel time) | d: static fwd / fwd+bwd ms | d: dynamic fwd / fwd+bwd ms | "
            "dynamic first fwd+bwd ms (new graphs fwd+bwd + fwd) | compiled/eager fwd+bwd static / dynamic |",
            "|" + " --- |" * 10]
     for r in records:
@@ -200,7 +218,9 @@ def table(records):
         if a.get("error"):
             acell = "failed"
         ccell = f"{_pair(c)} ({_f(c.get('search_s'), '{:.1f}')})" if c else "—"
-        tr = [_ratio(b.get(k), c.get(k)) for k in ("fwd_ms", "fwd_bwd_ms")]
+        dev = all(isinstance(x.get("fwd_bwd_dev_ms"), float) and x["fwd_bwd_dev_ms"] == x["fwd_bwd_dev_ms"]
+                  for x in (b, c))  # the kernels' device time where measured (host noise left out)
+        tr = [_ratio(b.get(k), c.get(k)) for k in (("fwd_dev_ms", "fwd_bwd_dev_ms") if dev else ("fwd_ms", "fwd_bwd_ms"))]
         trcell = " / ".join(_f(x) for x in tr) + (" **>1.05**" if any(x and x > 1.05 for x in tr) else "") \
             if b and c else "—"
         dyn = f"{_f(d.get('first_fwd_bwd_ms'), '{:.1f}')} ({d.get('new_graphs_fwd_bwd')}+{d.get('new_graphs_fwd')})" \
