@@ -26,6 +26,7 @@ configs have compiled.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -57,8 +58,9 @@ class Tile:
     def meta(self) -> dict:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k}
 
-    @property
+    @functools.cached_property
     def launch_kwargs(self) -> dict:
+        """The launch's meta-parameters (built once: eager decode launches are host-bound; do not modify)."""
         return {**self.meta, "num_warps": self.num_warps, "num_stages": self.num_stages}
 
     def as_list(self) -> list:
@@ -289,11 +291,11 @@ def _device_facts(device: torch.device) -> tuple:
 def tables_for(device_name: str, capability: str, opts=None) -> _Tables:
     """The tables (and pick memo) for a GPU, loaded once per (GPU, user folder, autotune, mx_few_rows)."""
     opts = opts or options.current()
-    folder = user_dir(opts)
-    key = (device_name, capability, str(folder), opts.autotune, opts.mx_few_rows)  # (mx_few_rows: `Family.default`)
+    key = (device_name, capability, opts.tables_dir, opts.autotune, opts.mx_few_rows)  # (mx_few_rows: `Family.default`)
     state = _states.get(key)
     if state is not None:
         return state
+    folder = user_dir(opts)
     with _lock:
         state = _states.get(key)
         if state is None:
@@ -432,6 +434,6 @@ def default_timer(fn, tile: Tile) -> float:
 
 def launch_eager(family: Family, tile: Tile, grid, args, kwargs: dict) -> None:
     meta = tile.launch_kwargs
-    if family.pre_hook is not None:
+    if family.pre_hook is not None and kwargs.get("TMA"):  # (the hooks give TMA descriptors their block shapes)
         family.pre_hook({**dict(zip(family.arg_names, args)), **kwargs, **meta})
     family.fn[grid](*args, **kwargs, **meta)
