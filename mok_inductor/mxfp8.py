@@ -21,7 +21,8 @@ Consumers:
   `master=`; `with_master(q, w)` attaches one later). The weight gradient, computed from the activations
   and dy exactly as for a bf16 weight (it needs no weights), is accumulated into `master.grad`, as if the
   dequantized weight had been used. Without a master no weight gradient is computed.
-- `mok_inductor.functional` takes MoK's (data, scale) tuples (docs/megatron.md).
+- `mok_inductor.functional` takes MoK's (data, scale) tuples (docs/megatron.md), with the scales logical or in
+  MoK's swizzled layout (`swizzle_scale` / `unswizzle_scale` below).
 - On the CPU (and in the reference path) the weights are dequantized to x.dtype and the one reference
   implementation runs; on CUDA `mok_inductor.kernels` reads e4m3 data + E8M0 scales in its
   GEMMs' K loops.
@@ -136,6 +137,101 @@ def dequantize(q: MXFP8Weight, *, layout: str = "row", dtype: Optional[torch.dty
             raise ValueError("q: has no column-wise data (quantized with columnwise=False)")
         return _dequantize_lastdim(q.data_t, q.scale_t, dtype).transpose(-2, -1)
     raise ValueError(f"layout: expected 'row' or 'column', got {layout!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# MoK's swizzled scale layout
+#
+# Mixture-of-Kittens reads E8M0 scales in the tcgen05 scale-factor layout: the logical scales [E, M, K/32] of
+# a weight [E, M, K] cut into tiles of 128 rows by 4 scales (128 elements of K), each tile stored as 512
+# bytes [32, 16], the whole as [E*M/128, K/128, 32, 16]:
+#     swizzled[e*M/128 + mb, kb, lane, 4*g + c] = logical[e, 128*mb + 32*g + lane, 4*kb + c]
+# (lane 0..31, row group g 0..3, scale c 0..3): inside a tile, byte 4*g + c of lane `lane` holds scale c of
+# the tile's row 32*g + lane. A column-wise pair is swizzled as the logical [E, K, M/32] scales of the transposed
+# weight. The layout cannot be read as a strided view of the logical one (the row index is split across
+# non-adjacent dims), so converting either way is a copy of the scale bytes (1/32 of the data's).
+
+SWIZZLE_TILE = 128  # rows, and elements of K, per swizzled tile
+
+
+def is_swizzled_scale(scale) -> bool:
+    """Whether `scale` is in MoK's swizzled layout by its shape: 4-D, [E*M/128, K/128, 32, 16]."""
+    return isinstance(scale, torch.Tensor) and scale.dim() == 4
+
+
+def swizzled_scale_shape(shape) -> tuple:
+    """MoK's swizzled shape [E*M/128, K/128, 32, 16] of logical scales of `shape` [E, M, K/32] (or [M, K/32],
+    one expert). ValueError unless M and K are multiples of 128."""
+    shape = tuple(int(d) for d in shape)
+    if len(shape) not in (2, 3):
+        raise ValueError(f"expected logical MXFP8 scales [E, M, K/32] or [M, K/32], got shape {list(shape)}")
+    e, m, kb = (1, *shape) if len(shape) == 2 else shape
+    if m % SWIZZLE_TILE or (kb * BLOCK) % SWIZZLE_TILE:
+        raise ValueError(
+            f"MoK's swizzled MXFP8 scale layout needs M ({m}) and K ({kb * BLOCK}) to be multiples of "
+            f"{SWIZZLE_TILE}"
+        )
+    return (e * m // SWIZZLE_TILE, kb * BLOCK // SWIZZLE_TILE, 32, 16)
+
+
+def _tiles(shape):
+    """(E, M/128, K/128) of logical scales of `shape`."""
+    e, m, kb = (1, *shape) if len(shape) == 2 else shape
+    return e, m // SWIZZLE_TILE, kb * BLOCK // SWIZZLE_TILE
+
+
+def _require_scale_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.uint8:
+        raise TypeError(f"{name}: MXFP8 scales must be uint8 (biased E8M0 exponents), got {_dt(t)}")
+
+
+def swizzle_scale(scale: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Logical E8M0 scales [E, M, K/32] (or [M, K/32]; any strides) in MoK's swizzled layout
+    [E*M/128, K/128, 32, 16]. With `out` (contiguous uint8 of that shape, on the scales' device) the bytes
+    are written into it and `out` is returned: its address stays the same, as descriptors captured over it
+    need."""
+    _require_scale_tensor("scale", scale)
+    if scale.dim() not in (2, 3):
+        raise ValueError(f"scale: expected logical MXFP8 scales [E, M, K/32] or [M, K/32], got shape "
+                         f"{list(scale.shape)}")
+    try:
+        want = swizzled_scale_shape(scale.shape)
+    except ValueError as exc:
+        raise ValueError(f"scale: {exc}") from None
+    e, mb, kb = _tiles(scale.shape)
+    # logical [E, (mb, g, lane), (kb, c)] -> [E, mb, kb, lane, g, c]
+    source = scale.reshape(e, mb, 4, 32, kb, 4).permute(0, 1, 4, 3, 2, 5)
+    if out is None:
+        return source.reshape(want)  # the permuted dims do not merge: reshape copies
+    _require_scale_tensor("out", out)
+    if tuple(out.shape) != want or out.device != scale.device or not out.is_contiguous():
+        raise ValueError(
+            f"out: expected a contiguous uint8 tensor of shape {list(want)} on {scale.device}, got shape "
+            f"{list(out.shape)} on {out.device}{'' if out.is_contiguous() else ', not contiguous'}"
+        )
+    out.view(e, mb, kb, 32, 4, 4).copy_(source)
+    return out
+
+
+def unswizzle_scale(swizzled: torch.Tensor, shape, *, name: str = "scale") -> torch.Tensor:
+    """The logical scales of `shape` [E, M, K/32] (or [M, K/32]), contiguous, from MoK's swizzled layout
+    [E*M/128, K/128, 32, 16] (the inverse of `swizzle_scale`; a copy). Errors name `name`."""
+    _require_scale_tensor(name, swizzled)
+    shape = tuple(int(d) for d in shape)
+    try:
+        want = swizzled_scale_shape(shape)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc} (got scales of shape {list(swizzled.shape)})") from None
+    if tuple(swizzled.shape) != want:
+        raise ValueError(
+            f"{name}: expected MoK's swizzled MXFP8 scales [E*M/128, K/128, 32, 16] = {list(want)} for the "
+            f"logical scales {list(shape)}, got shape {list(swizzled.shape)}"
+        )
+    e, mb, kb = _tiles(shape)
+    # [E, mb, kb, lane, g, c] -> [E, mb, g, lane, kb, c] = logical [E, M, K/32]
+    return swizzled.reshape(e, mb, kb, 32, 4, 4).permute(0, 1, 4, 3, 2, 5).reshape(shape).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 Shapes are tiny (T=24, H=32, I=16, Is=24 so the shared size differs, E=5 prime, K=2); every case
 uses fresh random inputs. Layouts: dense separate gate/up, combined FC1 passed twice (aliasing),
-per-expert lists (split), the SplitRoutedWeight descriptor. Gradient destinations: fresh,
-main_grads (added in place, returned by identity), split storage tables, the gate's main-grad.
+per-expert lists (split), SplitRoutedWeight in the project's form (per-expert sequences) and in MoK's (a
+representative tensor and a storage table from make_routed_weight_storage_table_bf16). Gradient
+destinations: fresh, main_grads (added in place, returned by identity), split storage tables (sequences,
+or built by make_routed_d_weight_storage_table), the gate's main-grad. MXFP8 and MoK's swizzled scales:
+tests/test_mxfp8.py and tests/test_megatron_formats.py.
 """
 
 
@@ -70,6 +73,10 @@ def routed_args(p, layout):
     if layout == "descriptor":
         fc1 = mf.SplitRoutedWeight(tuple(gu[e].clone() for e in range(E)))
         return fc1, fc1, mf.SplitRoutedWeight(tuple(d[e].clone() for e in range(E)))
+    if layout == "mok_form":  # MoK's: one representative expert and the table of all E
+        fc1s, fc2s = [gu[e].clone() for e in range(E)], [d[e].clone() for e in range(E)]
+        fc1 = mf.SplitRoutedWeight(data=fc1s[0], storage_table=mf.make_routed_weight_storage_table_bf16(fc1s))
+        return fc1, fc1, mf.SplitRoutedWeight(data=fc2s[0], storage_table=mf.make_routed_weight_storage_table_bf16(fc2s))
     raise AssertionError(layout)
 
 
@@ -100,8 +107,6 @@ def run(p, layout="combined", **bwd_kwargs):
 
 def stack(obj):
     """A weight gradient in any layout -> one [E, rows, cols] tensor."""
-    if isinstance(obj, mf.SplitRoutedWeight):
-        obj = obj.data
     if isinstance(obj, (list, tuple)):
         return torch.stack([t.float() for t in obj])
     return obj.float()
@@ -233,7 +238,8 @@ def check_against_oracle(p, y, out, tol):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("layout", ["combined", "separate", "split_combined", "split_separate", "descriptor"])
+@pytest.mark.parametrize("layout", ["combined", "separate", "split_combined", "split_separate", "descriptor",
+                                    "mok_form"])
 def test_forward_backward_match_oracle(device, dtype, layout):
     p = make_problem(device, dtype, limit=1.5)  # the clamp is active at these scales
     y, out, _ = run(p, layout)
@@ -297,7 +303,8 @@ def test_main_grads_are_added_in_place_combined(device, mg_dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_split_main_grads_with_storage_tables(device):
+@pytest.mark.parametrize("form", ["sequences", "mok_form"])
+def test_split_main_grads_with_storage_tables(device, form):
     p = make_problem(device, torch.bfloat16, limit=1.5)
     _, fresh, _ = run(p, "combined")
     dev = p["x"].device
@@ -305,15 +312,19 @@ def test_split_main_grads_with_storage_tables(device):
     fc2_mg = [torch.randn(H, I, device=dev) for _ in range(E)]
     before1, before2 = [t.clone() for t in fc1_mg], [t.clone() for t in fc2_mg]
     main_grads = (None, fc1_mg[0], None, fc1_mg[0], None, fc2_mg[0])  # representatives
-    tables = (fc1_mg, fc1_mg, fc2_mg)
-    _, out, _ = run(p, "split_combined", main_grads=main_grads, main_grad_storage_tables=tables)
+    if form == "sequences":
+        tables, layout = (fc1_mg, fc1_mg, fc2_mg), "split_combined"
+    else:  # as Megatron's MoK bridge passes them: built tables, the FC1 one as gate and up
+        t1, t2 = mf.make_routed_d_weight_storage_table(fc1_mg), mf.make_routed_d_weight_storage_table(fc2_mg)
+        tables, layout = (t1, t1, t2), "mok_form"
+    _, out, _ = run(p, layout, main_grads=main_grads, main_grad_storage_tables=tables)
     assert out[2] is fc1_mg[0] and out[3] is fc1_mg[0] and out[4] is fc2_mg[0]
     for e in range(E):
         assert rel_err(fc1_mg[e] - before1[e], fresh[2][e]) <= 1e-2
         assert rel_err(fc2_mg[e] - before2[e], fresh[4][e]) <= 1e-2
 
 
-@pytest.mark.parametrize("layout", ["split_combined", "split_separate", "descriptor"])
+@pytest.mark.parametrize("layout", ["split_combined", "split_separate", "descriptor", "mok_form"])
 def test_split_layouts_run_on_the_kernels(layout, monkeypatch):
     """Split per-expert weights and main-grad storage tables on the Triton kernels (the interpreter on CPU,
     tests/conftest.py): the reference implementation is not called, and the results match the oracle."""

@@ -423,7 +423,7 @@ def test_enable_is_idempotent_and_disable_restores():
     (dict(activation_func=F.gelu), ValueError, "SwiGLU"),
     (dict(glu_linear_offset=1.0), ValueError, "glu_linear_offset"),
     (dict(moe_apply_probs_on_input=True), ValueError, "moe_apply_probs_on_input"),
-    (dict(fp8="e4m3"), ValueError, "fp8 .* is not supported"),
+    (dict(fp8="e4m3", fp8_param=True), ValueError, "FP8 parameters .* MXFP8 only"),
     (dict(tensor_model_parallel_size=2), ValueError, "tensor parallelism"),
     (dict(moe_shared_expert_overlap=True), ValueError, "moe_shared_expert_overlap"),
     (dict(add_bias_linear=True), ValueError, "add_bias_linear"),
@@ -440,13 +440,20 @@ def test_config_checks(overrides, exc, match):
 
 
 def test_backend_config_entries():
+    # MoKConfig field names, plainly (as Megatron's MoK backend passes them) or mok_-prefixed
     assert mkm.mok_config_from_backend_config(None) == mf.MoKConfig()
     cfg = mkm.mok_config_from_backend_config({"mok_fwd_num_comm_sms": 32, "mok_minibatch_size": 512})
     assert cfg.fwd_num_comm_sms == 32 and cfg.minibatch_size == 512
-    with pytest.raises(ValueError, match="Unsupported MOK entries"):
-        mkm.mok_config_from_backend_config({"fwd_num_comm_sms": 32})
+    assert mkm.mok_config_from_backend_config({"fwd_num_comm_sms": 32, "minibatch_size": 512}) == cfg
+    with pytest.raises(ValueError, match="Invalid MOK option"):
+        mkm.mok_config_from_backend_config({"mok_fwd_sms": 32})
     with pytest.raises(ValueError, match="minibatch_size"):
         mkm.mok_config_from_backend_config({"mok_minibatch_size": 100})
+    layer = build_layer(make_config())
+    with_entries = copy.copy(layer.config)
+    with_entries.moe_megakernel_backend_config = {"fwd_num_comm_sms": 32}  # a field megatron-core 0.16.1 lacks
+    mkm.enable_mok_backend(layer, config=with_entries)
+    assert layer.megakernel_experts.mok_config == mf.MoKConfig(fwd_num_comm_sms=32)
 
 
 # ---------------------------------------------------------------------------------------------- route adapter

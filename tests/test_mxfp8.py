@@ -985,9 +985,12 @@ def _split_abi(q, native: bool):
         return tuple(t[e].clone() for e in range(t.shape[0]))
 
     if native:
-        return mf.SplitRoutedWeight(copies(q.data), copies(q.scale), copies(q.data_t.transpose(1, 2).contiguous()),
-                                    copies(q.scale_t.transpose(1, 2).contiguous()), native_columnwise=True)
-    return mf.SplitRoutedWeight(copies(q.data), copies(q.scale), copies(q.data_t), copies(q.scale_t))
+        return mf.SplitRoutedWeight(data=copies(q.data), scale=copies(q.scale),
+                                    transposed_data=copies(q.data_t.transpose(1, 2).contiguous()),
+                                    transposed_scale=copies(q.scale_t.transpose(1, 2).contiguous()),
+                                    native_columnwise=True)
+    return mf.SplitRoutedWeight(data=copies(q.data), scale=copies(q.scale), transposed_data=copies(q.data_t),
+                                transposed_scale=copies(q.scale_t))
 
 
 @pytest.mark.parametrize("path,device", BACKENDS)

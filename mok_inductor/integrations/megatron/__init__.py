@@ -9,7 +9,11 @@ Modules:
     runtime          the Megatron bridge (_MoKAutograd, _MoKWeightArguments, ...); also
                      `mok_inductor.runtime`. Needs no megatron-core.
     backend          MoKMegakernel(config, ep_group, routed_experts, shared_experts, num_local_experts):
-                     parameter aliases, config checks, checkpoint hooks.
+                     parameter aliases, config checks, cached routed-weight views, checkpoint and
+                     conversion hooks.
+    weights          the routed-weight views the backend caches (high precision and Transformer Engine
+                     MXFP8, split or single grouped; MoK's swizzled scale layout) and
+                     prepare_shared_expert_config. Needs no megatron-core at import.
     layer            enable_mok_backend / disable_mok_backend: the opt-in swap of a MoELayer's experts path.
     parameter_bridge main_grad_buffer, finish_weight_gradient, dummy_weight_gradient (DDP's
                      grad_added_to_main_grad protocol).
@@ -25,6 +29,7 @@ _EXPORTS = {
     "MoKMegakernel": "backend",
     "check_megatron_config": "backend",
     "mok_config_from_backend_config": "backend",
+    "prepare_shared_expert_config": "weights",
     "enable_mok_backend": "layer",
     "disable_mok_backend": "layer",
     "main_grad_buffer": "parameter_bridge",

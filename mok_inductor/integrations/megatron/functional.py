@@ -19,21 +19,27 @@ CUDA, the reference on the CPU, as `mok_inductor.options` says). No math lives i
 
 Routed weight layouts (gate, up: [E, I, H]; down: [E, H, I]):
 - dense: a 3-D tensor (strided views are fine);
-- split: a sequence of E 2-D tensors (Megatron's per-expert allocations), or `SplitRoutedWeight`;
+- split: `SplitRoutedWeight` in MoK's form (one representative expert tensor plus a storage table from
+  `make_routed_weight_storage_table_bf16` / `_mxfp8`, the role MoK's `mok.ops` builders have), or in the
+  project's (the sequence of E tensors in `data`), or a plain sequence of E 2-D tensors (Megatron's
+  per-expert allocations);
 - combined FC1: the SAME object passed as `routed_gate` and `routed_up`, covering [E, 2I, H] (or E
   tensors [2I, H]); the gate is rows [0, I) and up rows [I, 2I) of each expert, taken as zero-copy
   views. The shared expert accepts the same aliasing ([2Is, H] passed twice).
-- MXFP8: MoK's (data, scale) tuples for a combined FC1 and the down weight (see `_mxfp8_routed`),
-  or split per expert as `SplitRoutedWeight`s with scales (and column-wise pairs for backward); forward reads
-  the row-wise pairs, backward the column-wise ones for dgrad. Swizzled scale layouts are not supported yet.
+- MXFP8: MoK's (data, scale) tuples for a combined FC1 and the down weight (see `_mxfp8_routed`), or
+  split per expert as `SplitRoutedWeight`s with scales (and column-wise pairs for backward); forward reads
+  the row-wise pairs, backward the column-wise ones for dgrad. Scales come in MoK's swizzled layout
+  [E*M/128, K/128, 32, 16] (per expert [M/128, K/128, 32, 16]) or the logical [E, M, K/32]
+  (`mok_inductor.mxfp8.swizzle_scale` / `unswizzle_scale`); the results are the same bit for bit.
 
 Gradient destinations (`backward`): `main_grads` = six buffers in MoK's order (shared_gate, routed_gate,
 shared_up, routed_up, shared_down, routed_down), float32 or bfloat16; weight gradients are ADDED
 into them and the returned weight gradients are those very objects. Routed entries are 3-D tensors
 or sequences of E tensors; aliasing routed_gate/routed_up entries (one combined buffer) get the same
 row offsets as the weights. With split per-expert buffers, `main_grad_storage_tables` =
-(gate_table, up_table, down_table), each a sequence of E tensors (gate_table is up_table for a
-combined FC1 buffer); the routed entries of `main_grads` are then representatives, returned as is.
+(gate_table, up_table, down_table), each from `make_routed_d_weight_storage_table` (or any sequence of E
+tensors; gate_table is up_table for a combined FC1 buffer); the routed entries of `main_grads` are then
+representatives, returned as is. MoK's descriptor tensors are refused with a TypeError naming the builder.
 
 One device: `group=None` (or a process group of size 1). Expert parallelism: a workspace of a larger
 group makes `build_schedule` plan the dispatch (global expert ids; one host synchronisation, the
@@ -64,6 +70,10 @@ __all__ = [
     "MoKSchedule",
     "MoKForwardContext",
     "SplitRoutedWeight",
+    "make_routed_weight_storage_table_bf16",
+    "make_routed_weight_storage_table_mxfp8",
+    "make_routed_scale_storage_table",
+    "make_routed_d_weight_storage_table",
     "get_workspace",
     "build_schedule",
     "forward",
@@ -322,33 +332,214 @@ def _require_schedule(schedule, ws: MoKWorkspace) -> MoKSchedule:
 # Weight operands
 
 
-class SplitRoutedWeight(NamedTuple):
-    """A descriptor of split per-expert allocations: `data` holds E 2-D tensors (e.g. Megatron's
-    `weight0 ... weight{E-1}`), used in place without stacking. Owns nothing.
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class SplitRoutedWeight:
+    """One routed weight [E, M, K] held as E independent per-expert allocations (Megatron's `weight0` ...
+    `weight{E-1}`), read in place, never stacked. MoK's dataclass: MoK's field names, order and defaults.
 
-    MXFP8 (MoK's field names): `data` E float8_e4m3fn [M, K] and `scale` E uint8 E8M0 [M, K/32]
-    (the row-wise pairs, what forward reads); for backward also the column-wise pairs, `transposed_data`
-    E [K, M] and `transposed_scale` E [K, M/32], or, with `native_columnwise=True`, Transformer Engine's
-    column-wise storage E [M, K] and E [M/32, K]. `of_mxfp8` builds one from E `mxfp8.quantize` results."""
+    MoK's form (what Megatron's MoK bridge builds): `data` is ONE representative expert tensor [M, K] (for
+    dtype, shape and device) and `storage_table` the table of all E experts, from
+    `make_routed_weight_storage_table_bf16` / `make_routed_weight_storage_table_mxfp8`. Here a table is a
+    tuple of the E tensors; MoK's compiled descriptor tensors (`mok.ops`) cannot be read, and are refused
+    with a TypeError that names the builder to use instead. MXFP8 adds:
+    - `scale` (representative) and `scale_storage_table` (`make_routed_scale_storage_table` of the E
+      row-wise scales, each MoK's swizzled [M/128, K/128, 32, 16] or logical [M, K/32]); `scale_tensors`
+      owns the scales in MoK and is not read here;
+    - for the backward's dgrad, the column-wise `transposed_data` / `transposed_storage_table` (E [K, M], or
+      with `native_columnwise=True` Transformer Engine's column-wise storage E [M, K]) and
+      `transposed_scale` / `transposed_scale_storage_table` (swizzled from the logical [K, M/32] in either
+      case, or logical: [K, M/32], and [M/32, K] when native); `transposed_scale_tensors` is not read.
 
-    data: Tuple[torch.Tensor, ...]
-    scale: Optional[Tuple[torch.Tensor, ...]] = None
-    transposed_data: Optional[Tuple[torch.Tensor, ...]] = None
-    transposed_scale: Optional[Tuple[torch.Tensor, ...]] = None
+    The project's form (a convenience): `storage_table` None and `data` the sequence of the E tensors
+    themselves; `scale`, `transposed_data` and `transposed_scale` are then sequences of E as well, and the
+    other table fields None. E.g. `SplitRoutedWeight(tuple(weights))`, or `of_mxfp8` of E quantized
+    experts.
+
+    A combined FC1 ([2I, H] per expert) is one object passed as routed_gate and routed_up. Split main-grad
+    buffers go to `backward` as tables from `make_routed_d_weight_storage_table`.
+    """
+
+    data: Any
+    storage_table: Any = None
+    scale: Any = None
+    scale_storage_table: Any = None
+    scale_tensors: Optional[Tuple[torch.Tensor, ...]] = None
+    transposed_data: Any = None
+    transposed_scale: Any = None
+    transposed_storage_table: Any = None
+    transposed_scale_storage_table: Any = None
+    transposed_scale_tensors: Optional[Tuple[torch.Tensor, ...]] = None
     native_columnwise: bool = False
+
+    def _replace(self, **changes) -> "SplitRoutedWeight":
+        """A copy with `changes` (`dataclasses.replace`, by the name the former NamedTuple had)."""
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def of_mxfp8(cls, weights) -> "SplitRoutedWeight":
-        """The descriptor of E per-expert `mxfp8.MXFP8Weight`s (2-D each; column-wise pairs when present)."""
+        """The project's form of E per-expert `mxfp8.MXFP8Weight`s (2-D each; column-wise pairs when present)."""
         from ... import mxfp8
 
         weights = tuple(weights)
         if not weights or not all(isinstance(q, mxfp8.MXFP8Weight) for q in weights):
             raise TypeError("weights: expected a non-empty sequence of mok_inductor.mxfp8.MXFP8Weight")
         cols = all(q.data_t is not None for q in weights)
-        return cls(tuple(q.data for q in weights), tuple(q.scale for q in weights),
-                   tuple(q.data_t for q in weights) if cols else None,
-                   tuple(q.scale_t for q in weights) if cols else None)
+        return cls(data=tuple(q.data for q in weights), scale=tuple(q.scale for q in weights),
+                   transposed_data=tuple(q.data_t for q in weights) if cols else None,
+                   transposed_scale=tuple(q.scale_t for q in weights) if cols else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Storage tables: the role of MoK's `mok.ops.make_routed_*_storage_table`, for this implementation. MoK
+# encodes one TMA descriptor per expert in a device tensor; the kernels here take per-expert tensors as
+# they are (they build their own address tables), so a table is the tuple of the E tensors, validated
+# once when it is built: every expert of one shape, dtype and device, 2-D.
+
+
+def _storage_table(what: str, tensors, dtypes, dims=(2,)) -> Tuple[torch.Tensor, ...]:
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (tuple, list)) or not tensors:
+        raise TypeError(f"{what}: expected a non-empty sequence of per-expert tensors, got {type(tensors).__name__}")
+    first = tensors[0]
+    for e, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}[{e}]: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{what}[{e}]: expected dtype {_checks._fmt_dtypes(dtypes)}, got "
+                            f"{str(t.dtype).replace('torch.', '')}")
+        if t.dim() not in dims:
+            raise ValueError(f"{what}[{e}]: expected a {' or '.join(f'{d}-D' for d in dims)} tensor, got shape "
+                             f"{list(t.shape)}")
+        if e and (t.shape != first.shape or t.dtype != first.dtype or t.device != first.device):
+            raise ValueError(f"{what}[{e}]: expected every expert like [0] ({_describe(first)}), got {_describe(t)}")
+    return tuple(tensors)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{list(t.shape)} {str(t.dtype).replace('torch.', '')} on {t.device}"
+
+
+def make_routed_weight_storage_table_bf16(weights) -> Tuple[torch.Tensor, ...]:
+    """The storage table of E per-expert float weights [M, K] (bfloat16 as in MoK; float16 and float32
+    too): the tuple of the tensors, for `SplitRoutedWeight.storage_table`."""
+    return _storage_table("weights", weights, _checks.FLOAT_DTYPES)
+
+
+def make_routed_weight_storage_table_mxfp8(weights) -> Tuple[torch.Tensor, ...]:
+    """The storage table of E per-expert MXFP8 data tensors [M, K] float8_e4m3fn (row-wise, or column-wise
+    for `transposed_storage_table`)."""
+    return _storage_table("weights", weights, (torch.float8_e4m3fn,))
+
+
+def make_routed_scale_storage_table(scales) -> Tuple[torch.Tensor, ...]:
+    """The storage table of E per-expert MXFP8 scales (uint8; MoK's swizzled [M/128, K/128, 32, 16] or
+    logical 2-D), for `scale_storage_table` / `transposed_scale_storage_table`."""
+    return _storage_table("scales", scales, (torch.uint8,), dims=(2, 4))
+
+
+def make_routed_d_weight_storage_table(main_grads) -> Tuple[torch.Tensor, ...]:
+    """The storage table of E per-expert main-grad buffers (float32 or bfloat16, 2-D), one entry of
+    `backward`'s `main_grad_storage_tables`."""
+    return _storage_table("main_grads", main_grads, _checks.MAIN_GRAD_DTYPES)
+
+
+def _is_split(obj) -> bool:
+    """A SplitRoutedWeight, or an object with MoK's field names (e.g. `mok.functional`'s own dataclass)."""
+    if isinstance(obj, SplitRoutedWeight):
+        return True
+    return not isinstance(obj, (torch.Tensor, tuple, list)) and all(
+        hasattr(obj, f) for f in ("data", "storage_table", "native_columnwise"))
+
+
+def _read_table(name: str, table) -> Tuple[torch.Tensor, ...]:
+    builder = {"storage_table": "make_routed_weight_storage_table_bf16 / _mxfp8",
+               "transposed_storage_table": "make_routed_weight_storage_table_mxfp8"}.get(
+                   name.rsplit(".", 1)[-1], "make_routed_scale_storage_table")
+    if isinstance(table, torch.Tensor):
+        raise TypeError(
+            f"{name}: got a tensor, which would be a descriptor table of MoK's compiled mok.ops; this "
+            f"implementation reads per-expert tensors: build the table with mok_inductor.functional.{builder} "
+            "(the tuple of the E tensors)")
+    if not isinstance(table, (tuple, list)) or not table:
+        raise TypeError(f"{name}: expected a table from mok_inductor.functional.{builder} (a non-empty tuple "
+                        f"of per-expert tensors), got {type(table).__name__}")
+    for e, t in enumerate(table):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{e}]: expected a torch.Tensor, got {type(t).__name__}")
+    return tuple(table)
+
+
+def _representative(name: str, field: str, rep, table, table_field: str) -> None:
+    if not isinstance(rep, torch.Tensor):
+        raise TypeError(f"{name}: SplitRoutedWeight.{field}: expected one representative expert tensor (MoK's "
+                        f"form, with {table_field}), got {type(rep).__name__}")
+    first = table[0]
+    if rep.shape != first.shape or rep.dtype != first.dtype or rep.device != first.device:
+        raise ValueError(f"{name}: SplitRoutedWeight.{field} (the representative expert) is {_describe(rep)}, "
+                         f"but {table_field}[0] is {_describe(first)}")
+
+
+def _per_expert(name: str, w) -> SplitRoutedWeight:
+    """`w` (MoK's form, the project's, or an object with MoK's field names) in the project's form, the one
+    the rest of this module reads: per-expert sequences in data, scale, transposed_data, transposed_scale."""
+    field = lambda f: getattr(w, f, None)  # noqa: E731
+    if field("storage_table") is None:
+        if isinstance(field("data"), torch.Tensor):
+            raise ValueError(f"{name}: SplitRoutedWeight.storage_table is required when data is one representative "
+                             "tensor (MoK's form): build it with make_routed_weight_storage_table_bf16 / _mxfp8")
+        extra = [f for f in ("scale_storage_table", "transposed_storage_table", "transposed_scale_storage_table")
+                 if field(f) is not None]
+        if extra:
+            raise ValueError(f"{name}: SplitRoutedWeight.{extra[0]} is given without storage_table (MoK's form has "
+                             "all tables; the project's form, per-expert sequences, none)")
+        if isinstance(w, SplitRoutedWeight):
+            return w
+        return SplitRoutedWeight(data=field("data"), scale=field("scale"), transposed_data=field("transposed_data"),
+                                 transposed_scale=field("transposed_scale"),
+                                 native_columnwise=bool(field("native_columnwise")))
+
+    data = _read_table(f"{name}: SplitRoutedWeight.storage_table", w.storage_table)
+    _representative(name, "data", field("data"), data, "storage_table")
+    scale = None
+    if field("scale") is not None or field("scale_storage_table") is not None:
+        if field("scale_storage_table") is None:
+            raise ValueError(f"{name}: a split MXFP8 weight in MoK's form needs SplitRoutedWeight.scale_storage_table "
+                             "(make_routed_scale_storage_table of its E per-expert scales)")
+        scale = _read_table(f"{name}: SplitRoutedWeight.scale_storage_table", w.scale_storage_table)
+        if field("scale") is None:
+            raise ValueError(f"{name}: SplitRoutedWeight.scale_storage_table is given without the representative "
+                             "scale (SplitRoutedWeight.scale)")
+        _representative(name, "scale", field("scale"), scale, "scale_storage_table")
+    col = [field(f) for f in ("transposed_storage_table", "transposed_scale_storage_table")]
+    if (col[0] is None) != (col[1] is None):
+        raise ValueError(f"{name}: SplitRoutedWeight.transposed_storage_table and transposed_scale_storage_table "
+                         "must be given together (the column-wise MXFP8 data and its scales)")
+    data_t = scale_t = None
+    if col[0] is not None:
+        data_t = _read_table(f"{name}: SplitRoutedWeight.transposed_storage_table", col[0])
+        scale_t = _read_table(f"{name}: SplitRoutedWeight.transposed_scale_storage_table", col[1])
+        for rep_field, table, table_field in (("transposed_data", data_t, "transposed_storage_table"),
+                                              ("transposed_scale", scale_t, "transposed_scale_storage_table")):
+            if field(rep_field) is not None:
+                _representative(name, rep_field, field(rep_field), table, table_field)
+    elif field("transposed_data") is not None or field("transposed_scale") is not None:
+        raise ValueError(f"{name}: SplitRoutedWeight.transposed_data is given without transposed_storage_table "
+                         "(MoK's form reads the column-wise experts from the tables)")
+    return SplitRoutedWeight(data=data, scale=scale, transposed_data=data_t, transposed_scale=scale_t,
+                             native_columnwise=bool(field("native_columnwise")))
+
+
+def _canonical_routed(routed_gate, routed_up, routed_down):
+    """The three routed arguments with every split weight in the project's form; one object passed twice
+    (a combined FC1) stays one object."""
+    done = {}
+    out = []
+    for name, arg in zip(("routed_gate", "routed_up", "routed_down"), (routed_gate, routed_up, routed_down)):
+        if _is_split(arg):
+            if id(arg) not in done:
+                done[id(arg)] = _per_expert(name, arg)
+            arg = done[id(arg)]
+        out.append(arg)
+    return tuple(out)
 
 
 def _is_mxfp8_piece(v) -> bool:
@@ -365,25 +556,60 @@ def _mxfp8_error(name: str) -> TypeError:
     )
 
 
-# MXFP8 routed weights (MoK's layout with logical, unswizzled scales). Forward: (data, scale)
-# per weight, [E, M, K] float8_e4m3fn and [E, M, K/32] uint8 (E8M0). Backward: gate/up as
-# (data, scale, data_t, scale_t) or TE's native (data, scale, col_data [E, M, K], col_scale [E, M/32, K], True);
-# down as its column-wise pair (data_t [E, K, M], scale_t [E, K, M/32]), (col_data, col_scale, True) native, or
-# a 4-tuple. A combined FC1 is the same tuple passed as routed_gate and routed_up. An MXFP8Weight
-# (mok_inductor.mxfp8.quantize) is accepted wherever a tuple is.
+# MXFP8 routed weights (MoK's layouts). Forward: (data, scale) per weight, [E, M, K] float8_e4m3fn and
+# uint8 E8M0 scales, either logical [E, M, K/32] or MoK's swizzled [E*M/128, K/128, 32, 16] (told apart by
+# their dims: 3 or 4; mok_inductor.mxfp8 describes the layout). Backward: gate/up as (data, scale, data_t,
+# scale_t) or TE's native (data, scale, col_data [E, M, K], col_scale, True); down as its column-wise pair
+# (data_t [E, K, M], scale_t), (col_data, col_scale, True) native, or a 4- or 5-tuple (its column-wise half
+# is read). Column-wise scales are logical [E, K, M/32] (TE's [E, M/32, K] when native) or swizzled from the
+# logical [E, K, M/32] in both cases. A combined FC1 is the same tuple passed as routed_gate and routed_up. An
+# MXFP8Weight (mok_inductor.mxfp8.quantize) is accepted wherever a tuple is.
+#
+# Swizzled scales are de-swizzled on every call (a copy of the scale bytes, 1/32 of the data's), never
+# cached: MoK's bridge refreshes them in place at a fixed address (and a CUDA graph replays that refresh),
+# so no pointer or version counter tells a stale copy from a fresh one.
 
 
 def _is_mxfp8_tuple(v) -> bool:
-    return (isinstance(v, tuple) and not isinstance(v, SplitRoutedWeight) and len(v) >= 2
+    return (isinstance(v, tuple) and len(v) >= 2
             and isinstance(v[0], torch.Tensor) and v[0].dtype == torch.float8_e4m3fn)
 
 
-def _mx_native_col(data, scale):
-    """TE's native column-wise pair ([E, M, K] data, [E, M/32, K] scales, or E such 2-D pieces each) as
-    (data_t, scale_t) views."""
+def _logical_scale(name: str, data, scale):
+    """`scale` of the MXFP8 data `data` [..., M, K] as logical [..., M, K/32] scales: MoK's swizzled layout is
+    de-swizzled (a copy); anything else is returned as given, for `mxfp8.check_weight` to validate."""
+    from ... import mxfp8
+
+    if not (mxfp8.is_swizzled_scale(scale) and isinstance(data, torch.Tensor) and data.dim() >= 2
+            and data.shape[-1] % mxfp8.BLOCK == 0):
+        return scale
+    *lead, m, k = data.shape
+    if scale.device != data.device:
+        raise ValueError(f"{name}: expected MXFP8 scales on {data.device} (the device of its data), got {scale.device}")
+    return mxfp8.unswizzle_scale(scale, (*lead, m, k // mxfp8.BLOCK), name=name)
+
+
+def _logical_scales(name: str, data, scales):
+    """`_logical_scale` per expert of a split weight (sequences of E); left as given when not two sequences
+    of one length (`mxfp8.check_split_weight` names what is wrong)."""
+    if not (isinstance(data, (tuple, list)) and isinstance(scales, (tuple, list)) and len(data) == len(scales)):
+        return scales
+    return tuple(_logical_scale(f"{name}[{e}]", d, sc) for e, (d, sc) in enumerate(zip(data, scales)))
+
+
+def _mx_native_col(name: str, data, scale):
+    """TE's native column-wise pair (data [E, M, K] or E pieces [M, K]; scales TE's [E, M/32, K], or swizzled
+    from the logical [E, K, M/32]) as (data_t, scale_t): views, the swizzled scales de-swizzled."""
+    from ... import mxfp8
     from ...types import transposed_payload as _transposed
 
-    return _transposed(data), _transposed(scale)
+    if isinstance(data, (tuple, list)) and isinstance(scale, (tuple, list)) and len(data) == len(scale):
+        pairs = [_mx_native_col(f"{name}[{e}]", d, sc) for e, (d, sc) in enumerate(zip(data, scale))]
+        return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+    data_t = _transposed(data)
+    if mxfp8.is_swizzled_scale(scale):
+        return data_t, _logical_scale(name, data_t, scale)
+    return data_t, _transposed(scale)
 
 
 def _is_split_mxfp8(v) -> bool:
@@ -400,9 +626,9 @@ def _split_columnwise(name: str, w: SplitRoutedWeight):
         seq = getattr(w, field)
         if not isinstance(seq, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in seq):
             raise TypeError(f"{name}: SplitRoutedWeight.{field} must be a sequence of E tensors")
-    if w.native_columnwise:  # Transformer Engine's [M, K] data and [M/32, K] scales, as transposed views
-        return _mx_native_col(tuple(w.transposed_data), tuple(w.transposed_scale))
-    return tuple(w.transposed_data), tuple(w.transposed_scale)
+    if w.native_columnwise:  # Transformer Engine's [M, K] data (and [M/32, K] logical scales), as transposed views
+        return _mx_native_col(f"{name} (column-wise)", tuple(w.transposed_data), tuple(w.transposed_scale))
+    return tuple(w.transposed_data), _logical_scales(f"{name} (column-wise)", w.transposed_data, w.transposed_scale)
 
 
 def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
@@ -436,8 +662,9 @@ def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
         dt = st = None
         if backward:
             dt, st = _split_columnwise(name, w)
-        mxfp8.check_split_weight(name, w.data, w.scale, dt, st, x.dtype, x.device, split_rows=name == "routed_gate")
-        return tuple(w.data), tuple(w.scale), dt, st
+        scale = _logical_scales(name, w.data, w.scale)
+        mxfp8.check_split_weight(name, w.data, scale, dt, st, x.dtype, x.device, split_rows=name == "routed_gate")
+        return tuple(w.data), tuple(scale), dt, st
 
     def piece(p):  # a payload's first expert matrix (3-D: its [M, K] shape is the trailing dims anyway)
         return p if isinstance(p, torch.Tensor) else p[0]
@@ -445,27 +672,31 @@ def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
     def gate_up_parts(t):
         if isinstance(t, SplitRoutedWeight):
             return split_parts("routed_gate", t)
+        row = (t[0], _logical_scale("routed_gate", t[0], t[1]))
         if not backward:
-            return t[0], t[1], None, None
+            return (*row, None, None)
         if len(t) == 5 and t[4] is True:
-            return (t[0], t[1], *_mx_native_col(t[2], t[3]))
+            return (*row, *_mx_native_col("routed_gate (column-wise)", t[2], t[3]))
         if len(t) == 4:
-            return tuple(t)
+            return (*row, t[2], _logical_scale("routed_gate (column-wise)", t[2], t[3]))
         raise ValueError("routed_gate: the backward needs the MXFP8 gate/up as (data, scale, data_t, scale_t) or "
                          "(data, scale, col_data, col_scale, True)")
 
     def down_columnwise(t):
         if isinstance(t, SplitRoutedWeight):
             return split_parts("routed_down", t)[2:]
+        col = "routed_down (column-wise)"
         if len(t) == 3 and t[2] is True:
-            dt, st = _mx_native_col(t[0], t[1])
+            dt, st = _mx_native_col(col, t[0], t[1])
+        elif len(t) == 5 and t[4] is True:  # the whole native tuple: its column-wise half
+            dt, st = _mx_native_col(col, t[2], t[3])
         elif len(t) == 4:
-            dt, st = t[2], t[3]
+            dt, st = t[2], _logical_scale(col, t[2], t[3])
         elif len(t) == 2:
-            dt, st = t
+            dt, st = t[0], _logical_scale(col, t[0], t[1])
         else:
             raise ValueError("routed_down: the backward needs the MXFP8 down as its column-wise (data_t, scale_t), "
-                             "(col_data, col_scale, True) or a 4-tuple")
+                             "(col_data, col_scale, True), a 4-tuple or a native 5-tuple")
         mxfp8.check_weight("routed_down (column-wise)", dt, st, None, None, None, x.dtype, x.device)
         return dt, st
 
@@ -489,7 +720,7 @@ def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
         if isinstance(down, SplitRoutedWeight):
             dn = split_parts("routed_down", down)
         else:
-            dn = (down[0], down[1], None, None)
+            dn = (down[0], _logical_scale("routed_down", down[0], down[1]), None, None)
             mxfp8.check_weight("routed_down", *dn, None, x.dtype, x.device)
         ops_ = mxfp8.routed_operands(gu, dn)
         standin_down = standin(dn[0], piece(dn[0]).shape[-2:])
@@ -713,6 +944,7 @@ def forward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, x
             routed_down, swiglu_limit: Optional[float] = None,
             shared_output_gate_weight: Optional[torch.Tensor] = None):
     """The MoE forward: returns (y [T, H] in x.dtype, MoKForwardContext)."""
+    routed_gate, routed_up, routed_down = _canonical_routed(routed_gate, routed_up, routed_down)
     mx, (routed_gate, routed_up, routed_down) = _mxfp8_routed(x, routed_gate, routed_up, routed_down, backward=False)
     ws, sch, w, limit = _check_common(config, workspace, schedule, x, router_weights,
                                       (shared_gate, shared_up, shared_down, routed_gate, routed_up, routed_down),
@@ -738,9 +970,16 @@ def forward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, x
 
 
 def _table(name: str, obj, E: int):
-    if isinstance(obj, SplitRoutedWeight):
-        obj = obj.data
-    if isinstance(obj, torch.Tensor) or not isinstance(obj, (tuple, list)):
+    """The E per-expert main-grad tensors of one storage table: a tuple from
+    `make_routed_d_weight_storage_table` (or any sequence of E tensors, or a SplitRoutedWeight of them)."""
+    if _is_split(obj):
+        obj = _per_expert(name, obj).data
+    if isinstance(obj, torch.Tensor):
+        raise TypeError(
+            f"{name}: got a tensor, which would be a descriptor table of MoK's compiled mok.ops; this implementation "
+            f"reads per-expert tensors: build the table with mok_inductor.functional.make_routed_d_weight_storage_table "
+            f"(the tuple of the {E} main-grad tensors)")
+    if not isinstance(obj, (tuple, list)):
         raise TypeError(f"{name}: expected a sequence of {E} per-expert main-grad tensors, got {type(obj).__name__}")
     if len(obj) != E:
         raise ValueError(f"{name}: expected {E} per-expert tensors (one per local expert), got {len(obj)}")
@@ -829,6 +1068,7 @@ def backward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, 
     `shared_output_gate_main_grad` ([1, H], float32/bfloat16) likewise receives the gate's gradient.
     Every argument is validated before anything is written.
     """
+    routed_gate, routed_up, routed_down = _canonical_routed(routed_gate, routed_up, routed_down)
     mx, (routed_gate, routed_up, routed_down) = _mxfp8_routed(x, routed_gate, routed_up, routed_down, backward=True)
     ws, sch, w, limit = _check_common(config, workspace, schedule, x, router_weights,
                                       (shared_gate, shared_up, shared_down, routed_gate, routed_up, routed_down),

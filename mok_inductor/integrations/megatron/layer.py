@@ -48,7 +48,8 @@ def enable_mok_backend(model: torch.nn.Module, *, mok_config=None, config=None) 
 
     Args:
         model: a module tree holding megatron.core MoELayer instances.
-        mok_config: a mok_inductor.functional.MoKConfig or a dict of `mok_`-prefixed entries.
+        mok_config: a MoKConfig of the functional in use, or a dict of its fields (plain or `mok_`-prefixed);
+            by default each config's `moe_megakernel_backend_config`.
         config: a TransformerConfig to build the backends from instead of each layer's own (e.g. a copy
             with another gradient_accumulation_fusion).
 
