@@ -9,7 +9,7 @@ shape, device, value), and every message starts with the argument's name.
 
 from __future__ import annotations
 
-import math
+import numbers
 from typing import Optional, Sequence
 
 import torch
@@ -19,6 +19,10 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Megatron's main-grad buffers, into which the weight gradients are added.
 MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# The kernels compute in float32, so a larger clamp would overflow when the op converts it.
+FLOAT32_MAX = torch.finfo(torch.float32).max
+# The schedule is int32 (sorted route ids in [0, T*K) and offsets up to T*K).
+MAX_ROUTES = 2**31 - 1
 
 
 def _fmt_dtypes(dtypes) -> str:
@@ -34,6 +38,28 @@ def require_tensor(name: str, t, *, optional: bool = False) -> None:
         return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
+def stack_per_expert(name: str, w):
+    """A routed weight given split per expert (a list or tuple of E tensors of one shape, dtype and device)
+    as the [E, ...] tensor the op takes; anything else is returned as it is, for the op's own checks."""
+    if not isinstance(w, (list, tuple)):
+        return w
+    if len(w) == 0:
+        raise ValueError(f"{name}: expected at least one expert, got an empty {type(w).__name__}")
+    for e, t in enumerate(w):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or a sequence of per-expert tensors, got "
+                            f"{type(t).__name__} at index {e}")
+        if t.dim() != 2:
+            raise ValueError(f"{name}: expected 2-D per-expert tensors, got shape {_shape(t)} at index {e}")
+        if t.shape != w[0].shape or t.dtype != w[0].dtype or t.device != w[0].device:
+            raise ValueError(
+                f"{name}: expected per-expert tensors of one shape, dtype and device, got {_shape(w[0])} "
+                f"{str(w[0].dtype).replace('torch.', '')} on {w[0].device} at index 0 and {_shape(t)} "
+                f"{str(t.dtype).replace('torch.', '')} on {t.device} at index {e}"
+            )
+    return torch.stack(tuple(w))
 
 
 def require_dtype(name: str, t: torch.Tensor, dtypes) -> None:
@@ -56,15 +82,44 @@ def require_shape(name: str, t: torch.Tensor, expected: Sequence, what: str) -> 
         raise ValueError(f"{name}: expected shape {list(expected)} {what}, got {_shape(t)}")
 
 
+def _traced_numpy(v) -> bool:
+    """Whether `v` is a NumPy scalar as Dynamo traces it: a numpy.ndarray stand-in for a graph input, whose
+    float() is a data-dependent value the checks below cannot compare (np.float64, a float subclass, is a
+    constant and passes as one)."""
+    t = type(v)
+    return torch.compiler.is_compiling() and t.__name__ == "ndarray" and getattr(t, "__module__", None) == "numpy"
+
+
 def check_swiglu_limit(swiglu_limit) -> Optional[float]:
     if swiglu_limit is None:
         return None
-    if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float)):
+    if _traced_numpy(swiglu_limit):
+        raise TypeError("swiglu_limit: torch.compile traces a NumPy scalar as a tensor, not a constant; pass "
+                        "float(swiglu_limit)")
+    # numbers.Real also takes NumPy scalars (np.float32 limits read from a config); bools are not limits
+    if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, numbers.Real):
         raise TypeError(f"swiglu_limit: expected a float or None, got {type(swiglu_limit).__name__}")
     value = float(swiglu_limit)
-    if not (0.0 < value < math.inf):  # also false for NaN; traceable when value is a SymFloat
-        raise ValueError(f"swiglu_limit: expected a finite positive float, got {swiglu_limit}")
+    if not (0.0 < value <= FLOAT32_MAX):  # also false for NaN and inf; traceable when value is a SymFloat
+        raise ValueError(
+            f"swiglu_limit: expected a finite positive float (at most the float32 maximum, {FLOAT32_MAX:.7g}), "
+            f"got {swiglu_limit}"
+        )
     return value
+
+
+def check_sizes(T, H, K) -> None:
+    """The sizes of a call: a hidden size and a route count of at least 1, and T*K routes within the
+    int32 schedule (T = 0 is a valid empty call)."""
+    if H == 0:
+        raise ValueError("x: expected a hidden size H >= 1 (the last dim of x), got H = 0")
+    if K == 0:
+        raise ValueError("router_weights: expected at least one route per token (K >= 1, the last dim), got K = 0")
+    if T * K > MAX_ROUTES:
+        raise ValueError(
+            f"top_experts: {T} tokens x {K} routes = {T * K} routes, more than the int32 schedule holds "
+            f"({MAX_ROUTES}); split the call into smaller token batches"
+        )
 
 
 def check_moe_args(
@@ -84,6 +139,8 @@ def check_moe_args(
     require_dim("x", x, 2, "[T, H]")
     T, H = x.shape
     device = x.device
+    if H == 0:  # named with x, before the other arguments' checks
+        check_sizes(T, H, 1)
 
     require_tensor("router_weights", router_weights)
     if not router_weights.dtype.is_floating_point:
@@ -98,6 +155,7 @@ def check_moe_args(
             f"router_weights: expected {T} rows (one per token of x), got shape {_shape(router_weights)}"
         )
     K = router_weights.shape[1]
+    check_sizes(T, H, K)
 
     require_tensor("top_experts", top_experts)
     require_dtype("top_experts", top_experts, INDEX_DTYPES)
@@ -152,6 +210,16 @@ def check_moe_args(
     check_swiglu_limit(swiglu_limit)
 
 
+def expert_ids_message(num_experts: int, found=None) -> str:
+    """The message of an expert id outside [-1, E): with the offending value where it was read (the CPU
+    check), else (a device-side assert, which cannot read it back without a host synchronisation) how to see it."""
+    msg = f"top_experts: expected expert indices in [-1, {num_experts}) (-1 means no route)"
+    if found is not None:
+        return f"{msg}, found {found}"
+    return (f"{msg}, found one outside (checked on the device, which does not read the value back; run the call "
+            "on the CPU to see it)")
+
+
 def check_expert_ids_eager(top_experts: torch.Tensor, num_experts: int) -> None:
     """The value check of SPEC section 5 for the CPU path (reads values; never traced)."""
     if top_experts.numel() == 0:
@@ -159,7 +227,4 @@ def check_expert_ids_eager(top_experts: torch.Tensor, num_experts: int) -> None:
     lo = int(top_experts.min())
     hi = int(top_experts.max())
     if lo < -1 or hi >= num_experts:
-        bad = lo if lo < -1 else hi
-        raise ValueError(
-            f"top_experts: expected expert indices in [-1, {num_experts}) (-1 means no route), found {bad}"
-        )
+        raise ValueError(expert_ids_message(num_experts, lo if lo < -1 else hi))

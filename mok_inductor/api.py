@@ -7,6 +7,7 @@ the schedule, forward and (under autograd) backward ops of `mok_inductor.ops`.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -38,10 +39,12 @@ def moe(
         router_weights: [..., K] routing weights (float32; other float dtypes are upcast, and their
             gradient comes back in their own dtype).
         top_experts: [..., K] int32/int64 expert ids in [0, E), or -1 for "no route".
-        gate_up_proj: [E, 2*I, H] routed FC1, gate rows [0, I) then up rows [I, 2I); or its MXFP8 form,
+        gate_up_proj: [E, 2*I, H] routed FC1, gate rows [0, I) then up rows [I, 2I), or a sequence of E
+            per-expert [2*I, H] tensors (stacked per call; gradients reach each); or its MXFP8 form,
             `mok_inductor.mxfp8.quantize(w)` (or a list of E per-expert quantized [2*I, H] weights): the
             weight gradient then goes to the quantized weight's `master` (docs/api.md, MXFP8).
-        down_proj: [E, H, I] routed FC2 (or its MXFP8 form, as gate_up_proj).
+        down_proj: [E, H, I] routed FC2, or a sequence of E per-expert [H, I] tensors (or its MXFP8 form,
+            as gate_up_proj).
         shared_gate_up_proj: optional [2*Is, H] shared expert FC1 (gate rows, then up rows).
         shared_down_proj: optional [H, Is] shared expert FC2.
         shared_output_gate: optional [1, H]; the shared expert's output is scaled by
@@ -70,6 +73,9 @@ def moe(
                        swiglu_limit=swiglu_limit, group=group)
     # Kinds first, so a wrong kind gets a TypeError naming it rather than a dispatcher error.
     mx = _mxfp8.is_quantized_arg(gate_up_proj) or _mxfp8.is_quantized_arg(down_proj)
+    if not mx:  # split per expert, as the functional ABI takes them: stacked per call (the op takes one tensor)
+        gate_up_proj = _checks.stack_per_expert("gate_up_proj", gate_up_proj)
+        down_proj = _checks.stack_per_expert("down_proj", down_proj)
     for name, t in (("x", x), ("router_weights", router_weights), ("top_experts", top_experts),
                     ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
         if not (mx and name in ("gate_up_proj", "down_proj")):
@@ -92,6 +98,8 @@ def moe(
         )
     H = x.shape[-1]
     K = router_weights.shape[-1]
+    # before the reshapes below, which cannot flatten a zero-sized last dim and would name no argument
+    _checks.check_sizes(math.prod(lead), H, K)
     if group is not None:
         from . import distributed as _distributed
 

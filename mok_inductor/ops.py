@@ -117,7 +117,7 @@ def schedule(top_experts: Tensor, num_experts: int) -> Schedule:
         _checks.check_expert_ids_eager(top_experts, num_experts)
     else:
         ok = ((top_experts >= -1) & (top_experts < num_experts)).all()
-        torch._assert_async(ok, f"top_experts: expected expert indices in [-1, {num_experts})")
+        torch._assert_async(ok, _checks.expert_ids_message(num_experts))
     return Schedule(*reference.build_schedule(top_experts, num_experts))
 
 

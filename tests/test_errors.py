@@ -13,6 +13,7 @@ import expecttest
 import torch
 
 import mok_inductor
+from mok_inductor import _checks
 from _helpers import make_case
 
 
@@ -97,8 +98,14 @@ class TestBadInput(expecttest.TestCase):
 
     def test_gate_up_proj_not_a_tensor(self):
         w = _good()["gate_up_proj"]
-        self.assertExpectedInline(self.bad(TypeError, "gate_up_proj", gate_up_proj=list(w.unbind(0))),
-            """gate_up_proj: expected a torch.Tensor, got list""")
+        self.assertExpectedInline(self.bad(TypeError, "gate_up_proj", gate_up_proj={"w": w}),
+            """gate_up_proj: expected a torch.Tensor, got dict""")
+
+    def test_gate_up_proj_nested_lists(self):
+        # a sequence is read as per-expert weights, so its entries must be tensors
+        w = _good()["gate_up_proj"]
+        self.assertExpectedInline(self.bad(TypeError, "gate_up_proj", gate_up_proj=w.tolist()),
+            """gate_up_proj: expected a torch.Tensor or a sequence of per-expert tensors, got list at index 0""")
 
     def test_down_proj_not_a_tensor(self):
         self.assertExpectedInline(self.bad(TypeError, "down_proj", down_proj="down"),
@@ -268,19 +275,56 @@ class TestBadInput(expecttest.TestCase):
 
     def test_swiglu_limit_negative(self):
         self.assertExpectedInline(self.bad(ValueError, "swiglu_limit", swiglu_limit=-1.0),
-            """swiglu_limit: expected a finite positive float, got -1.0""")
+            """swiglu_limit: expected a finite positive float (at most the float32 maximum, 3.402823e+38), got -1.0""")
 
     def test_swiglu_limit_zero(self):
         self.assertExpectedInline(self.bad(ValueError, "swiglu_limit", swiglu_limit=0.0),
-            """swiglu_limit: expected a finite positive float, got 0.0""")
+            """swiglu_limit: expected a finite positive float (at most the float32 maximum, 3.402823e+38), got 0.0""")
 
     def test_swiglu_limit_nan(self):
         self.assertExpectedInline(self.bad(ValueError, "swiglu_limit", swiglu_limit=math.nan),
-            """swiglu_limit: expected a finite positive float, got nan""")
+            """swiglu_limit: expected a finite positive float (at most the float32 maximum, 3.402823e+38), got nan""")
 
     def test_swiglu_limit_inf(self):
         self.assertExpectedInline(self.bad(ValueError, "swiglu_limit", swiglu_limit=math.inf),
-            """swiglu_limit: expected a finite positive float, got inf""")
+            """swiglu_limit: expected a finite positive float (at most the float32 maximum, 3.402823e+38), got inf""")
+
+    def test_swiglu_limit_above_float32_max(self):
+        # finite as a Python float, but the float32 kernels could not hold it
+        self.assertExpectedInline(self.bad(ValueError, "swiglu_limit", swiglu_limit=1e39),
+            """swiglu_limit: expected a finite positive float (at most the float32 maximum, 3.402823e+38), got 1e+39""")
+
+    def test_swiglu_limit_float32_max_and_numpy_accepted(self):
+        import numpy as np
+
+        kw = _good()
+        kw["x"] = kw["x"] * 4  # pre-activations beyond the small limit, so the clamp changes the result
+        ref = _call(dict(kw, swiglu_limit=0.5))
+        for limit in (np.float32(0.5), np.float64(0.5), np.float16(0.5)):
+            self.assertTrue(torch.equal(_call(dict(kw, swiglu_limit=limit)), ref), type(limit).__name__)
+        self.assertFalse(torch.equal(_call(dict(kw, swiglu_limit=None)), ref))  # the limit is not ignored
+        top = _checks.FLOAT32_MAX
+        self.assertTrue(torch.equal(_call(dict(kw, swiglu_limit=top)), _call(dict(kw, swiglu_limit=None))))
+        self.assertTrue(torch.equal(_call(dict(kw, swiglu_limit=np.float32(top))), _call(dict(kw, swiglu_limit=None))))
+
+    def test_swiglu_limit_numpy_float32_under_compile(self):
+        # Dynamo makes a NumPy float32 a graph input (its value unknown while tracing): a clear error, not a
+        # data-dependent guard failure inside the checks
+        import numpy as np
+
+        torch._dynamo.reset()
+        kw = _good()
+        limit = np.float32(7.0)
+        fn = torch.compile(lambda kw: _call(dict(kw, swiglu_limit=limit)), backend="eager")
+        self.assertExpectedInline(self.raises(TypeError, "swiglu_limit", fn, kw),
+            """swiglu_limit: torch.compile traces a NumPy scalar as a tensor, not a constant; pass float(swiglu_limit)""")
+        torch._dynamo.reset()
+
+    def test_swiglu_limit_numpy_bool(self):
+        import numpy as np
+
+        self.assertExpectedInline(self.bad(TypeError, "swiglu_limit", swiglu_limit=np.True_),
+            """swiglu_limit: expected a float or None, got bool""")
 
     def test_swiglu_limit_string(self):
         self.assertExpectedInline(self.bad(TypeError, "swiglu_limit", swiglu_limit="7"),
@@ -289,6 +333,87 @@ class TestBadInput(expecttest.TestCase):
     def test_swiglu_limit_bool(self):
         self.assertExpectedInline(self.bad(TypeError, "swiglu_limit", swiglu_limit=True),
             """swiglu_limit: expected a float or None, got bool""")
+
+    # ---- sizes: H and K of 0, more routes than the int32 schedule holds
+
+    def test_hidden_size_zero(self):
+        kw = _good()
+        self.assertExpectedInline(
+            self.bad(ValueError, "x", x=kw["x"][:, :0], gate_up_proj=kw["gate_up_proj"][:, :, :0],
+                     down_proj=kw["down_proj"][:, :0], shared_gate_up_proj=None, shared_down_proj=None,
+                     shared_output_gate=None),
+            """x: expected a hidden size H >= 1 (the last dim of x), got H = 0""")
+
+    def test_hidden_size_zero_with_leading_dims(self):
+        kw = _good()
+        x = kw["x"].new_empty(2, 2, 0)
+        self.raises(ValueError, "x", _call, dict(kw, x=x, router_weights=kw["router_weights"].view(2, 2, 2),
+                                                 top_experts=kw["top_experts"].view(2, 2, 2)))
+
+    def test_routes_per_token_zero(self):
+        kw = _good()
+        self.assertExpectedInline(
+            self.bad(ValueError, "router_weights", router_weights=kw["router_weights"][:, :0],
+                     top_experts=kw["top_experts"][:, :0]),
+            """router_weights: expected at least one route per token (K >= 1, the last dim), got K = 0""")
+
+    def _meta_call(self, T, K, op=False):
+        """A call with T tokens and K routes on meta tensors (expanded: no memory), through the API or the op."""
+        kw = {k: (_meta(v) if isinstance(v, torch.Tensor) else v) for k, v in _good().items()}
+        kw["x"] = kw["x"][:1].expand(T, 8)
+        kw["router_weights"] = kw["router_weights"][:1, :1].expand(T, K)
+        kw["top_experts"] = kw["top_experts"][:1, :1].expand(T, K)
+        return _op_call(kw) if op else _call(kw)
+
+    def test_routes_beyond_int32_schedule(self):
+        for call in (lambda T, K: self._meta_call(T, K), lambda T, K: self._meta_call(T, K, op=True)):
+            self.assertEqual(call(2**31 - 1, 1).shape, (2**31 - 1, 8))  # the largest schedule is accepted
+            msg = self.raises(ValueError, "top_experts", call, 2**30, 2)  # one route more
+            self.assertIn(str(2**31), msg)
+        self.assertExpectedInline(self.raises(ValueError, "top_experts", self._meta_call, 2**31, 2),
+            """top_experts: 2147483648 tokens x 2 routes = 4294967296 routes, more than the int32 schedule holds (2147483647); split the call into smaller token batches""")
+
+    # ---- routed weights split per expert (a sequence of E tensors, as the functional ABI takes them)
+
+    def test_per_expert_lists_match_stacked(self):
+        kw = _good(swiglu_limit=1.5)
+        leaves = {k: kw[k].clone().requires_grad_() for k in ("x", "gate_up_proj", "down_proj")}
+        y = _call(dict(kw, **leaves))
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        split = {k: [w.detach().clone().requires_grad_() for w in leaves[k].unbind(0)]
+                 for k in ("gate_up_proj", "down_proj")}
+        x2 = leaves["x"].detach().clone().requires_grad_()
+        for kinds in ((list, list), (tuple, lambda w: leaves["down_proj"].detach())):
+            args = dict(kw, x=x2, gate_up_proj=kinds[0](split["gate_up_proj"]), down_proj=kinds[1](split["down_proj"]))
+            y2 = _call(args)
+            torch.testing.assert_close(y2, y, rtol=0, atol=0)
+        x2.grad = None
+        _call(dict(kw, x=x2, gate_up_proj=split["gate_up_proj"], down_proj=split["down_proj"])).backward(dy)
+        torch.testing.assert_close(x2.grad, leaves["x"].grad)
+        for k in ("gate_up_proj", "down_proj"):  # each per-expert tensor receives its own slice of the gradient
+            for e, w in enumerate(split[k]):
+                torch.testing.assert_close(w.grad, leaves[k].grad[e])
+
+    def test_per_expert_list_empty(self):
+        self.assertExpectedInline(self.bad(ValueError, "down_proj", down_proj=[]),
+            """down_proj: expected at least one expert, got an empty list""")
+
+    def test_per_expert_list_mismatched_shapes(self):
+        ws = list(_good()["gate_up_proj"].unbind(0))
+        ws[2] = ws[2][:6]
+        self.assertExpectedInline(self.bad(ValueError, "gate_up_proj", gate_up_proj=ws),
+            """gate_up_proj: expected per-expert tensors of one shape, dtype and device, got [8, 8] float32 on cpu at index 0 and [6, 8] float32 on cpu at index 2""")
+
+    def test_per_expert_list_wrong_rank(self):
+        ws = [w.unsqueeze(0) for w in _good()["down_proj"].unbind(0)]
+        self.assertExpectedInline(self.bad(ValueError, "down_proj", down_proj=ws),
+            """down_proj: expected 2-D per-expert tensors, got shape [1, 8, 4] at index 0""")
+
+    def test_per_expert_list_wrong_count(self):
+        # stacked, the list meets the op's own checks: its length is E
+        ws = list(_good()["down_proj"].unbind(0))[:2]
+        self.raises(ValueError, "down_proj", _call, _good(down_proj=ws))
 
     # ---- device (meta tensors stand in for another device than x's)
 
@@ -366,6 +491,14 @@ class TestBadInput(expecttest.TestCase):
         self.assertExpectedInline(msg,
             """top_experts: expected expert indices in [-1, 3) (-1 means no route), found -2""")
         torch._dynamo.reset()
+
+    def test_expert_id_message_of_the_device_check(self):
+        # the CUDA paths check ids with a device-side assert, which cannot read the bad value back without a
+        # host synchronisation: its message says so and where to see the value; the CPU check names it
+        self.assertExpectedInline(_checks.expert_ids_message(3),
+            """top_experts: expected expert indices in [-1, 3) (-1 means no route), found one outside (checked on the device, which does not read the value back; run the call on the CPU to see it)""")
+        self.assertEqual(_checks.expert_ids_message(5, -4),
+                         "top_experts: expected expert indices in [-1, 5) (-1 means no route), found -4")
 
     def test_rejected_call_leaves_inputs_untouched(self):
         # nothing is written to the caller's tensors when a call is rejected

@@ -581,6 +581,156 @@ def test_expert_parallel_sentinels_are_no_routes():
 
 
 # ---------------------------------------------------------------------------------------------
+# Fallbacks: what runs what MoK cannot, where the warning points, what it says
+
+
+def _tiny_qwen3_moe(dtype=torch.float32, seed=0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                         vocab_size=32, head_dim=8)
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM._from_config(cfg, experts_implementation="mok").to(dtype)
+
+
+def _fallback_warnings(caught):
+    return [w for w in caught if "falls back" in str(w.message)]
+
+
+def test_float64_experts_fall_back_to_eager_and_match_it(monkeypatch):
+    """grouped_mm raises on float64 ("Expected mat_a to be Float32, BFloat16 or Float16"): a float64 model with
+    "mok" runs the class's own eager forward instead, forward and backward equal to "eager", one warning that
+    names the test's line; grouped_mm never runs."""
+    import transformers.integrations.moe as hf_moe
+
+    def no_grouped_mm(*args, **kwargs):
+        raise AssertionError("grouped_mm ran on float64 experts")
+
+    monkeypatch.setattr(hf_moe, "grouped_mm_experts_forward", no_grouped_mm)
+    model = _tiny_qwen3_moe(torch.float64, seed=int(torch.randint(0, 2**31, ())))
+    ids = torch.randint(0, 32, (2, 7))
+    hf._PLANS.clear()
+    hf._WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = model(ids).logits; line = sys._getframe().f_lineno  # noqa: E702 - the warning must name this line
+        got.square().mean().backward()
+    fell_back = _fallback_warnings(caught)
+    assert len(fell_back) == 1, [str(w.message) for w in caught]  # once per class and reason, not per layer
+    assert os.path.abspath(fell_back[0].filename) == os.path.abspath(__file__) and fell_back[0].lineno == line
+    msg = str(fell_back[0].message)
+    assert 'Qwen3MoeExperts falls back to "eager"' in msg and "float64" in msg and "model.to(torch.float32)" in msg
+    experts = [m for m in model.modules() if hasattr(m, "down_proj") and hasattr(m, "has_bias")]
+    assert all(hf.experts_plan(m).fallback == "eager" for m in experts)
+    got_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.set_experts_implementation("eager")
+    ref = model(ids).logits
+    ref.square().mean().backward()
+    assert ref.dtype == torch.float64
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    for g, p in zip(got_grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=0, atol=0)
+    # cast to a dtype MoK takes, the same module is planned again and runs on MoK
+    model.float().set_experts_implementation("mok")
+    assert all(hf.experts_plan(m).supported for m in experts)
+
+
+def test_unsupported_gate_picks_the_fallback_by_dtype():
+    """An unsupported gate (GeGLU) runs on grouped_mm where grouped_mm takes the dtype and on eager where it
+    does not; in float64 the model's output equals eager's."""
+    from transformers.activations import ACT2FN
+
+    for dtype, fallback in ((torch.float32, "grouped_mm"), (torch.float64, "eager")):
+        model = _tiny_qwen3_moe(dtype, seed=int(torch.randint(0, 2**31, ())))
+        experts = [m for m in model.modules() if hasattr(m, "down_proj") and hasattr(m, "has_bias")]
+        for m in experts:
+            m.act_fn = ACT2FN["gelu_pytorch_tanh"]
+        ids = torch.randint(0, 32, (2, 6))
+        hf._WARNED.clear()
+        with pytest.warns(UserWarning, match=f'falls back to "{fallback}"'):
+            got = model(ids).logits
+        assert all(hf.experts_plan(m).fallback == fallback for m in experts)
+        model.set_experts_implementation("eager")
+        tol = 0 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(got, model(ids).logits, rtol=tol, atol=tol)
+
+
+def test_fallback_warning_names_the_callers_line_when_compiled():
+    """The plan of a compiled first call is made while Dynamo traces: its warning still names the user's line
+    (the compiled call), not a frame of mok_inductor, torch or transformers. Compiled, float64 experts run
+    transformers' grouped_mm (its compiled path takes float64), so the graph stays whole (fullgraph=True)."""
+    model = _tiny_qwen3_moe(torch.float64, seed=int(torch.randint(0, 2**31, ())))
+    ids = torch.randint(0, 32, (1, 5))
+    torch._dynamo.reset()
+    hf._PLANS.clear()
+    hf._WARNED.clear()
+    for m in model.modules():
+        m.__dict__.pop("_mok_experts_plan", None)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = compiled(ids).logits; line = sys._getframe().f_lineno  # noqa: E702
+    fell_back = _fallback_warnings(caught)
+    assert len(fell_back) == 1, [str(w.message) for w in caught]
+    assert os.path.abspath(fell_back[0].filename) == os.path.abspath(__file__) and fell_back[0].lineno == line
+    model.set_experts_implementation("eager")
+    torch.testing.assert_close(got, model(ids).logits, rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+
+
+def test_fallback_messages_say_what_happened_and_what_to_do():
+    """Each reason comes with what runs instead and what the user can do (or that MoK has no kernel for it)."""
+    cases = {
+        "float64": _experts_case(torch.float64, torch.float64),
+        "mixed": _experts_case(torch.float32, torch.bfloat16),
+        "quantized": _experts_case(None, None),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plans = {name: hf.experts_plan(case) for name, case in cases.items()}
+    assert plans["float64"].fallback == "eager" and plans["mixed"].fallback == "grouped_mm"
+    msg = hf.fallback_message("MyExperts", plans["float64"])
+    assert msg.startswith('experts_implementation="mok": MyExperts falls back to "eager": MoK cannot run it because '
+                          "its expert weights are float64 and MoK computes in float32, bfloat16 or float16")
+    assert "the class's own eager forward (transformers' grouped_mm takes this dtype only under torch.compile" in msg
+    assert "To use MoK: cast the model to float32, bfloat16 or float16, e.g. model.to(torch.float32)" in msg
+    assert msg.endswith('To silence this warning, set experts_implementation="eager" for this model.')
+    msg = hf.fallback_message("MyExperts", plans["mixed"])
+    assert "gate_up_proj is float32 but down_proj is bfloat16" in msg and "cast both to one dtype" in msg
+    assert 'transformers\' "grouped_mm" experts function runs it instead' in msg
+    assert "dequantize the experts" in hf.fallback_message("MyExperts", plans["quantized"])
+    no_kernel = hf.ExpertsPlan(False, reason="its gate is not SwiGLU", fallback="grouped_mm")
+    msg = hf.fallback_message("MyExperts", no_kernel)
+    assert "MoK has no kernel for what these experts compute" in msg and "To use MoK" not in msg
+    assert "(MoK takes one float dtype)" not in "".join(hf.fallback_message("M", p) for p in plans.values())
+
+
+def _experts_case(gate_up_dtype, down_dtype):
+    """A minimal @use_experts_implementation module: weights of the given dtypes (None: no float weights, as
+    quantized storage has)."""
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation
+    class MyExperts(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.act_fn = torch.nn.SiLU()
+            if gate_up_dtype is not None:
+                self.gate_up_proj = torch.nn.Parameter(torch.randn(2, 8, 4, dtype=gate_up_dtype))
+                self.down_proj = torch.nn.Parameter(torch.randn(2, 4, 4, dtype=down_dtype))
+            else:
+                self.down_proj = torch.nn.Parameter(torch.randint(-8, 8, (2, 4, 4), dtype=torch.int8),
+                                                    requires_grad=False)
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            raise NotImplementedError  # only planned here, never run
+
+    return MyExperts(None)
+
+
+# ---------------------------------------------------------------------------------------------
 # CUDA helpers (the CUDA tests are at the end of the module)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -22,8 +22,11 @@ top_k_weights [T, K])`, the signature of transformers' `ExpertsInterface`):
 2. Supported: `mok_inductor.moe(x, top_k_weights, top_k_index, gate_up_proj, down_proj,
    swiglu_limit=...)`. Transposed weights (`is_transposed`: [E, H, 2I] / [E, I, H]) are passed as
    zero-copy transposed views; expert-parallel sentinels (ids >= E) become MoK's "no route" (-1).
-3. Unsupported: transformers' own "grouped_mm" experts function, after a one-time warning
-   naming the class and the reason. Never a wrong result.
+3. Unsupported: transformers' own "grouped_mm" experts function, or, for weight dtypes grouped_mm
+   cannot take (float64), the class's own eager forward; after a one-time warning that names the
+   class, the reason, what runs instead and what the user can do, attributed to the user's line (the
+   first frame outside mok_inductor, torch and transformers). Never a wrong result, never an error
+   that eager would not raise.
 
 Shared experts (Qwen2-MoE's gated `shared_expert`, DeepSeek-V3/GLM4-MoE's `shared_experts`) live
 in the sparse MoE block, outside the experts function, and keep running there, as HF computes them.
@@ -128,13 +131,18 @@ class ExpertsPlan:
     supported: MoK computes exactly what the module computes.
     swiglu_limit: the clamp mapped onto MoK's `swiglu_limit` (None: plain SwiGLU).
     limit_attr: the module attribute the limit was read from.
-    reason: why MoK cannot run it (when not supported); the call falls back to "grouped_mm".
+    reason: why MoK cannot run it (when not supported).
+    remedy: what the user can do so that MoK runs it ("" where MoK has no kernel for what it computes).
+    fallback: what runs it instead: "grouped_mm" (transformers' experts function) or "eager" (the class's
+        own forward, for weight dtypes grouped_mm cannot take).
     """
 
     supported: bool
     swiglu_limit: Optional[float] = None
     limit_attr: Optional[str] = None
     reason: str = ""
+    remedy: str = ""
+    fallback: str = ""
 
     @property
     def kind(self) -> str:
@@ -160,22 +168,45 @@ def _limit_candidates(module) -> list:
     return out
 
 
+_DTYPE_NAMES = ", ".join(str(d)[6:] for d in FLOAT_DTYPES[:-1]) + " or " + str(FLOAT_DTYPES[-1])[6:]  # no "torch."
+_CAST_HINT = (f"cast the model to {_DTYPE_NAMES}, e.g. model.to(torch.float32) (or load it with "
+              "dtype=torch.float32)")
+# the dtypes transformers' "grouped_mm" experts function runs (torch's grouped_mm takes these and no other)
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+_SHAPES_HINT = "MoK needs gate_up_proj [E, 2I, H] and down_proj [E, H, I] (or both transposed, is_transposed=True)"
+
+
 def _weights(module):
-    """(gate_up [E, 2I, H], down [E, H, I]) as MoK wants them (transposed views when needed), or a reason."""
+    """(gate_up [E, 2I, H], down [E, H, I], "", "") as MoK wants them (transposed views when needed), or
+    (None, None, reason, remedy)."""
     gate_up = getattr(module, "gate_up_proj", None)
     down = getattr(module, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
-        return None, None, "the experts have no 3-D gate_up_proj/down_proj tensors (quantized or custom storage)"
+        return (None, None, "the experts have no gate_up_proj/down_proj tensors (quantized or custom storage)",
+                "dequantize the experts (or load the model without quantization) to run them with MoK")
     if gate_up.dim() != 3 or down.dim() != 3:
-        return None, None, f"expected 3-D expert weights, got gate_up_proj {list(gate_up.shape)}, down_proj {list(down.shape)}"
+        return (None, None, f"expected 3-D expert weights, got gate_up_proj {list(gate_up.shape)}, "
+                f"down_proj {list(down.shape)}", _SHAPES_HINT)
     if getattr(module, "is_transposed", False):
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     E, two_i, H = gate_up.shape
     if two_i % 2 != 0 or tuple(down.shape) != (E, H, two_i // 2):
-        return None, None, f"expert weight shapes gate_up {list(gate_up.shape)} / down {list(down.shape)} do not pair up"
-    if gate_up.dtype not in FLOAT_DTYPES or down.dtype != gate_up.dtype:
-        return None, None, f"expert weights of dtype {gate_up.dtype}/{down.dtype} (MoK takes one float dtype)"
-    return gate_up, down, ""
+        return (None, None, f"expert weight shapes gate_up {list(gate_up.shape)} / down {list(down.shape)} "
+                "do not pair up", _SHAPES_HINT)
+    if gate_up.dtype not in FLOAT_DTYPES:
+        return (None, None, f"its expert weights are {_dtype_name(gate_up.dtype)} and MoK computes in "
+                f"{_DTYPE_NAMES}", _CAST_HINT)
+    if down.dtype != gate_up.dtype:
+        return (None, None, f"gate_up_proj is {_dtype_name(gate_up.dtype)} but down_proj is "
+                f"{_dtype_name(down.dtype)}, and MoK takes one dtype for both",
+                "cast both to one dtype, e.g. model.to(torch.bfloat16)")
+    return gate_up, down, "", ""
 
 
 def _probe_gate(module, two_i: int, device) -> ExpertsPlan:
@@ -212,28 +243,57 @@ def _probe_gate(module, two_i: int, device) -> ExpertsPlan:
     )
 
 
+def _weight_dtype(module) -> Optional[torch.dtype]:
+    """The floating dtype of the experts' weights, None where they have none (quantized storage)."""
+    for name in ("gate_up_proj", "up_proj", "down_proj"):
+        w = getattr(module, name, None)
+        if isinstance(w, torch.Tensor) and w.is_floating_point():
+            return w.dtype
+    return None
+
+
+def _fallback_for(module) -> str:
+    """What runs the experts MoK cannot: transformers' "grouped_mm", or the class's own eager forward where
+    the weights have a float dtype grouped_mm raises on (float64), so the model runs wherever eager runs."""
+    dtype = _weight_dtype(module)
+    if dtype is not None and dtype not in _GROUPED_MM_DTYPES and _eager_forward(module) is not None:
+        return "eager"
+    return "grouped_mm"
+
+
 def _signature(module) -> tuple:
     return (
         getattr(module, "has_gate", True), getattr(module, "has_bias", False),
         getattr(module, "has_post_expert_norm", False), getattr(module, "is_concatenated", True),
         getattr(module, "is_transposed", False), id(getattr(module, "act_fn", None)),
         tuple(_limit_candidates(module)),
+        tuple(getattr(getattr(module, n, None), "dtype", None) for n in ("gate_up_proj", "up_proj", "down_proj")),
     )
 
 
 def _compute_plan(module) -> ExpertsPlan:
+    plan = _compute_support(module)
+    if plan.supported:
+        return plan
+    return ExpertsPlan(False, reason=plan.reason, remedy=plan.remedy, fallback=_fallback_for(module))
+
+
+def _compute_support(module) -> ExpertsPlan:
     if not getattr(module, "has_gate", True):
         act = getattr(module, "act_fn", None)
-        return ExpertsPlan(False, reason=f"ungated experts act_fn(up) (act_fn={type(act).__name__}): MoK is SwiGLU-gated only")
+        return ExpertsPlan(False, reason=f"its experts are ungated, act_fn(up) (act_fn={type(act).__name__}), and MoK "
+                                         "computes gated SwiGLU only")
     if getattr(module, "has_bias", False):
-        return ExpertsPlan(False, reason="expert projections have biases (e.g. GPT-OSS), which MoK does not take")
+        return ExpertsPlan(False, reason="its expert projections have biases (as GPT-OSS's do), which MoK does not take")
     if getattr(module, "has_post_expert_norm", False):
-        return ExpertsPlan(False, reason="a norm is applied to each expert's output before the routing weights")
+        return ExpertsPlan(False, reason="it applies a norm to each expert's output before the routing weights, "
+                                         "which MoK does not")
     if not getattr(module, "is_concatenated", True):
-        return ExpertsPlan(False, reason="gate/up rows are interleaved, not concatenated")
-    gate_up, _, why = _weights(module)
+        return ExpertsPlan(False, reason="its gate/up rows are interleaved, and MoK takes them concatenated "
+                                         "(gate rows, then up rows)")
+    gate_up, _, why, remedy = _weights(module)
     if gate_up is None:
-        return ExpertsPlan(False, reason=why)
+        return ExpertsPlan(False, reason=why, remedy=remedy)
     return _probe_gate(module, gate_up.shape[1], gate_up.device)
 
 
@@ -249,14 +309,50 @@ def experts_plan(module) -> ExpertsPlan:
     _PLANS[module] = (sig, plan)
     object.__setattr__(module, _PLAN_ATTR, plan)  # what compiled code reads (see mok_experts_forward)
     if not plan.supported:
-        key = (type(module).__qualname__, plan.reason)
+        key = (type(module).__qualname__, plan.reason, plan.fallback)
         if key not in _WARNED:
             _WARNED.add(key)
-            warnings.warn(
-                f'experts_implementation="mok": {type(module).__qualname__} falls back to "grouped_mm": {plan.reason}',
-                stacklevel=2,
-            )
+            warnings.warn(fallback_message(type(module).__qualname__, plan), stacklevel=_user_stacklevel())
     return plan
+
+
+def fallback_message(class_name: str, plan: ExpertsPlan) -> str:
+    """The one-time warning of an unsupported plan: what happened, what runs instead, what the user can do."""
+    runs = ('transformers\' "grouped_mm" experts function' if plan.fallback == "grouped_mm"
+            else "the class's own eager forward (transformers' grouped_mm takes this dtype only under torch.compile, "
+                 "where it runs instead)")
+    todo = (f"To use MoK: {plan.remedy}." if plan.remedy
+            else "MoK has no kernel for what these experts compute; the fallback computes what eager computes.")
+    return (f'experts_implementation="mok": {class_name} falls back to "{plan.fallback}": MoK cannot run it because '
+            f"{plan.reason}, so {runs} runs it instead. {todo} To silence this warning, set "
+            f'experts_implementation="{plan.fallback}" for this model.')
+
+
+# Frames in these packages are the call path from the user's `model(...)` down to the experts function.
+_LIBRARY_PACKAGES = ("mok_inductor", "torch", "transformers", "accelerate", "peft")
+
+
+def _user_stacklevel() -> int:
+    """The warnings.warn stacklevel (for a call made in the caller of this function) that names the first frame
+    outside the library packages: the user's `model(...)`, `generate(...)` or `prepare(model)` line, wherever in
+    transformers' / torch's / Dynamo's stack the plan was made. The outermost frame where every frame is library."""
+    roots = []
+    for name in _LIBRARY_PACKAGES:
+        mod = sys.modules.get(name)
+        path = getattr(mod, "__file__", None)
+        if path:
+            roots.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    roots = tuple(roots)
+    frame = sys._getframe(2)  # the caller of the function that warns (level 2 of its warnings.warn)
+    level = 2
+    while frame is not None:
+        if not os.path.abspath(frame.f_code.co_filename).startswith(roots):
+            return level
+        if frame.f_back is None:
+            return level
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 _PLAN_ATTR = "_mok_experts_plan"
@@ -292,7 +388,22 @@ def _moe(*args, **kwargs):
     return api.moe(*args, **kwargs)
 
 
-def _grouped_mm_fallback(module, hidden_states, top_k_index, top_k_weights):
+def _eager_forward(module):
+    """The class's own forward, which `@use_experts_implementation` wraps (functools.wraps keeps it as
+    `__wrapped__`); None where the class has none."""
+    for klass in type(module).__mro__:
+        fn = klass.__dict__.get("forward")
+        if fn is not None:
+            return getattr(fn, "__wrapped__", None)
+    return None
+
+
+def _fallback(module, plan, hidden_states, top_k_index, top_k_weights):
+    # Compiled, transformers' grouped_mm routes every dtype but bfloat16 to its own loop-of-mm op, which takes
+    # float64 and keeps the graph whole (the eager forward's data-dependent loop would break it): eager only
+    # where grouped_mm would raise, outside torch.compile.
+    if plan.fallback == "eager" and not torch.compiler.is_compiling():
+        return _eager_forward(module)(module, hidden_states, top_k_index, top_k_weights)
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
@@ -317,8 +428,8 @@ def mok_experts_forward(
         if group is not None:
             raise RuntimeError(f"{type(self).__qualname__}: its experts were sharded by shard_experts, but MoK cannot "
                                f"run them: {plan.reason}")
-        return _grouped_mm_fallback(self, hidden_states, top_k_index, top_k_weights)
-    gate_up_E2IH, down_EHI, _ = _weights(self)
+        return _fallback(self, plan, hidden_states, top_k_index, top_k_weights)
+    gate_up_E2IH, down_EHI, _, _ = _weights(self)
     num_experts = gate_up_E2IH.shape[0]
     top_TK = top_k_index
     if group is not None:  # shard_experts: this rank's tokens, global ids, local experts
@@ -436,6 +547,6 @@ def discover_experts_classes() -> list:
 
 
 __all__ = [
-    "BACKEND_NAME", "ExpertsPlan", "ExpertsClassInfo", "discover_experts_classes", "experts_plan",
+    "BACKEND_NAME", "ExpertsPlan", "ExpertsClassInfo", "discover_experts_classes", "experts_plan", "fallback_message",
     "is_registered", "mok_experts_forward", "prepare", "register", "register_if_installed",
 ]
