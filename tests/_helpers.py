@@ -298,6 +298,22 @@ def record_launches(monkeypatch) -> list:
     return launched
 
 
+def ddp_like(params) -> None:
+    """Megatron DDP's side of the main-grad protocol on these parameters: a float32 main_grad (on the
+    parameter's device), the grad_added_to_main_grad flag, and a post-accumulation hook that adds .grad into
+    main_grad unless the flag is set, then drops .grad (distributed_data_parallel.py: _make_backward_post_hook)."""
+    for p in params:
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        p.grad_added_to_main_grad = False
+
+        def hook(param):
+            if param.grad is not None and not param.grad_added_to_main_grad:
+                param.main_grad.add_(param.grad)
+            param.grad = None
+
+        p.register_post_accumulate_grad_hook(hook)
+
+
 def init_gloo(attempts: int = 5) -> None:
     """A one-rank gloo process group on a free port; another process may take the port between the probe
     and the bind, so a failed bind retries on a new port."""

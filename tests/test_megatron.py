@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from mok_inductor import functional as mf  # noqa: E402
 from mok_inductor import reference  # noqa: E402
 from mok_inductor.integrations import megatron as mkm  # noqa: E402
-from _helpers import destroy_model_parallel, init_gloo, rel_err
+from _helpers import ddp_like, destroy_model_parallel, init_gloo, rel_err
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 S, B, H, I, E, K = 12, 2, 64, 32, 8, 2
@@ -159,22 +159,6 @@ def test_output_and_gradients_match_megatron(device, dtype, clamp, monkeypatch):
     errs.check_layer()
 
 
-def _ddp_like(layer):
-    """What Megatron's DDP gives every parameter: a float32 main_grad, the grad_added_to_main_grad
-    flag and a post-accumulation hook that adds .grad into main_grad unless the flag is set, then drops
-    .grad (distributed_data_parallel.py: _make_backward_post_hook)."""
-    for p in layer.parameters():
-        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        p.grad_added_to_main_grad = False
-
-        def hook(param):
-            if param.grad is not None and not param.grad_added_to_main_grad:
-                param.main_grad.add_(param.grad)
-            param.grad = None
-
-        p.register_post_accumulate_grad_hook(hook)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_main_grad_accumulation_over_two_micro_batches(device):
     cfg = make_config()
@@ -182,7 +166,7 @@ def test_main_grad_accumulation_over_two_micro_batches(device):
     fused.gradient_accumulation_fusion = True  # Megatron's own layers would need the CUDA extension
     meg, mok, ref64 = layer_trio(cfg, device, mok_config_override=fused)
     assert mok.megakernel_experts.fuse_wgrad_accumulation
-    _ddp_like(mok)
+    ddp_like(mok.parameters())
     for _ in range(2):
         x, dy = inputs(device, torch.bfloat16)
         run(meg, x, dy)  # ordinary .grad accumulation

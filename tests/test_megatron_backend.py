@@ -34,7 +34,7 @@ from mok_inductor.integrations.megatron import backend as mb
 from mok_inductor.integrations.megatron import functional as mf
 from mok_inductor.integrations.megatron import runtime as mr
 from mok_inductor.integrations.megatron import weights as mw
-from _helpers import TOLERANCE, rel_err
+from _helpers import TOLERANCE, ddp_like, rel_err
 from oracle import oracle_moe
 
 T, H, I, E, K = 10, 32, 16, 4, 2
@@ -638,19 +638,6 @@ def test_load_state_dict_of_an_assembled_backend():
 # ---------------------------------------------------------------------------------------------- numerics
 
 
-def _ddp_like(module):
-    for p in module.parameters():
-        p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
-        p.grad_added_to_main_grad = False
-
-        def hook(param):
-            if param.grad is not None and not param.grad_added_to_main_grad:
-                param.main_grad.add_(param.grad)
-            param.grad = None
-
-        p.register_post_accumulate_grad_hook(hook)
-
-
 def _routing(gen):
     logits = torch.randn(T, E, generator=gen)
     top = logits.topk(K, dim=1).indices
@@ -669,7 +656,7 @@ def test_forward_and_backward_on_a_megatron_built_backend(layout, fused):
     dy = torch.randn(T, 1, H, generator=gen)
     probs, routing_map = _routing(gen)
     if fused:
-        _ddp_like(parent)
+        ddp_like(parent.parameters())
     out = backend(x, probs, routing_map)
     out.backward(dy)
 

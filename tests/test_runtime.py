@@ -26,7 +26,7 @@ from mok_inductor.runtime import (
     _MoKWeightArguments,
 )
 from mok_inductor.integrations.megatron.parameter_bridge import main_grad_buffer
-from _helpers import DEVICES, TOLERANCE, MoeCase, oracle_with_grads, rel_err
+from _helpers import DEVICES, TOLERANCE, MoeCase, ddp_like, oracle_with_grads, rel_err
 
 T, H, I, E, K = 20, 32, 16, 3, 2
 LIMIT = 1.5
@@ -68,21 +68,6 @@ class StandIn(torch.nn.Module):
 
     def forward(self, x, rw, te):
         return _MoKAutograd.apply(self, x, rw, te, self.gate, *self.autograd_parameters())
-
-
-def ddp_like(m):
-    """Megatron DDP's side of the main-grad protocol: a float32 main_grad, the grad_added_to_main_grad flag,
-    and a hook that adds .grad into main_grad unless the flag is set, then drops .grad."""
-    for q in m.weights():
-        q.main_grad = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-        q.grad_added_to_main_grad = False
-
-        def hook(param):
-            if param.grad is not None and not param.grad_added_to_main_grad:
-                param.main_grad.add_(param.grad)
-            param.grad = None
-
-        q.register_post_accumulate_grad_hook(hook)
 
 
 def routing(device):
@@ -179,7 +164,7 @@ def test_autograd_without_fusion_gives_ordinary_grads(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 def test_autograd_with_fusion_accumulates_main_grad_over_micro_batches(device):
     m = StandIn(device, torch.bfloat16, fused=True)
-    ddp_like(m)
+    ddp_like(m.weights())
     params = m.weights()
     initial = [q.detach().clone() for q in params]
     want = [torch.zeros(q.shape, dtype=torch.float64) for q in params]
@@ -286,7 +271,7 @@ def test_backward_runs_on_the_forward_weights_after_a_storage_swap(fused):
     forward and its backward: the backward must differentiate the forward's computation."""
     m = StandIn("cpu", torch.float32, fused=fused)
     if fused:
-        ddp_like(m)
+        ddp_like(m.weights())
     x = torch.randn(T, H, requires_grad=True)
     rw, te = routing("cpu")
     dy = torch.randn(T, H)
@@ -322,7 +307,7 @@ def test_eight_result_backward_for_an_ungated_layer(monkeypatch, fused):
     monkeypatch.setitem(sys.modules, "mok.functional", legacy_functional())
     m = StandIn("cpu", torch.float32, fused=fused, gated=False)
     if fused:
-        ddp_like(m)
+        ddp_like(m.weights())
     x = torch.randn(T, H, requires_grad=True)
     rw, te = routing("cpu")
     dy = torch.randn(T, H)
@@ -389,7 +374,7 @@ def test_mxfp8_single_grouped_operands_are_sliced(monkeypatch, n):
     fc1 = tuple(object() for _ in range(4)) + ((True,) if n == 5 else ())
     fc2 = tuple(object() for _ in range(4)) + ((True,) if n == 5 else ())
     m = Mxfp8StandIn((fc1, fc2), mxfp8_weights=True, single_grouped=True)
-    ddp_like(m)
+    ddp_like(m.weights())
     rw, te = routing("cpu")
     m(torch.randn(T, H, dtype=torch.bfloat16, requires_grad=True), rw, te).sum().backward()
     (_, fwd), (_, bwd) = mok.calls
@@ -403,7 +388,7 @@ def test_other_routed_operands_are_passed_whole(monkeypatch, mxfp8_weights, sing
     monkeypatch.setitem(sys.modules, "mok.functional", mok)
     fc1, fc2 = object(), object()  # e.g. split descriptors
     m = Mxfp8StandIn((fc1, fc2), mxfp8_weights=mxfp8_weights, single_grouped=single_grouped)
-    ddp_like(m)
+    ddp_like(m.weights())
     rw, te = routing("cpu")
     m(torch.randn(T, H, dtype=torch.bfloat16, requires_grad=True), rw, te).sum().backward()
     (_, fwd), (_, bwd) = mok.calls
@@ -435,7 +420,7 @@ def test_mxfp8_single_grouped_through_the_bridge_equals_the_functional(form):
         m.views = (tup(q1), tup(q2))
     else:
         m.views = (q1, q2)
-    ddp_like(m)
+    ddp_like(m.weights())
     x = torch.randn(T, H, dtype=torch.bfloat16, requires_grad=True)
     rw, te = routing("cpu")
     dy = torch.randn(T, H, dtype=torch.bfloat16)
