@@ -128,11 +128,7 @@ def merge_into(src: Path, dst: Path) -> int:
         new = configs.load(f)
         target = dst / f.name
         table = configs.load(target) if target.is_file() else configs.Table(new.device, new.capability)
-        for fam, problems in new.entries.items():
-            for prob, per in problems.items():
-                for b, tile in per.items():
-                    table.put(fam, prob, b, tile)
-                    n += 1
+        n += table.merge(new)
         table.device, table.capability = new.device or table.device, new.capability or table.capability
         configs.save(table, target)
     return n

@@ -265,16 +265,20 @@ def test_set_functional_overrides_the_lookup(monkeypatch):
 # ---------------------------------------------------------------------------------------------- forward's weights
 
 
+def _cpu_layer(fused, **kw):
+    """A float32 CPU stand-in layer (under Megatron DDP's protocol when fused) and fresh inputs: m, x, rw, te, dy."""
+    m = StandIn("cpu", torch.float32, fused=fused, **kw)
+    if fused:
+        ddp_like(m.weights())
+    rw, te = routing("cpu")
+    return m, torch.randn(T, H, requires_grad=True), rw, te, torch.randn(T, H)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_backward_runs_on_the_forward_weights_after_a_storage_swap(fused):
     """A distributed optimizer (or a re-quantization) may rebind `param.data` between a micro-batch's
     forward and its backward: the backward must differentiate the forward's computation."""
-    m = StandIn("cpu", torch.float32, fused=fused)
-    if fused:
-        ddp_like(m.weights())
-    x = torch.randn(T, H, requires_grad=True)
-    rw, te = routing("cpu")
-    dy = torch.randn(T, H)
+    m, x, rw, te, dy = _cpu_layer(fused)
     y = m(x, rw, te)
     forward_weights = [q.detach().clone() for q in m.weights()]
     for q in m.weights():
@@ -305,12 +309,7 @@ def legacy_functional():
 @pytest.mark.parametrize("fused", [False, True])
 def test_eight_result_backward_for_an_ungated_layer(monkeypatch, fused):
     monkeypatch.setitem(sys.modules, "mok.functional", legacy_functional())
-    m = StandIn("cpu", torch.float32, fused=fused, gated=False)
-    if fused:
-        ddp_like(m.weights())
-    x = torch.randn(T, H, requires_grad=True)
-    rw, te = routing("cpu")
-    dy = torch.randn(T, H)
+    m, x, rw, te, dy = _cpu_layer(fused, gated=False)
     y = m(x, rw, te)
     y.backward(dy)
     ref_y, g = oracle_grads(m, x, rw, te, dy)

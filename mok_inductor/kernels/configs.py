@@ -151,6 +151,18 @@ class Table:
     def put(self, family: str, problem: tuple, bkt: int, tile: Tile) -> None:
         self.entries.setdefault(family, {}).setdefault(problem, {})[bkt] = tile
 
+    def merge(self, other: "Table", replace: bool = True) -> int:
+        """Add `other`'s picks (replacing this table's for the same problem and bucket, or with replace=False
+        only where this one has none); -> the picks taken."""
+        n = 0
+        for fam, problems in other.entries.items():
+            for prob, per in problems.items():
+                for b, tile in per.items():
+                    if replace or b not in (self.get(fam, prob) or {}):
+                        self.put(fam, prob, b, tile)
+                        n += 1
+        return n
+
     def to_json(self) -> dict:
         out = {"format": FORMAT, "device": self.device, "capability": self.capability, "families": {}}
         for name in sorted(self.entries):
@@ -390,13 +402,8 @@ def record(state: _Tables, family: Family, problem: tuple, rows: int, tile: Tile
     state.picks[(family.name, problem, bkt)] = tile
     with _lock:
         state.user.put(family.name, problem, bkt, tile)
-        on_disk = load(state.user_path) if state.user_path.is_file() else None
-        if on_disk is not None:
-            for name, problems in on_disk.entries.items():
-                for prob, per in problems.items():
-                    for b, t in per.items():
-                        if state.user.get(name, prob) is None or b not in state.user.get(name, prob):
-                            state.user.put(name, prob, b, t)
+        if state.user_path.is_file():
+            state.user.merge(load(state.user_path), replace=False)
         state.user.device, state.user.capability = state.device, state.capability
         save(state.user, state.user_path)
 
