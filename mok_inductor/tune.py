@@ -9,14 +9,18 @@ For each token count (powers of two from 1 to --max-tokens) the layer's forward 
 `options.autotune` on: each kernel launch at a (problem, row bucket) times every candidate tile config and
 keeps the fastest (`mok_inductor.kernels.configs`). The picks are merged into the table of this GPU in --out
 (default: the user's table folder, `options.tables_dir`, which later runs read before the shipped tables),
-replacing earlier picks of the same problem and bucket. Takes about a second per token count at small ones,
-longer where the layer is large, plus the Triton compiles of the candidates (once per machine).
+replacing earlier picks of the same problem and bucket. Most of a first tuning run is Triton compiling the
+candidates (about two minutes a shape; once per machine: the compiled kernels stay in Triton's disk cache), so
+with several shapes `--jobs` processes first compile them side by side (`--compile-only`: one token count per
+kernel-selection regime, nothing timed or written), and the timing then runs alone on the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -89,9 +93,32 @@ def _layer(T, H, I, E, K, Is, dtype, device, gen):
     return x, rw, te, w
 
 
+def regime_tokens(shape: tuple, tokens: list, cap: int = 8192) -> list:
+    """The first token count (up to `cap`) of each kernel-selection regime among `tokens`: which kernels and
+    variants a layer launches depends on the routes per expert and the shared expert's rows crossing
+    `options`' thresholds, never on the exact count, so these compile every kernel the others launch."""
+    from mok_inductor import options
+
+    o = options.current()
+    H, I, E, K, Is = shape
+    firsts = {}
+    for T in sorted(tokens):
+        if T > cap:
+            break
+        per_expert = T * K / E
+        regime = tuple(per_expert >= b for b in (o.mx_few_rows + 1, o.mx_f16_dot_max_rows + 1, o.tma_min_rows,
+                                                 o.two_pass_min_rows, o.mx_dequantize_min_rows))
+        regime += (bool(Is) and T >= o.tma_min_rows, bool(Is) and T >= o.two_pass_min_rows)
+        firsts.setdefault(regime, T)
+    return list(firsts.values())
+
+
 def tune_shape(shape: tuple, tokens: list, folder: Path, *, dtype=torch.bfloat16, mxfp8: bool = False,
-               backward: bool = True, progress=None, device="cuda") -> None:
-    """Run the layer at each token count with the search on, recording into `folder`'s table."""
+               backward: bool = True, progress=None, device="cuda", compile_only: bool = False) -> None:
+    """Run the layer at each token count with the search on, recording into `folder`'s table
+    (`compile_only`: each candidate launched once and nothing timed; the picks are meaningless)."""
+    import contextlib
+
     import mok_inductor
     from mok_inductor import mxfp8 as mx
     from mok_inductor import options
@@ -99,7 +126,8 @@ def tune_shape(shape: tuple, tokens: list, folder: Path, *, dtype=torch.bfloat16
 
     H, I, E, K, Is = shape
     gen = torch.Generator(device=device).manual_seed(0)
-    with options.override(autotune=True, tables_dir=str(folder)):
+    timing = configs.timing_with(configs.compile_only_timer) if compile_only else contextlib.nullcontext()
+    with options.override(autotune=True, tables_dir=str(folder)), timing:
         configs.reset()
         for i, T in enumerate(tokens):
             x, rw, te, w = _layer(T, H, I, E, K, Is, dtype, device, gen)
@@ -132,6 +160,33 @@ def merge_into(src: Path, dst: Path) -> int:
         table.device, table.capability = new.device or table.device, new.capability or table.capability
         configs.save(table, target)
     return n
+
+
+def precompile(shapes: dict, tokens: list, args, jobs: int) -> None:
+    """Compile every shape's candidates in up to `jobs` processes side by side (`--compile-only` runs at
+    `regime_tokens`), so that the timing afterwards finds them in Triton's disk cache."""
+    base = [sys.executable, "-m", "mok_inductor.tune", "--compile-only", "--dtype", args.dtype]
+    base += ["--mxfp8"] if args.mxfp8 else []
+    base += ["--forward-only"] if args.forward_only else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    pending = [(name, base + ["--hidden", str(s[0]), "--intermediate", str(s[1]), "--experts", str(s[2]),
+                              "--topk", str(s[3]), "--shared-intermediate", str(s[4]),
+                              "--tokens", ",".join(map(str, regime_tokens(s, tokens)))])
+               for name, s in shapes.items()]
+    running, failed, start = [], [], time.time()
+    sys.stderr.write(f"compiling the candidates of {len(pending)} shape(s) in {min(jobs, len(pending))} processes\n")
+    while pending or running:
+        while pending and len(running) < jobs:
+            name, cmd = pending.pop(0)
+            running.append((name, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+        name, proc = running.pop(0)
+        err = proc.communicate()[1]
+        if proc.returncode:
+            failed.append(name)
+            sys.stderr.write(f"compiling {name} failed (its tuning compiles instead):\n{err.decode()[-2000:]}\n")
+        else:
+            sys.stderr.write(f"compiled {name} ({time.time() - start:.0f} s)\n")
+        sys.stderr.flush()
 
 
 class Progress:
@@ -167,6 +222,10 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--mxfp8", action="store_true", help="also tune the MXFP8 decode kernels (forward)")
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--out", help="table folder (default: the user's, options.tables_dir)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="processes compiling the candidates side by side before the timing (1: compile while timing)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="launch every candidate once to compile it (into Triton's disk cache); time and write nothing")
     args = p.parse_args(argv)
 
     if args.list_presets:
@@ -197,8 +256,16 @@ def main(argv: Optional[list] = None) -> int:
 
     from mok_inductor.kernels import configs
 
-    out = Path(args.out).expanduser() if args.out else configs.user_dir()
     dtype = getattr(torch, args.dtype)
+    if args.compile_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            for shape in shapes.values():
+                tune_shape(shape, tokens, Path(tmp), dtype=dtype, mxfp8=args.mxfp8, backward=not args.forward_only,
+                           compile_only=True)
+        return 0
+    out = Path(args.out).expanduser() if args.out else configs.user_dir()
+    if args.jobs > 1 and len(shapes) > 1:
+        precompile(shapes, tokens, args, args.jobs)
     bar = Progress(len(shapes) * len(tokens))
     with tempfile.TemporaryDirectory() as tmp:
         def done(i, T, name):  # merged after every token count: an interrupted run keeps what it tuned

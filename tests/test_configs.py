@@ -208,6 +208,13 @@ def test_user_table_before_shipped_by_name_then_capability(tables):
     assert configs.lookup(configs.tables_for("NVIDIA H100 PCIe", "9.0"), GATE_UP, p, 64)[0] in (c[1], c[2])
     assert configs.lookup(configs.tables_for("NVIDIA A100 80GB PCIe", "8.0"), GATE_UP, p, 64)[0] == c[4]
     assert configs.lookup(configs.tables_for("Some GPU", "12.0"), GATE_UP, p, 64)[1] == "default"
+    # a problem only the other sm_90 GPU's table holds: its exact entry, not the nearest problem of this GPU's
+    q = _problem(E=64)
+    _write(shipped / "nvidia-h200.json", _table("NVIDIA H200", "9.0", [("gate_up", p, {64: c[2]}),
+                                                                        ("gate_up", q, {64: c[5]})]))
+    configs.reset()
+    assert configs.lookup(configs.tables_for(*H100), GATE_UP, q, 64) == (c[5], "table")
+    assert configs.lookup(configs.tables_for(*H100), GATE_UP, p, 64)[0] == c[1]  # its own name first
     _write(user / "nvidia-h100-80gb-hbm3.json", _table(*H100, [("gate_up", p, {64: c[3]})]))
     configs.reset()
     assert configs.lookup(configs.tables_for(*H100), GATE_UP, p, 64)[0] == c[3]  # the user's first
@@ -441,3 +448,29 @@ def test_tune_shape_records_a_pick_for_every_launch(tmp_path, monkeypatch):
     assert set(table.get("gate_up", ("float32", 32, 24, 1, False))) == {1, 4}
     assert len(seen) == sum(len(configs.FAMILIES[f].candidates) * len(per)
                             for f, probs in table.entries.items() for per in probs.values())
+
+
+def test_compiling_at_the_regime_token_counts_covers_every_launch(tmp_path, monkeypatch):
+    # `tune --jobs` compiles a shape's candidates at one token count per regime (`tune.regime_tokens`): those
+    # runs must launch every (family, problem) that the runs at all token counts launch. Thresholds lowered so
+    # that tiny shapes cross each of them under the interpreter.
+    monkeypatch.setattr(configs, "INTERPRET", False)
+    monkeypatch.setattr(kernels.common, "INTERPRET", False)
+    monkeypatch.setattr(configs, "_device_facts", lambda dev: H100)
+    real = configs.launch_eager
+    monkeypatch.setattr(configs, "launch_eager", lambda fam, tile, *a: real(fam, fam.interpret, *a))
+    shape, tokens = (32, 16, 4, 2, 24), [1, 2, 3, 4, 6, 8, 12]
+    limits = dict(mx_few_rows=1, mx_f16_dot_max_rows=2, tma_min_rows=3, two_pass_min_rows=4, mx_dequantize_min_rows=5)
+
+    def launched(tok, folder):
+        with options.override(backend="triton", **limits), configs.timing_with(lambda run, tile: 0.0):
+            tune.tune_shape(shape, tok, folder, dtype=torch.float32, device=DEV)
+        table = configs.load(folder / "nvidia-h100-80gb-hbm3.json")
+        return {(f, prob) for f, probs in table.entries.items() for prob in probs}
+
+    with options.override(**limits):
+        picked = tune.regime_tokens(shape, tokens)
+    assert picked[0] == 1 and len(picked) < len(tokens)
+    every = launched(tokens, tmp_path / "all")
+    assert launched(picked, tmp_path / "regimes") == every
+    assert len({p[-1] for f, p in every if f == "bwd_act"} | {f for f, p in every}) > 3  # variants were crossed

@@ -88,7 +88,7 @@ def _launch_tuned(family: configs.Family, grid, args, kwargs, problem: tuple, ro
     if state is None:
         tile = configs.pick(family, problem, rows, dev)
     else:
-        timed = configs.time_candidates(family, grid, list(args), kwargs, configs.default_timer)
+        timed = configs.time_candidates(family, grid, list(args), kwargs, configs.current_timer())
         tile = min(timed, key=lambda t: t[0])[1]
         configs.record(state, family, problem, rows, tile)
     configs.launch_eager(family, tile, grid, args, kwargs)

@@ -25,6 +25,8 @@ configs have compiled.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import json
@@ -271,8 +273,8 @@ def user_dir(opts=None) -> Path:
 
 @dataclasses.dataclass
 class _Tables:
-    """The tables one (device, user folder, autotune) sees: the user's first, then the shipped ones of this
-    GPU's name, else of its compute capability; and the memo of picks."""
+    """The tables one (device, user folder, autotune) sees: the user's first, then the shipped one of this
+    GPU's name, then those of other GPUs of its compute capability; and the memo of picks."""
 
     device: str
     capability: str
@@ -315,8 +317,8 @@ def tables_for(device_name: str, capability: str, opts=None) -> _Tables:
             user_path = folder / f"{stem}.json"
             user = load(user_path) if user_path.is_file() else Table(device_name, capability, source=str(user_path))
             shipped = [load(p) for p in shipped_tables()]
-            same = [t for t in shipped if table_name(t.device) == stem]
-            shipped = same or [t for t in shipped if t.capability == capability]
+            same = [t for t in shipped if table_name(t.device) == stem]  # (then the other GPUs of this capability)
+            shipped = same + [t for t in shipped if table_name(t.device) != stem and t.capability == capability]
             state = _states[key] = _Tables(device_name, capability, user_path, user, shipped, opts.autotune)
     return state
 
@@ -432,11 +434,51 @@ def time_candidates(family: Family, grid, args: list, kwargs: dict, timer: Calla
 
 
 def default_timer(fn, tile: Tile) -> float:
-    """Median milliseconds of fn (a launch of `tile`), after a first call (compiles it)."""
+    """Median milliseconds of fn (a launch of `tile`), after a first call (compiles it). A launch of a few
+    milliseconds or more is timed three times, not by `do_bench` (its estimate alone runs it five times:
+    most of a large shape's search)."""
     import triton.testing
 
     fn()
-    return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    if start.elapsed_time(end) < 2.0:
+        return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+    times = []
+    for _ in range(3):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[1]
+
+
+def compile_only_timer(fn, tile: Tile) -> float:
+    """Launches `tile` once (compiling it) and times nothing: every candidate ties (`tune --compile-only`)."""
+    fn()
+    return 0.0
+
+
+_timer: contextvars.ContextVar = contextvars.ContextVar("mok_inductor_tile_timer", default=None)
+
+
+@contextlib.contextmanager
+def timing_with(timer: Callable):
+    """Searches (`options.autotune`) inside the block time candidates with `timer(run, tile)` -> ms."""
+    token = _timer.set(timer)
+    try:
+        yield
+    finally:
+        _timer.reset(token)
+
+
+def current_timer() -> Callable:
+    """The timer of the innermost `timing_with`, else `default_timer`."""
+    return _timer.get() or default_timer
 
 
 def launch_eager(family: Family, tile: Tile, grid, args, kwargs: dict) -> None:
