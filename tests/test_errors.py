@@ -8,6 +8,9 @@ Out-of-range expert ids are checked eagerly and inside torch.compile(fullgraph=T
 """
 
 import math
+import subprocess
+import sys
+import unittest
 
 import expecttest
 import torch
@@ -499,6 +502,21 @@ class TestBadInput(expecttest.TestCase):
             """top_experts: expected expert indices in [-1, 3) (-1 means no route), found one outside (checked on the device, which does not read the value back; run the call on the CPU to see it)""")
         self.assertEqual(_checks.expert_ids_message(5, -4),
                          "top_experts: expected expert indices in [-1, 5) (-1 means no route), found -4")
+
+    @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA GPU (the Triton schedule's device-side check)")
+    def test_bad_expert_id_on_the_gpu_names_the_argument(self):
+        # a device-side assert ends the process's CUDA context, so the call runs in a child process; what the
+        # user sees must name the argument and the valid range
+        code = ("import torch, mok_inductor\n"
+                "x = torch.randn(8, 64, device='cuda', dtype=torch.bfloat16)\n"
+                "te = torch.randint(0, 4, (8, 2), device='cuda'); te[3, 1] = 9\n"
+                "w = torch.randn(8, 2, device='cuda').softmax(-1)\n"
+                "gu = torch.randn(4, 64, 64, device='cuda', dtype=torch.bfloat16)\n"
+                "d = torch.randn(4, 64, 32, device='cuda', dtype=torch.bfloat16)\n"
+                "mok_inductor.moe(x, w, te, gu, d)\ntorch.cuda.synchronize()\n")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertIn("top_experts: expected expert indices in [-1, 4)", proc.stderr + proc.stdout)
 
     def test_rejected_call_leaves_inputs_untouched(self):
         # nothing is written to the caller's tensors when a call is rejected

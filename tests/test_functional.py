@@ -154,6 +154,11 @@ def test_workspace_is_cached_per_shape(gloo_group):
         mf.get_workspace({}, None, device="cpu", num_local_tokens=8, hidden_size=H, topk=K)
     with pytest.raises(ValueError, match="num_local_tokens"):
         mf.get_workspace(cfg, None, device="cpu", num_local_tokens=-1, hidden_size=H, topk=K)
+    for bad in ("hidden_size", "topk"):
+        with pytest.raises(ValueError, match=bad):
+            mf.get_workspace(cfg, None, device="cpu", **{"num_local_tokens": 8, "hidden_size": H, "topk": K, bad: 0})
+    with pytest.raises(ValueError, match="int32 schedule"):  # T*K routes past int32, before any allocation
+        mf.get_workspace(cfg, None, device="cpu", num_local_tokens=2 ** 29, hidden_size=H, topk=8)
 
 
 def test_expert_parallel_workspace_records_its_group(monkeypatch, gloo_group):

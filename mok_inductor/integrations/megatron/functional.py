@@ -230,6 +230,7 @@ def get_workspace(config: MoKConfig, group, *, device, num_local_tokens: int, hi
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
         if value < lo:
             raise ValueError(f"{name}: expected an int >= {lo}, got {value}")
+    _checks.check_sizes(num_local_tokens, hidden_size, topk)  # (T*K routes within the int32 schedule)
     return _cached_workspace(_normalize_device(device), num_local_tokens, hidden_size, topk, ep_group, size)
 
 
