@@ -107,6 +107,11 @@ def moe(
             if mx:
                 raise TypeError("gate_up_proj/down_proj: MXFP8 routed weights are not supported with expert "
                                 "parallelism (group= of more than one rank) yet; pass bf16 weights")
+            autocast = _ops.autocast_dtype(x)
+            if autocast is not None:  # the autocast policy of mok::moe (ops.autocast_cast), which this path bypasses
+                x, _, _, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate = \
+                    _ops.autocast_cast((x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj,
+                                        shared_down_proj, shared_output_gate), autocast)
             y = _distributed.moe(x.reshape(-1, H), router_weights.reshape(-1, K), top_experts.reshape(-1, K),
                                  gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate,
                                  swiglu_limit, group=group)

@@ -31,11 +31,16 @@ elements (N*I if h were saved), plus 2*T*Is for the shared expert.
 
 Registration: the ops are defined on one `torch.library.Library("mok", "DEF")` with explicit schemas;
 the implementations sit at CompositeExplicitAutograd, fakes via `register_fake`, and moe_fwd's autograd
-is a `torch.autograd.Function` with a separate setup_context at its Autograd key (so torch.func.grad
-and vjp work; custom_op's generated Function does not support them). mok::moe_bwd's Autograd kernel
-only refuses double backward with a clear error. `call_moe` is the entry the user API uses: the op,
-or under torch.func.grad/vjp the same composite body applied from Python. mok::moe has a vmap rule
-(tokens batched, weights shared).
+is a `torch.autograd.Function` with a separate setup_context at its Autograd key (so torch.func transforms
+work; custom_op's generated Function does not support them): backward, a jvp (forward mode: the tangent of
+y from the saved gu, `forward_jvp`) and a generated vmap rule. mok::moe_bwd's Autograd kernel records it
+through a Function whose own backward and jvp raise: a second derivative is refused when it is taken, not
+when create_graph=True or a torch.func transform merely records the backward. `call_moe` is the entry the
+user API uses: the op, or under torch.func.grad/vjp/jvp the same composite body applied from Python.
+mok::moe has a vmap rule (tokens batched into one call, weights shared); schedule, moe_fwd and moe_bwd
+have per-entry vmap rules (what vmap of grad, jacrev and jacfwd reach). Autocast: mok::moe's Autocast
+kernels cast x and the weights to the autocast dtype (the policy at `autocast_cast`) and the
+implementations run with autocast off.
 
 Implementations: `forward` / `backward` / `schedule` below are the one entry into them, used by the ops,
 the MoK functional ABI and expert parallelism alike. They run the Triton kernels of `mok_inductor.kernels`
@@ -50,6 +55,7 @@ token, N = T*K.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional
 
@@ -96,6 +102,45 @@ def path_name(t: Tensor) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Autocast: one policy on every path (mok::moe's Autocast kernels; the Python path under torch.func; expert
+# parallelism). Under torch.autocast for x's device type, x, every weight and the MXFP8 masters that are
+# float32, float16 or bfloat16 are cast to the autocast dtype, as F.linear casts its input and weight (float64
+# is left alone, as autocast leaves it); the router weights stay as given (the op reads them as float32) and
+# MXFP8 data and scales are never cast. Gradients flow back through the casts, so a float32 weight gets a
+# float32 gradient. The implementations then run with autocast off: they fix their own precisions
+# (docs/semantics.md), the same on the reference, the Triton kernels and in compiled graphs.
+
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+# mok::moe's arguments that autocast casts: x, the routed and shared weights, the output gate, the two masters
+_AUTOCAST_ARGS = (0, 3, 4, 5, 6, 7, 15, 16)
+
+
+def autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
+    """The autocast dtype in effect for x's device type, or None where autocast is off."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def autocast_cast(args: tuple, dtype: torch.dtype) -> tuple:
+    """mok::moe's flat arguments with those autocast casts (`_AUTOCAST_ARGS`, when float32/16 or bfloat16)
+    cast to `dtype`."""
+    args = list(args)
+    for i in _AUTOCAST_ARGS:
+        if i < len(args) and isinstance(args[i], Tensor) and args[i].dtype in _AUTOCAST_ELIGIBLE:
+            args[i] = args[i].to(dtype)
+    return tuple(args)
+
+
+def autocast_off(t: Tensor):
+    """A context with autocast off for t's device type where it is on, else nothing (checking is cheap,
+    entering torch.autocast is not, and decode calls are host-bound)."""
+    device_type = t.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------
 # The one entry into the implementations
 
 
@@ -126,12 +171,13 @@ def forward(x, router_weights, top_experts, sched: Schedule, operands: RoutedOpe
     """The MoE forward on routed weights given as `operands` (bf16 or MXFP8, 3-D or split per expert; only
     the row-wise gate, up, down are read) and an optional shared expert (s_gate, s_up [Is, H], s_down
     [H, Is], s_out_gate [1, H])."""
-    if use_triton(x):
-        return kernels_module().forward(x, router_weights, top_experts, sched, operands, s_gate, s_up, s_down,
-                                        s_out_gate, swiglu_limit)
-    (wg, wu, wd), _ = _reference_weights(operands, x.dtype, backward=False)
-    return reference.moe_forward(x, router_weights, top_experts, sched, wg, wu, wd, s_gate, s_up, s_down,
-                                 s_out_gate, swiglu_limit)
+    with autocast_off(x):
+        if use_triton(x):
+            return kernels_module().forward(x, router_weights, top_experts, sched, operands, s_gate, s_up, s_down,
+                                            s_out_gate, swiglu_limit)
+        (wg, wu, wd), _ = _reference_weights(operands, x.dtype, backward=False)
+        return reference.moe_forward(x, router_weights, top_experts, sched, wg, wu, wd, s_gate, s_up, s_down,
+                                     s_out_gate, swiglu_limit)
 
 
 def backward(dy, x, router_weights, top_experts, sched: Schedule, operands: RoutedOperands, gu, s_gate=None,
@@ -146,14 +192,15 @@ def backward(dy, x, router_weights, top_experts, sched: Schedule, operands: Rout
     if grads is None:
         grads = GradBuffers.allocate(None, operands.gate.data, operands.up.data, operands.down.data, s_gate, s_up,
                                      s_down, s_out_gate, dtype=x.dtype)
-    if use_triton(x):
-        return kernels_module().backward(dy, x, router_weights, top_experts, sched, operands, gu, s_gate, s_up,
-                                         s_down, s_out_gate, gu_shared, swiglu_limit, grads=grads,
-                                         accumulate=accumulate)
-    (wg, wu, wd), dgrad = _reference_weights(operands, x.dtype, backward=True)
-    return reference.moe_backward(dy, x, router_weights, top_experts, sched, wg, wu, wd, gu, s_gate, s_up, s_down,
-                                  s_out_gate, gu_shared, swiglu_limit, grads=grads, accumulate=accumulate,
-                                  dgrad=dgrad)
+    with autocast_off(x):
+        if use_triton(x):
+            return kernels_module().backward(dy, x, router_weights, top_experts, sched, operands, gu, s_gate, s_up,
+                                             s_down, s_out_gate, gu_shared, swiglu_limit, grads=grads,
+                                             accumulate=accumulate)
+        (wg, wu, wd), dgrad = _reference_weights(operands, x.dtype, backward=True)
+        return reference.moe_backward(dy, x, router_weights, top_experts, sched, wg, wu, wd, gu, s_gate, s_up,
+                                      s_down, s_out_gate, gu_shared, swiglu_limit, grads=grads, accumulate=accumulate,
+                                      dgrad=dgrad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,8 +292,11 @@ def _(x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots
 
 class _MoeFwdFunction(torch.autograd.Function):
     """The autograd formula of mok::moe_fwd (registered at its Autograd key). A Function with a separate
-    setup_context, so torch.func transforms (grad, vjp) work through it. The weight gradient of an MXFP8
-    weight goes to its master argument; of a plain weight, to the weight."""
+    setup_context, so torch.func transforms work through it: grad/vjp (backward), jvp/jacfwd (jvp, below),
+    vmap (generated from the forward: the ops' vmap rules, bottom of this file). The weight gradient of an
+    MXFP8 weight goes to its master argument; of a plain weight, to the weight."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(*args):
@@ -271,10 +321,10 @@ class _MoeFwdFunction(torch.autograd.Function):
         # an MXFP8 weight's gradient is computed only for a master to receive it
         ctx.gate_up_grad = not ctx.gate_up_mx or gate_up_master is not None
         ctx.down_grad = not ctx.down_mx or down_master is not None
-        ctx.save_for_backward(
-            x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-            shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, *mx,
-        )
+        saved = (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+                 shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, *mx)
+        ctx.save_for_backward(*saved)
+        ctx.save_for_forward(*saved)
 
     @staticmethod
     def backward(ctx, dy, _dgu, _dgu_shared):
@@ -285,7 +335,7 @@ class _MoeFwdFunction(torch.autograd.Function):
         quantized = ctx.gate_up_mx or ctx.down_mx
         extra = (*mx, ctx.gate_up_grad, ctx.down_grad) if quantized else ()
         with options.override(ctx.options):
-            dx, drw, dgu, dd, dsgu, dsd, dsg = torch.ops.mok.moe_bwd(
+            dx, drw, dgu, dd, dsgu, dsd, dsg = _call_bwd(
                 dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj,
                 down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared,
                 ctx.swiglu_limit, *extra,
@@ -303,8 +353,125 @@ class _MoeFwdFunction(torch.autograd.Function):
                                dd if ctx.down_mx and ctx.down_grad else None]
         return tuple(grads[:ctx.num_inputs])
 
+    @staticmethod
+    def jvp(ctx, *tangents):
+        """Forward-mode AD (torch.func.jvp, jacfwd): the tangent of y; gu and gu_shared have none."""
+        (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
+         shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, *mx) = ctx.saved_tensors
+        t = _pad(tangents, 20)
+        # the tangent of an MXFP8 weight is its master's (straight-through, as its gradient is)
+        d_gate_up = t[18] if ctx.gate_up_mx else t[6]
+        d_down = t[19] if ctx.down_mx else t[7]
+        operands = routed_operands(gate_up_proj, down_proj, mx, columnwise=False)
+        with autocast_off(x):
+            dy = forward_jvp(x, router_weights, top_experts, Schedule(sorted_routes, expert_offsets, route_slots),
+                             operands, shared_gate_up_proj, shared_down_proj, shared_output_gate, ctx.swiglu_limit,
+                             gu, gu_shared, t[0], t[1], d_gate_up, d_down, t[8], t[9], t[10])
+        return dy, None, None
+
 
 _lib.impl("moe_fwd", _MoeFwdFunction.apply, "Autograd")
+
+
+def _call_bwd(*args):
+    """mok::moe_bwd with autograd: the op, or under torch.func.grad/vjp/jvp its Function applied from Python
+    (a Function applied from inside a dispatcher kernel cannot see the transform)."""
+    if _under_functorch_autodiff():
+        return _MoeBwdFunction.apply(*args)
+    return torch.ops.mok.moe_bwd(*args)
+
+
+def _terms(*terms):
+    """The sum of the terms that are not None (a tangent that is absent contributes nothing), or None."""
+    present = [t for t in terms if t is not None]
+    return None if not present else functools.reduce(torch.add, present)
+
+
+def _swiglu_jvp(g, u, dg, du, limit):
+    """(h, dh): the clamped SwiGLU of float32 g, u and its tangent for tangents dg, du (None: zero). The
+    partial derivatives are the reference's SwiGLU backward of dh = 1 (the clamp's masks included)."""
+    h = reference.swiglu(g, u, limit)
+    if dg is None and du is None:
+        return h, None
+    h_g, h_u = reference.swiglu_backward(torch.ones_like(g), g, u, limit)
+    return h, _terms(None if dg is None else h_g * dg, None if du is None else h_u * du)
+
+
+def forward_jvp(x, router_weights, top_experts, sched: Schedule, operands: RoutedOperands, s_gate_up, s_down,
+                s_out_gate, swiglu_limit, gu, gu_shared, dx, d_router_weights, d_gate_up, d_down, d_s_gate_up,
+                d_s_down, d_s_out_gate) -> Tensor:
+    """The tangent of moe_fwd's y for tangents of its inputs (`d_*`, each None when absent), at the point of
+    the forward that saved `gu`, `gu_shared`: docs/semantics.md's forward differentiated term by term, in
+    float32, from PyTorch ops (the GEMMs per expert; the schedule's offsets are read on the host). Every
+    tangent enters linearly, and nothing is written in place, so torch.vmap batches it (jacfwd)."""
+    dtype = x.dtype
+    acc = torch.promote_types(dtype, torch.float32)
+
+    def mm(a, b):
+        return a.to(acc) @ b.to(acc)
+
+    T, H = x.shape
+    K = top_experts.shape[1]
+    N = T * K
+    (wg, wu, wd), _ = _reference_weights(operands, dtype, backward=False)
+    E = len(wg)
+    I = wd[0].shape[-1] if E > 0 else 0
+    dg_w, du_w = (None, None) if d_gate_up is None else (d_gate_up[:, :I], d_gate_up[:, I:])
+    try:
+        offsets = sched.expert_offsets_E1.tolist()
+    except RuntimeError as e:  # a tensor batched by torch.vmap (routing per entry) has no one value to read
+        raise NotImplementedError(
+            "mok::moe: forward mode (jvp, jacfwd) under a torch.vmap that batches top_experts is not supported (the "
+            "tangent's per-expert loop reads the expert offsets on the host); a vmap over x and router_weights "
+            "with shared top_experts works, or call jvp once per entry"
+        ) from e
+    tokens_N = sched.sorted_routes_N.to(torch.int64) // max(K, 1)
+    y_rows, dy_rows = [], []  # per expert, in sorted slot order: y_tk as the forward rounded it, and its tangent
+    for e in range(E):
+        a, b = offsets[e], offsets[e + 1]
+        if a == b:
+            continue
+        xe = x[tokens_N[a:b]]
+        dxe = None if dx is None else dx[tokens_N[a:b]]
+        g, u = gu[a:b].to(acc).chunk(2, dim=-1)
+        dg = _terms(None if dxe is None else mm(dxe, wg[e].t()), None if dg_w is None else mm(xe, dg_w[e].t()))
+        du = _terms(None if dxe is None else mm(dxe, wu[e].t()), None if du_w is None else mm(xe, du_w[e].t()))
+        h, dh = _swiglu_jvp(g, u, dg, du, swiglu_limit)
+        h = h.to(dtype)
+        y_rows.append(mm(h, wd[e].t()).to(dtype).to(acc))
+        dy_e = _terms(None if dh is None else mm(dh, wd[e].t()), None if d_down is None else mm(h, d_down[e].t()))
+        dy_rows.append(dy_e if dy_e is not None else x.new_zeros(b - a, H, dtype=acc))
+    pad = x.new_zeros(N - (offsets[E] if E > 0 else 0), H, dtype=acc)
+    slots_TK = sched.route_slots_N.to(torch.int64).view(T, K)
+
+    def by_route(rows):  # [T, K, H] from rows in sorted slot order (the `-1` routes' slots are zeros)
+        return torch.cat(rows + [pad])[slots_TK]
+
+    valid_TK1 = (top_experts >= 0).unsqueeze(-1)
+    terms = []
+    if any(t is not None for t in (dx, d_gate_up, d_down)):
+        terms.append(router_weights.to(acc).unsqueeze(-1) * by_route(dy_rows))
+    if d_router_weights is not None:
+        terms.append(d_router_weights.to(acc).unsqueeze(-1) * by_route(y_rows))
+    routed = _terms(*terms)
+    dy = None if routed is None else torch.where(valid_TK1, routed, torch.zeros_like(routed)).sum(1)
+    if s_gate_up is not None:
+        i_s = s_gate_up.shape[0] // 2
+        gs, us = gu_shared.to(acc).chunk(2, dim=-1)
+        d_sg, d_su = (None, None) if d_s_gate_up is None else (d_s_gate_up[:i_s], d_s_gate_up[i_s:])
+        dgs = _terms(None if dx is None else mm(dx, s_gate_up[:i_s].t()), None if d_sg is None else mm(x, d_sg.t()))
+        dus = _terms(None if dx is None else mm(dx, s_gate_up[i_s:].t()), None if d_su is None else mm(x, d_su.t()))
+        hs, dhs = _swiglu_jvp(gs, us, dgs, dus, swiglu_limit)
+        hs = hs.to(dtype)
+        ds = _terms(None if dhs is None else mm(dhs, s_down.t()), None if d_s_down is None else mm(hs, d_s_down.t()))
+        if s_out_gate is not None:
+            gate_T1 = torch.sigmoid(mm(x, s_out_gate.t()))
+            dz = _terms(None if dx is None else mm(dx, s_out_gate.t()),
+                        None if d_s_out_gate is None else mm(x, d_s_out_gate.t()))
+            s = mm(hs, s_down.t()).to(dtype).to(acc)
+            ds = _terms(None if ds is None else gate_T1 * ds, None if dz is None else dz * gate_T1 * (1 - gate_T1) * s)
+        dy = _terms(dy, ds)
+    return (dy if dy is not None else x.new_zeros(T, H, dtype=acc)).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,19 +532,48 @@ def moe_bwd_impl(*args):
 _lib.impl("moe_bwd", moe_bwd_impl, "CompositeExplicitAutograd")
 
 
-def _no_double_backward(*args):
-    """moe_bwd's Autograd kernel: it is not differentiable, and says so when a double backward is asked for."""
-    if (torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
-            and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
-        raise RuntimeError(
-            "mok::moe does not support double backward: its backward (mok::moe_bwd) is not differentiable "
-            "(call backward without create_graph=True)"
-        )
+SECOND_DERIVATIVE_MESSAGE = (
+    "mok::moe does not support second derivatives (a double backward, torch.func.hessian, a jvp or jacfwd of a "
+    "gradient): its backward (mok::moe_bwd) is not differentiable. First derivatives work in every form: "
+    "create_graph=True, torch.func.grad/vjp/jacrev/jvp/jacfwd, and vmap of them"
+)
+
+
+class _MoeBwdFunction(torch.autograd.Function):
+    """mok::moe_bwd's autograd: the op is not differentiable, so this Function's backward and jvp raise. It is
+    recorded like any op (create_graph=True, torch.func.grad/vjp over parameters that require grad, a joint
+    graph's trace) and raises only when a second derivative is actually taken through it."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.mok.moe_bwd(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(SECOND_DERIVATIVE_MESSAGE)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(SECOND_DERIVATIVE_MESSAGE)
+
+
+def _moe_bwd_autograd(*args):
+    """moe_bwd's Autograd kernel: below autograd when nothing is recorded (a plain backward, the hot path),
+    else through `_MoeBwdFunction`, which records the op and refuses only its own derivative."""
+    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+        return _MoeBwdFunction.apply(*args)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.mok.moe_bwd(*args)
 
 
-_lib.impl("moe_bwd", _no_double_backward, "Autograd")
+_lib.impl("moe_bwd", _moe_bwd_autograd, "Autograd")
 
 
 @torch.library.register_fake("mok::moe_bwd", lib=_lib)
@@ -466,38 +662,72 @@ def _moe_composite(x, router_weights, top_experts, gate_up_proj, down_proj, shar
 
 def _needs_autograd(args) -> bool:
     """Whether the forward must run through its autograd.Function: grad mode on and an input requiring grad,
-    or a functorch transform (vmap, grad, ...) or torch.compile tracing, which handle the Function themselves."""
-    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+    a forward-mode AD level open (torch.autograd.forward_ad: a dual input's tangent would be dropped below
+    autograd), or a functorch transform (vmap, grad, ...) or torch.compile tracing, which handle the Function
+    themselves."""
+    if (torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling()
+            or torch.autograd.forward_ad._current_level >= 0):
         return True
     return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
 
 
 def _under_functorch_autodiff() -> bool:
-    """Whether the innermost torch.func transform is grad/vjp/jvp. Autograd Functions must then be
-    applied from Python rather than from inside a dispatcher kernel."""
+    """Whether a torch.func grad/vjp/jvp transform is active, innermost or under a vmap inside it. Autograd
+    Functions must then be applied from Python: applied from inside a dispatcher kernel, they would not
+    see the transform."""
     if torch.compiler.is_compiling():
         return False
-    functorch = torch._C._functorch
-    peek = getattr(functorch, "peek_interpreter_stack", None)
-    top = peek() if peek is not None else None
-    return top is not None and top.key() in (functorch.TransformType.Grad, functorch.TransformType.Jvp)
+    stack = torch._C._functorch.get_interpreter_stack()
+    autodiff = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
+    return bool(stack) and any(i.key() in autodiff for i in stack)
 
 
 def call_moe(*args):
-    """Run mok::moe on flattened arguments: through the op (what Dynamo records and vmap batches),
-    or, under torch.func.grad / vjp, through the same composite body called from Python."""
+    """Run mok::moe on flattened arguments: through the op (what Dynamo records and vmap batches; its
+    Autocast kernels apply the autocast policy), or, under torch.func.grad / vjp / jvp (a vmap inside them
+    included: mok::moe's vmap rule would run at the vmap's level, where a Function cannot be applied), through
+    the same composite body called from Python, after the same autocast policy."""
     if _under_functorch_autodiff():
-        return _moe_composite(*args)
+        dtype = autocast_dtype(args[0])
+        return _moe_composite(*(args if dtype is None else autocast_cast(args, dtype)))
     return torch.ops.mok.moe(*args)
 
 
-_lib.impl("moe", _moe_composite, "CompositeImplicitAutograd")
+def _moe_kernel(*args):
+    """mok::moe's CompositeImplicitAutograd kernel: the composite body, except under torch.func.grad/vjp/jvp,
+    where an op's kernel cannot apply the autograd Function (`call_moe` applies it from Python)."""
+    if torch._C._are_functorch_transforms_active() and _under_functorch_autodiff():
+        raise NotImplementedError(
+            "torch.ops.mok.moe: under torch.func.grad/vjp/jvp (and the transforms built on them) call "
+            "mok_inductor.moe, which applies the op's autograd from Python; the op called directly cannot be "
+            "differentiated by torch.func"
+        )
+    return _moe_composite(*args)
+
+
+_lib.impl("moe", _moe_kernel, "CompositeImplicitAutograd")
+
+
+def _moe_autocast(*args):
+    """mok::moe's Autocast kernel (the policy above `autocast_cast`): cast, then call the op with autocast
+    off. The casts are ordinary ops below it, so autograd differentiates them and compiled graphs hold them."""
+    device_type = args[0].device.type
+    dtype = torch.get_autocast_dtype(device_type)
+    with torch.autocast(device_type, enabled=False):
+        return torch.ops.mok.moe(*autocast_cast(args, dtype))
+
+
+_lib.impl("moe", _moe_autocast, "AutocastCPU")
+_lib.impl("moe", _moe_autocast, "AutocastCUDA")
 
 
 # ---------------------------------------------------------------------------------------------
-# vmap over mok::moe: tokens are independent, so a batch of token sets with shared weights is one
-# call on the flattened tokens. Batching the weights (a different expert set per batch entry) is not
-# supported and says so.
+# vmap. Over mok::moe: tokens are independent, so a batch of token sets with shared weights is one call on
+# the flattened tokens. Batching the weights (a different expert set per batch entry) is not supported and
+# says so. Over mok::schedule, mok::moe_fwd and mok::moe_bwd (what torch.func reaches through the
+# Functions: vmap of grad for per-sample gradients, jacrev, jacfwd): one call per batch entry, since a
+# per-sample weight gradient is not a sum over the batch, and each entry has its own schedule.
+
 
 _BATCHABLE = ("x", "router_weights", "top_experts")
 _MOE_ARG_NAMES = ("x", "router_weights", "top_experts", "gate_up_proj", "down_proj", "shared_gate_up_proj",
@@ -511,11 +741,6 @@ def _moe_vmap(info, in_dims, *args):
                 f"{name}: torch.vmap over mok::moe batches only x, router_weights and top_experts (the tokens); "
                 f"got a batched {name}. Call mok_inductor.moe once per weight set instead."
             )
-    if _under_functorch_autodiff():
-        raise NotImplementedError(
-            "mok::moe: torch.func.grad/vjp of a torch.vmap over mok_inductor.moe is not supported; vmap is "
-            "supported on its own, and grad/vjp on their own (or flatten the batch into the token dim)"
-        )
     batch = info.batch_size
     x, rw, te = (
         (a.movedim(d, 0) if d is not None else a.unsqueeze(0).expand(batch, *a.shape))
@@ -527,4 +752,17 @@ def _moe_vmap(info, in_dims, *args):
     return y.view(B, T, H), 0
 
 
+def _vmap_per_entry(call):
+    """A vmap rule that runs the op `call` once per batch entry (contiguous, as the kernels take their
+    operands) and stacks each output along dim 0."""
+    def rule(info, in_dims, *args):
+        outs = [call(*(a if d is None else a.select(d, b).contiguous() for a, d in zip(args, in_dims)))
+                for b in range(info.batch_size)]
+        return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
+    return rule
+
+
 torch.library.register_vmap("mok::moe", _moe_vmap)
+torch.library.register_vmap("mok::schedule", _vmap_per_entry(torch.ops.mok.schedule))
+torch.library.register_vmap("mok::moe_fwd", _vmap_per_entry(torch.ops.mok.moe_fwd))
+torch.library.register_vmap("mok::moe_bwd", _vmap_per_entry(torch.ops.mok.moe_bwd))
