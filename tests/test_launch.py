@@ -341,3 +341,29 @@ class _SymView:
         return self._stride
 
 
+
+
+@pytest.mark.parametrize("T, E, K, shared, dtype, tma, inline", [
+    (64, 128, 8, False, torch.bfloat16, True, True),      # decode: 4 rows per expert, pointer loads eagerly too
+    (4096, 128, 8, False, torch.bfloat16, True, False),   # 256 rows per expert: eager loads through TMA
+    (100, 8, 2, True, torch.bfloat16, True, True),        # 25 rows per expert, shared expert 100 rows
+    (200, 8, 2, True, torch.bfloat16, True, False),       # the shared expert's 200 rows load through TMA
+    (4096, 8, 2, False, torch.float32, True, True),       # 32-bit activations: never TMA
+    (4096, 8, 2, False, torch.bfloat16, False, True),     # options.tma off
+])
+def test_compiled_static_calls_inline_only_where_eager_loads_by_pointers(T, E, K, shared, dtype, tma, inline):
+    # traced launches cannot take TMA descriptors, and the tables' configs at TMA sizes are the TMA launches'
+    # picks: a compiled call there stays opaque (runs the eager kernels), below it the launches are inlined
+    from mok_inductor.lowering import decompose
+
+    H, I, meta = 64, 32, dict(device="meta")
+    x = torch.empty(T, H, dtype=dtype, **meta)
+    te = torch.empty(T, K, dtype=torch.int64, **meta)
+    offsets = torch.empty(E + 1, dtype=torch.int32, **meta)
+    sgu = torch.empty(2 * I, H, dtype=dtype, **meta) if shared else None
+    fwd = [x, torch.empty(T, K, **meta), te, None, offsets, None, None, None, sgu]
+    bwd = [torch.empty_like(x)] + fwd
+    with mok_inductor.options.override(tma=tma):
+        assert decompose._eager_uses_tma("moe_fwd", fwd) is (not inline)
+        assert decompose._eager_uses_tma("moe_bwd", bwd) is (not inline)
+        assert decompose._eager_uses_tma("schedule", [te, E]) is False
