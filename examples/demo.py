@@ -1,11 +1,14 @@
 """The demo: one MoE layer with a gated shared expert through `mok_inductor.moe`.
 
 Runs the layer eagerly and under torch.compile, forward and backward, prints which implementation ran
-(the Triton kernels on CUDA, the CPU implementation otherwise) and the relative error of the output
-and of every gradient against a float64 run of the package's reference on the CPU.
+(the Triton kernels on CUDA, the CPU implementation otherwise), the relative error of the output and of
+every gradient against a float64 run of the package's reference on the CPU, the time of the first call
+(which compiles) beside the steady-state time of later calls, and what Dynamo captured: one graph, no
+graph break, the `mok::` op inside.
 """
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -73,7 +76,34 @@ def run(fn, inputs, dy, swiglu_limit):
     return y, {k: leaves[k].grad for k in DIFFERENTIABLE}
 
 
-def main():
+def timed(fn, inputs, dy, swiglu_limit, steady_calls):
+    """(output, gradients, first-call seconds, steady-state seconds: the median of `steady_calls` later calls),
+    each call forward + backward."""
+    sync = torch.cuda.synchronize if inputs["x"].is_cuda else (lambda: None)
+    times = []
+    for _ in range(1 + steady_calls):
+        sync()
+        t0 = time.perf_counter()
+        out = run(fn, inputs, dy, swiglu_limit)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return (*out, times[0], statistics.median(times[1:]))
+
+
+def what_dynamo_captured(inputs, swiglu_limit):
+    """torch._dynamo.explain of the call: the number of graphs and graph breaks, and the mok ops in the graph."""
+    ex = torch._dynamo.explain(mok_inductor.moe)(**inputs, swiglu_limit=swiglu_limit)
+    ops = sorted({"mok::" + str(n.target).split(".")[1] for g in ex.graphs for n in g.graph.nodes
+                  if isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+                  and str(n.target).startswith("mok.")})
+    return ex.graph_count, ex.graph_break_count, ops, [str(b.reason) for b in ex.break_reasons]
+
+
+def fmt_s(t):
+    return f"{t:.2f} s" if t >= 0.1 else f"{t * 1e3:.2f} ms"
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--hidden", type=int, default=128)
@@ -83,7 +113,10 @@ def main():
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--swiglu-limit", type=float, default=7.0)
-    a = p.parse_args()
+    p.add_argument("--steady-calls", type=int, default=5, help="later calls timed for the steady state (median)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help='torch.compile backend ("aot_eager" traces the same graphs without code generation)')
+    a = p.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, a.dtype)
@@ -101,19 +134,31 @@ def main():
           f"({'Triton kernels' if mok_inductor.path_name(inputs['x']) == 'triton' else 'CPU implementation'})")
 
     mok_inductor.enable()  # compiled graphs: Inductor copies the Triton kernels into its generated code
-    compiled = torch.compile(mok_inductor.moe, fullgraph=True)
-    worst = 0.0
-    for name, fn in (("eager", mok_inductor.moe), ("torch.compile", compiled)):
-        t0 = time.perf_counter()
-        y, grads = run(fn, inputs, dy, a.swiglu_limit)
-        dt = time.perf_counter() - t0
+    compiled = torch.compile(mok_inductor.moe, fullgraph=True, backend=a.compile_backend)
+    worst, times = 0.0, {}
+    for name, fn in (("eager", mok_inductor.moe), (f"torch.compile ({a.compile_backend})", compiled)):
+        y, grads, first, steady = timed(fn, inputs, dy, a.swiglu_limit, a.steady_calls)
+        times[name] = first, steady
         errs = {"output": rel_err(y, y_ref)} | {f"d {k}": rel_err(grads[k], g_ref[k]) for k in DIFFERENTIABLE}
         worst = max(worst, *errs.values())
-        print(f"\n{name} (first call {dt:.1f} s): relative error vs float64 reference (tolerance {tol:g})")
+        print(f"\n{name}: relative error vs float64 reference (tolerance {tol:g})")
         for k, v in errs.items():
             print(f"  {k:<22} {v:.2e}")
-    ok = worst <= tol
-    print(f"\n{'OK' if ok else 'FAILED'}: worst relative error {worst:.2e}")
+
+    print(f"\ntime per call, forward + backward (steady state: median of {a.steady_calls} later calls)")
+    print(f"  {'':<28} {'first call':>12} {'steady state':>14}")
+    for name, (first, steady) in times.items():
+        print(f"  {name:<28} {fmt_s(first):>12} {fmt_s(steady):>14}")
+    print("  (the compiled first call includes tracing and compiling the forward and backward graphs)")
+
+    graphs, breaks, ops, reasons = what_dynamo_captured(inputs, a.swiglu_limit)
+    print(f"\ntorch._dynamo.explain(mok_inductor.moe): {graphs} graph{'s' * (graphs != 1)}, {breaks} graph breaks, "
+          f"mok ops in the graph: {', '.join(ops) or 'none'}")
+    for r in reasons:
+        print(f"  graph break: {r}")
+    ok = worst <= tol and graphs == 1 and breaks == 0 and ops
+    print(f"\n{'OK' if ok else 'FAILED'}: worst relative error {worst:.2e}"
+          f"{'' if graphs == 1 and breaks == 0 and ops else '; the call did not compile to one graph holding mok ops'}")
     raise SystemExit(0 if ok else 1)
 
 

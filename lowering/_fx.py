@@ -10,6 +10,8 @@ sizes are compared with `statically_known_true` so a match never adds a guard af
 from __future__ import annotations
 
 import operator
+import os
+import re
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -25,6 +27,20 @@ def val(node: Any):
     if isinstance(node, fx.Node):
         return node.meta.get("example_value", node.meta.get("val"))
     return node
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def source_line(node: Any) -> Optional[str]:
+    """Where the user's code wrote `node`: "file.py:LINE in func" of the innermost frame of its Dynamo stack
+    trace, or None (a node the pass inserted, or a graph traced without stack traces)."""
+    trace = node.meta.get("stack_trace") if isinstance(node, fx.Node) else None
+    frames = _FRAME.findall(trace or "")
+    if not frames:
+        return None
+    file, line, func = frames[-1]
+    return f"{os.path.basename(file)}:{line} in {func}"
 
 
 def shape(node: Any) -> Optional[tuple]:

@@ -8,37 +8,61 @@ MoK does not compute. Nothing is rewritten unless the whole block matched.
 
 Observability:
 - `torch._dynamo.utils.counters["mok_inductor"]["moe_replaced"]` (and `["moe_rejected"]`);
-- every match and rejection, with its reason, goes to the Python logger `mok_inductor.lowering.patterns` at
-  INFO, and to stderr while `mok_inductor.options.current().log_patterns` is on (`MOK_PATTERNS_LOG=1`). Not a
-  TORCH_LOGS artifact: torch parses TORCH_LOGS at `import torch`, before an outside package can
-  `register_artifact`, and rejects the unknown name, and `torch._logging.set_logs` takes no custom names;
+- every match and rejection, with its reason and the user's source line, is logged once per process through
+  the `torch._logging` artifact "mok_patterns" (off by default): `torch._logging.set_logs(
+  modules={"mok_patterns": True})` after `mok_inductor.enable()`. `mok_inductor.options.current().log_patterns`
+  (`MOK_PATTERNS_LOG=1`) prints the same lines to stderr where torch's logging does not show the artifact.
+  `TORCH_LOGS="+mok_patterns"` cannot work: torch parses TORCH_LOGS at `import torch`, before any other
+  package can register an artifact, and rejects names it does not know;
 - `rewrite(graph)` returns the same records as `MatchRecord`s; `MokPatternPass.last_records` keeps the last.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 import sys
 from typing import Optional
 
 import torch
+import torch._logging._internal as _tlog
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from .. import options
 from . import cache, match_hf, match_shared, match_titan
 from ._experts import MoEMatch, group_by_offs, grouped_core
-from ._fx import Reject, check_not_mutated, is_mutating, shape, val
+from ._fx import Reject, check_not_mutated, is_mutating, shape, source_line, val
 
-_log = logging.getLogger(__name__)
+ARTIFACT = "mok_patterns"
+# (torch exports these two only from `_internal`, where its own registrations import them from)
+_tlog.register_artifact(
+    ARTIFACT, "mok-inductor's MoE graph pass: each block replaced by mok::moe, and why each other candidate was "
+    "left alone", off_by_default=True)
+# torch attaches its log handler only to registered logs: without this the artifact's lines would reach no handler
+_tlog.register_log("mok_inductor", "mok_inductor")
+_log = torch._logging.getArtifactLogger(__name__, ARTIFACT)
 
 
-def _emit(msg: str) -> None:
-    _log.info(msg)
-    if options.current().log_patterns:
-        print(f"[mok_patterns] {msg}", file=sys.stderr)
+def _report(records) -> None:
+    """Log each record once per process: through the artifact when torch's logging enables it, else to stderr
+    while `options.log_patterns` is on, else nowhere (the counters and `rewrite`'s result still say it)."""
+    # torch enables an off-by-default artifact by letting its logger propagate at DEBUG
+    to_torch = _log.propagate and _log.isEnabledFor(logging.DEBUG)
+    if to_torch or options.current().log_patterns:
+        for r in records:
+            _say(str(r), to_torch)
+
+
+@functools.lru_cache(maxsize=None)
+def _say(message: str, to_torch: bool) -> None:
+    # cached, so a recompile of the same code (new shapes, a second model instance) repeats nothing
+    if to_torch:
+        _log.debug("%s", message)
+    else:
+        print(f"[{ARTIFACT}] {message}", file=sys.stderr)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +71,11 @@ class MatchRecord:
     anchor: str  # the node the matcher started from
     replaced: bool
     detail: str  # what matched (shapes) or why it was rejected
+    where: Optional[str] = None  # the user's source line of the anchor ("file.py:LINE in func"), when known
 
     def __str__(self) -> str:
-        return f"{'replaced' if self.replaced else 'rejected'} {self.formulation} at {self.anchor}: {self.detail}"
+        at = self.anchor if self.where is None else f"{self.anchor} ({self.where})"
+        return f"{'replaced' if self.replaced else 'rejected'} {self.formulation} at {at}: {self.detail}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -73,12 +99,12 @@ def _find(graph: fx.Graph):
             else:
                 raise Reject(" / ".join(errors))
         except Reject as e:
-            rejected.append(MatchRecord("grouped_mm", anchor, False, str(e)))
+            rejected.append(MatchRecord("grouped_mm", anchor, False, str(e), source_line(gemms[-1])))
     for b2 in match_hf.bmm_candidates(graph):
         try:
             matches.append(match_hf.match_batched(b2))
         except Reject as e:
-            rejected.append(MatchRecord("hf_batched_mm", b2.name, False, str(e)))
+            rejected.append(MatchRecord("hf_batched_mm", b2.name, False, str(e), source_line(b2)))
     return matches, rejected
 
 
@@ -179,23 +205,23 @@ def rewrite(graph: fx.Graph) -> list[MatchRecord]:
         why = match_shared.fuse(m)
         if why is not None:
             records.append(MatchRecord(m.formulation + "+shared", m.output.name, False,
-                                       f"shared expert left unfused: {why}"))
+                                       f"shared expert left unfused: {why}", source_line(m.output)))
         try:
             check_not_mutated(m.nodes | set(_inputs(m)), allowed=m.nodes)
             if m.nodes & claimed:
                 raise Reject("overlaps a block already replaced")
         except Reject as e:
-            records.append(MatchRecord(m.formulation, m.output.name, False, str(e)))
+            records.append(MatchRecord(m.formulation, m.output.name, False, str(e), source_line(m.output)))
             continue
         claimed |= m.nodes
-        desc = m.describe()
+        desc, where = m.describe(), source_line(m.output)
         new = _replace(graph, m)
         counters["mok_inductor"]["moe_replaced"] += 1
-        records.append(MatchRecord(m.formulation, new.name, True, desc))
+        records.append(MatchRecord(m.formulation, new.name, True, desc, where))
     for r in records:
         if not r.replaced:
             counters["mok_inductor"]["moe_rejected"] += 1
-        _emit(str(r))
+    _report(records)
     if any(r.replaced for r in records):
         graph.lint()
         if isinstance(graph.owning_module, fx.GraphModule):

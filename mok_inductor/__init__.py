@@ -2,10 +2,11 @@
 
     import mok_inductor
     y = mok_inductor.moe(x, router_weights, top_experts, gate_up_proj, down_proj, ...)
+    layer = mok_inductor.MoE(hidden_size, intermediate_size, num_experts, top_k)   # the same as an nn.Module
     mok_inductor.enable()        # what torch.compile'd graphs need (see `enable`)
 
-Layers: `api` (user API) -> `ops` (the torch.library `mok::` ops) -> `reference` (CPU path and
-oracle) / `kernels` (Triton). `options` holds every knob. Everything Inductor-facing is
+Layers: `api` (user API; `module`, the same as an nn.Module) -> `ops` (the torch.library `mok::` ops) ->
+`reference` (CPU path and oracle) / `kernels` (Triton). `options` holds every knob. Everything Inductor-facing is
 `mok_inductor.lowering` (the repository's `lowering/` folder), imported by `enable()`, never at import;
 model integrations live under `mok_inductor.integrations`. Importing this package registers the
 `mok::` ops and changes nothing else.
@@ -24,6 +25,7 @@ if torch.distributed.is_available():
 
 from . import options
 from .api import moe
+from .module import MoE
 from .options import Options
 from .ops import path_name
 
@@ -61,4 +63,4 @@ def enabled():
             disable()
 
 
-__all__ = ["moe", "options", "Options", "path_name", "enable", "disable", "enabled", "__version__"]
+__all__ = ["moe", "MoE", "options", "Options", "path_name", "enable", "disable", "enabled", "__version__"]

@@ -4,12 +4,17 @@
   must be set before triton is first imported, so it is set here, at collection start.
 - Every test session compiles into its own Inductor cache directory, so a stale on-disk cache from
   another checkout can never answer for this one, and has its own (empty) user tile-config table folder.
+- The `cuda` marker (pyproject.toml) is kept true both ways: a test marked `cuda` is skipped without CUDA, with
+  that reason, and every test skipped for "needs CUDA" carries the marker, so `pytest -m cuda` on a GPU
+  machine selects exactly the tests CI never runs, and `-m "not cuda"` the ones it does.
 """
 
 import os
+import re
 import sys
 import tempfile
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -24,6 +29,27 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="mok-in
 os.environ.setdefault("MOK_TABLES_DIR", tempfile.mkdtemp(prefix="mok-inductor-tables-"))
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+# The reasons the suite gives a CUDA-only skip: "needs CUDA", or "needs CUDA: why" / "needs CUDA (why)". Not
+# "needs CUDA or TRITON_INTERPRET=1": the interpreter runs those tests on CPU.
+_NEEDS_CUDA = re.compile(r"needs CUDA(?:$|[:(]| \()")
+_NO_CUDA_REASON = "needs CUDA (torch.cuda.is_available() is False)"
+
+
+def _skips_for_cuda(mark) -> bool:
+    return mark.name == "skipif" and bool(_NEEDS_CUDA.match(str(mark.kwargs.get("reason", ""))))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    cuda = torch.cuda.is_available()
+    for item in items:
+        marks = list(item.iter_markers())
+        if any(_skips_for_cuda(m) for m in marks) and not any(m.name == "cuda" for m in marks):
+            item.add_marker(pytest.mark.cuda)
+        if not cuda and item.get_closest_marker("cuda") is not None:
+            item.add_marker(pytest.mark.skip(reason=_NO_CUDA_REASON))
 
 
 def pytest_runtest_logreport(report):

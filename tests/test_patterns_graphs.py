@@ -8,6 +8,7 @@ the activation and `_apply_gate` make the near misses.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 
@@ -96,6 +97,29 @@ def rewritten(fn, *args, dynamic=False):
     return got["gm"], got["records"], out
 
 
+@contextlib.contextmanager
+def pattern_log(monkeypatch):
+    """Turn the "mok_patterns" artifact on as a user would (`torch._logging.set_logs`); yield the list of the
+    messages it logs. Its once-per-process memory is cleared first, so earlier tests hide nothing."""
+    monkeypatch.delenv("TORCH_LOGS", raising=False)  # (set_logs does nothing while TORCH_LOGS is set)
+    messages = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Collect()
+    patterns._say.cache_clear()
+    torch._logging.set_logs(modules={patterns.ARTIFACT: True})
+    patterns._log.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        patterns._log.removeHandler(handler)
+        torch._logging.set_logs()
+        patterns._say.cache_clear()
+
+
 def graph_text(gm) -> str:
     """The rewritten graph's code without the signature, placeholder aliases and `= None` frees."""
     lines = []
@@ -122,24 +146,26 @@ NEAR_MISSES = {
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("case", sorted(NEAR_MISSES))
-def test_near_miss_is_left_alone(case, impl, caplog):
+def test_near_miss_is_left_alone(case, impl, monkeypatch):
     kwargs, reason = NEAR_MISSES[case]
     experts = make_experts(impl, **kwargs)
     x, idx, w = routing_inputs(torch.bfloat16)
     ref = experts(x, idx, w)
-    with caplog.at_level(logging.INFO, logger="mok_inductor.lowering.patterns"):
+    with pattern_log(monkeypatch) as messages:
         gm, records, out = rewritten(experts, x, idx, w)
     assert counters["mok_inductor"]["moe_replaced"] == 0
     assert not any(r.replaced for r in records)
     assert any(reason in r.detail for r in records), [str(r) for r in records]
-    assert any(reason in m for m in caplog.messages), caplog.messages
+    assert any(reason in m for m in messages), messages
     assert "mok.moe" not in gm.code
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 def test_log_patterns_option_prints_each_decision(capsys):
-    """options.log_patterns prints every match and rejection to stderr; off, the pass prints nothing."""
+    """options.log_patterns prints every match and rejection to stderr, with the user's source line; off, the
+    pass prints nothing."""
     x, idx, w = routing_inputs(torch.bfloat16)
+    patterns._say.cache_clear()
     for log in (False, True):
         with mok_inductor.options.override(log_patterns=log):
             rewritten(make_experts("grouped_mm", act="gelu"), x, idx, w)
@@ -149,8 +175,29 @@ def test_log_patterns_option_prints_each_decision(capsys):
         if log:
             assert any("rejected" in ln and "activation gelu" in ln for ln in lines), err
             assert any(ln.startswith("[mok_patterns] replaced hf_grouped_mm") for ln in lines), err
+            assert all(re.search(r" \(\w+\.py:\d+ in \w+\): ", ln) for ln in lines), err  # where, in the user's code
         else:
             assert lines == [], err
+    patterns._say.cache_clear()
+
+
+def test_rejection_is_logged_once_through_the_artifact(monkeypatch, capsys):
+    """A rejected block says why through the "mok_patterns" artifact once per process, however often it is
+    compiled; the option adds no second copy while the artifact is on; with both off nothing is printed."""
+    experts = make_experts("grouped_mm", act="gelu")
+    x, idx, w = routing_inputs(torch.bfloat16)
+    with pattern_log(monkeypatch) as messages:
+        with mok_inductor.options.override(log_patterns=True):
+            for _ in range(3):  # rewritten() resets Dynamo: three compiles of the same code
+                rewritten(experts, x, idx, w)
+        err = capsys.readouterr().err
+    rejected = [m for m in messages if m.startswith("rejected") and "activation gelu" in m]
+    assert len(rejected) == 1, messages
+    assert "[mok_patterns] " not in err, err  # the artifact showed it: no stderr copy from the option
+    assert "activation gelu" in err, err  # torch's own handler printed the artifact's line
+    patterns._say.cache_clear()
+    rewritten(experts, x, idx, w)
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
@@ -262,7 +309,7 @@ SENTINEL_NEAR_MISSES = {
 
 
 @pytest.mark.parametrize("variant", ["", *sorted(SENTINEL_NEAR_MISSES)])
-def test_sentinel_masks_canonical_and_near_misses(variant, caplog):
+def test_sentinel_masks_canonical_and_near_misses(variant, monkeypatch):
     g = torch.Generator().manual_seed(15)
     gate_up = (0.3 * torch.randn(E, 2 * I, H, generator=g)).bfloat16()
     down = (0.3 * torch.randn(E, H, I, generator=g)).bfloat16()
@@ -273,7 +320,7 @@ def test_sentinel_masks_canonical_and_near_misses(variant, caplog):
     def f(x, idx, w, gate_up, down):
         return _sentinel_block(x, idx, w, gate_up, down, variant)
 
-    with caplog.at_level(logging.INFO, logger="mok_inductor.lowering.patterns"):
+    with pattern_log(monkeypatch) as messages:
         gm, records, out = rewritten(f, x, idx, w, gate_up, down)
     if not variant:
         assert counters["mok_inductor"]["moe_replaced"] == 1, [str(r) for r in records]
@@ -283,12 +330,12 @@ def test_sentinel_masks_canonical_and_near_misses(variant, caplog):
     reason = SENTINEL_NEAR_MISSES[variant]
     assert counters["mok_inductor"]["moe_replaced"] == 0
     assert any(reason in r.detail for r in records), [str(r) for r in records]
-    assert any(reason in m for m in caplog.messages), caplog.messages
+    assert any(reason in m for m in messages), messages
     assert "mok.moe" not in gm.code
     torch.testing.assert_close(out, f(x, idx, w, gate_up, down), rtol=0, atol=0)
 
 
-def test_grouped_mm_outside_a_moe_block_is_left_alone(caplog):
+def test_grouped_mm_outside_a_moe_block_is_left_alone(monkeypatch):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(12, H, generator=g).bfloat16()
     w = torch.randn(E, 2 * I, H, generator=g).bfloat16()
@@ -297,10 +344,11 @@ def test_grouped_mm_outside_a_moe_block_is_left_alone(caplog):
     def f(x, w, offs):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).sum(0)
 
-    with caplog.at_level(logging.INFO, logger="mok_inductor.lowering.patterns"):
+    with pattern_log(monkeypatch) as messages:
         gm, records, out = rewritten(f, x, w, offs)
     assert counters["mok_inductor"]["moe_replaced"] == 0
     assert any("not a cumsum" in r.detail for r in records), [str(r) for r in records]
+    assert any("not a cumsum" in m for m in messages), messages
     torch.testing.assert_close(out, f(x, w, offs))
 
 
