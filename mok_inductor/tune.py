@@ -162,30 +162,52 @@ def merge_into(src: Path, dst: Path) -> int:
     return n
 
 
+def _peak_bytes(shape: tuple, tokens: list, mxfp8: bool) -> int:
+    """A rough upper bound of a `--compile-only` run's GPU memory: the bf16 weights, their gradients and
+    the float32 temporaries of quantizing them, the largest call's routed activations, the CUDA context."""
+    H, I, E, K, Is = shape
+    weights = 2 * (3 * E * I * H + 3 * Is * H)
+    return (6 if mxfp8 else 2) * weights + 16 * max(tokens) * K * 2 * I + (1 << 30)
+
+
 def precompile(shapes: dict, tokens: list, args, jobs: int) -> None:
     """Compile every shape's candidates in up to `jobs` processes side by side (`--compile-only` runs at
-    `regime_tokens`), so that the timing afterwards finds them in Triton's disk cache."""
+    `regime_tokens`), so that the timing afterwards finds them in Triton's disk cache; a process starts
+    only while the estimated memory of those running (`_peak_bytes`) fits in 85% of the GPU's free memory."""
     base = [sys.executable, "-m", "mok_inductor.tune", "--compile-only", "--dtype", args.dtype]
     base += ["--mxfp8"] if args.mxfp8 else []
     base += ["--forward-only"] if args.forward_only else []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    pending = [(name, base + ["--hidden", str(s[0]), "--intermediate", str(s[1]), "--experts", str(s[2]),
-                              "--topk", str(s[3]), "--shared-intermediate", str(s[4]),
-                              "--tokens", ",".join(map(str, regime_tokens(s, tokens)))])
-               for name, s in shapes.items()]
-    running, failed, start = [], [], time.time()
-    sys.stderr.write(f"compiling the candidates of {len(pending)} shape(s) in {min(jobs, len(pending))} processes\n")
+    pending = []
+    for name, s in shapes.items():
+        tok = regime_tokens(s, tokens)
+        cmd = base + ["--hidden", str(s[0]), "--intermediate", str(s[1]), "--experts", str(s[2]), "--topk",
+                      str(s[3]), "--shared-intermediate", str(s[4]), "--tokens", ",".join(map(str, tok))]
+        pending.append((name, cmd, _peak_bytes(s, tok, args.mxfp8)))
+    budget = 0.85 * torch.cuda.mem_get_info()[0]
+    running, start = [], time.time()
+    sys.stderr.write(f"compiling the candidates of {len(pending)} shape(s), up to {jobs} processes at a time\n")
     while pending or running:
-        while pending and len(running) < jobs:
-            name, cmd = pending.pop(0)
-            running.append((name, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
-        name, proc = running.pop(0)
-        err = proc.communicate()[1]
-        if proc.returncode:
-            failed.append(name)
-            sys.stderr.write(f"compiling {name} failed (its tuning compiles instead):\n{err.decode()[-2000:]}\n")
-        else:
-            sys.stderr.write(f"compiled {name} ({time.time() - start:.0f} s)\n")
+        while pending and len(running) < jobs and (
+                not running or sum(r[1] for r in running) + pending[0][2] <= budget):
+            name, cmd, peak = pending.pop(0)
+            log = tempfile.TemporaryFile()  # (not a pipe: a child's warnings could fill it and block it)
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+            running.append((name, peak, proc, log))
+        done = [r for r in running if r[2].poll() is not None]
+        if not done:
+            time.sleep(0.5)
+            continue
+        for r in done:
+            running.remove(r)
+            name, _, proc, log = r
+            log.seek(0)
+            err = log.read().decode(errors="replace")
+            log.close()
+            if proc.returncode:
+                sys.stderr.write(f"compiling {name} failed (its tuning compiles instead):\n{err[-2000:]}\n")
+            else:
+                sys.stderr.write(f"compiled {name} ({time.time() - start:.0f} s)\n")
         sys.stderr.flush()
 
 

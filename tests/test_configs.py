@@ -474,3 +474,49 @@ def test_compiling_at_the_regime_token_counts_covers_every_launch(tmp_path, monk
     every = launched(tokens, tmp_path / "all")
     assert launched(picked, tmp_path / "regimes") == every
     assert len({p[-1] for f, p in every if f == "bwd_act"} | {f for f, p in every}) > 3  # variants were crossed
+
+
+def test_precompile_runs_the_shapes_side_by_side_within_the_gpu_memory(monkeypatch, capsys):
+    # `tune --jobs`: one --compile-only process per shape at its regime token counts, at most `jobs` at a
+    # time and only while their estimated memory fits in 85% of the free GPU memory (a shape larger than
+    # that alone still runs, alone); a failed one is reported, not fatal
+    import argparse
+    import types
+
+    shapes = {n: tune.PRESETS[n] for n in ("gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x22b", "olmoe-1b-7b")}
+    tokens = [1 << i for i in range(17)]
+    peaks = {n: tune._peak_bytes(s, tune.regime_tokens(s, tokens), True) for n, s in shapes.items()}
+    free = peaks["gpt-oss-120b"] / 0.85 + 1  # the largest fits alone, nothing beside it
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(free), int(2 * free)))
+    live, seen, most = [], [], []
+
+    class FakeProc:
+        def __init__(self, cmd, **kw):
+            self.args, self.polls = cmd, 0
+            self.name = next(n for n, s in shapes.items() if cmd[cmd.index("--hidden") + 1] == str(s[0])
+                             and cmd[cmd.index("--experts") + 1] == str(s[2]))
+            live.append(self)
+            seen.append(self.name)
+            most.append((sum(peaks[p.name] for p in live), len(live)))
+            assert cmd[cmd.index("--tokens") + 1] == ",".join(map(str, tune.regime_tokens(shapes[self.name], tokens)))
+            assert "--compile-only" in cmd and "--mxfp8" in cmd
+            kw["stderr"].write(b"boom" if self.name == "olmoe-1b-7b" else b"")
+
+        def poll(self):
+            self.polls += 1
+            if self.polls < 2:
+                return None
+            live.remove(self) if self in live else None
+            self.returncode = 1 if self.name == "olmoe-1b-7b" else 0
+            return self.returncode
+
+    monkeypatch.setattr(tune.subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(tune.time, "sleep", lambda s: None)
+    args = argparse.Namespace(dtype="bfloat16", mxfp8=True, forward_only=False)
+    tune.precompile(shapes, tokens, args, jobs=3)
+    assert sorted(seen) == sorted(shapes)
+    for mem, n in most:
+        assert mem <= 0.85 * free or n == 1, (mem, n)
+    assert 2 <= max(n for _, n in most) <= 3  # side by side, never more than jobs
+    err = capsys.readouterr().err
+    assert "compiling olmoe-1b-7b failed" in err and "boom" in err and "compiled qwen3-30b-a3b" in err
