@@ -93,24 +93,47 @@ def _layer(T, H, I, E, K, Is, dtype, device, gen):
     return x, rw, te, w
 
 
+def _regime(shape: tuple, T: int, o) -> tuple:
+    """Which kernels and variants a layer of `shape` launches at T tokens: the routes per expert and the
+    shared expert's rows against `options`' thresholds (never the exact count)."""
+    H, I, E, K, Is = shape
+    per_expert = T * K / E
+    regime = tuple(per_expert >= b for b in (o.mx_few_rows + 1, o.mx_f16_dot_max_rows + 1, o.tma_min_rows,
+                                             o.two_pass_min_rows, o.mx_dequantize_min_rows))
+    return regime + (bool(Is) and T >= o.tma_min_rows, bool(Is) and T >= o.two_pass_min_rows)
+
+
 def regime_tokens(shape: tuple, tokens: list, cap: int = 8192) -> list:
-    """The first token count (up to `cap`) of each kernel-selection regime among `tokens`: which kernels and
-    variants a layer launches depends on the routes per expert and the shared expert's rows crossing
-    `options`' thresholds, never on the exact count, so these compile every kernel the others launch."""
+    """The first token count (up to `cap`) of each kernel-selection regime (`_regime`) among `tokens`: these
+    compile every kernel the others launch."""
     from mok_inductor import options
 
     o = options.current()
-    H, I, E, K, Is = shape
     firsts = {}
     for T in sorted(tokens):
         if T > cap:
             break
-        per_expert = T * K / E
-        regime = tuple(per_expert >= b for b in (o.mx_few_rows + 1, o.mx_f16_dot_max_rows + 1, o.tma_min_rows,
-                                                 o.two_pass_min_rows, o.mx_dequantize_min_rows))
-        regime += (bool(Is) and T >= o.tma_min_rows, bool(Is) and T >= o.two_pass_min_rows)
-        firsts.setdefault(regime, T)
+        firsts.setdefault(_regime(shape, T, o), T)
     return list(firsts.values())
+
+
+def default_tokens(shape: tuple, max_tokens: int) -> list:
+    """The token counts a shape is tuned at: the powers of two up to `max_tokens`, and the last count before
+    each regime change (`_regime`). A regime's kernel variant is its own problem in the tables, so its row
+    buckets need picks of their own: e.g. mixtral's routed GEMMs load through TMA from 512 tokens on (1024
+    rows), and the pointer-load variant at 257-511 tokens (rows in bucket 1024) would otherwise have only the
+    picks of 256 tokens' bucket."""
+    from mok_inductor import options
+
+    o = options.current()
+    tokens = {1 << i for i in range(max_tokens.bit_length()) if 1 << i <= max_tokens}
+    prev = _regime(shape, 1, o)
+    for T in range(2, max_tokens + 1):
+        now = _regime(shape, T, o)
+        if now != prev:
+            tokens.add(T - 1)
+            prev = now
+    return sorted(tokens)
 
 
 def tune_shape(shape: tuple, tokens: list, folder: Path, *, dtype=torch.bfloat16, mxfp8: bool = False,
@@ -170,7 +193,7 @@ def _peak_bytes(shape: tuple, tokens: list, mxfp8: bool) -> int:
     return (6 if mxfp8 else 2) * weights + 16 * max(tokens) * K * 2 * I + (1 << 30)
 
 
-def precompile(shapes: dict, tokens: list, args, jobs: int) -> None:
+def precompile(shapes: dict, tokens: dict, args, jobs: int) -> None:
     """Compile every shape's candidates in up to `jobs` processes side by side (`--compile-only` runs at
     `regime_tokens`), so that the timing afterwards finds them in Triton's disk cache; a process starts
     only while the estimated memory of those running (`_peak_bytes`) fits in 85% of the GPU's free memory."""
@@ -180,7 +203,7 @@ def precompile(shapes: dict, tokens: list, args, jobs: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     pending = []
     for name, s in shapes.items():
-        tok = regime_tokens(s, tokens)
+        tok = regime_tokens(s, tokens[name])
         cmd = base + ["--hidden", str(s[0]), "--intermediate", str(s[1]), "--experts", str(s[2]), "--topk",
                       str(s[3]), "--shared-intermediate", str(s[4]), "--tokens", ",".join(map(str, tok))]
         pending.append((name, cmd, _peak_bytes(s, tok, args.mxfp8)))
@@ -238,7 +261,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--expert-parallel", type=int, default=1, help="with --model: ranks the experts spread over")
     p.add_argument("--preset", help=f"comma-separated, or 'all': {', '.join(PRESETS)}")
     p.add_argument("--list-presets", action="store_true")
-    p.add_argument("--tokens", help="comma-separated token counts (default: powers of two up to --max-tokens)")
+    p.add_argument("--tokens", help="comma-separated token counts (default: powers of two up to --max-tokens and "
+                                    "the last count before each change of kernel variant)")
     p.add_argument("--max-tokens", type=int, default=65536)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--mxfp8", action="store_true", help="also tune the MXFP8 decode kernels (forward)")
@@ -272,30 +296,31 @@ def main(argv: Optional[list] = None) -> int:
     if not torch.cuda.is_available():
         p.error("tuning needs a CUDA GPU")
     if args.tokens:
-        tokens = [int(t) for t in args.tokens.split(",")]
+        explicit = [int(t) for t in args.tokens.split(",")]
+        tokens = {name: explicit for name in shapes}
     else:
-        tokens = [1 << i for i in range(args.max_tokens.bit_length()) if 1 << i <= args.max_tokens]
+        tokens = {name: default_tokens(shape, args.max_tokens) for name, shape in shapes.items()}
 
     from mok_inductor.kernels import configs
 
     dtype = getattr(torch, args.dtype)
     if args.compile_only:
         with tempfile.TemporaryDirectory() as tmp:
-            for shape in shapes.values():
-                tune_shape(shape, tokens, Path(tmp), dtype=dtype, mxfp8=args.mxfp8, backward=not args.forward_only,
+            for name, shape in shapes.items():
+                tune_shape(shape, tokens[name], Path(tmp), dtype=dtype, mxfp8=args.mxfp8, backward=not args.forward_only,
                            compile_only=True)
         return 0
     out = Path(args.out).expanduser() if args.out else configs.user_dir()
     if args.jobs > 1 and len(shapes) > 1:
         precompile(shapes, tokens, args, args.jobs)
-    bar = Progress(len(shapes) * len(tokens))
+    bar = Progress(sum(map(len, tokens.values())))
     with tempfile.TemporaryDirectory() as tmp:
         def done(i, T, name):  # merged after every token count: an interrupted run keeps what it tuned
             bar.step(f"{name} T={T}")
             merge_into(Path(tmp), out)
 
         for name, shape in shapes.items():
-            tune_shape(shape, tokens, Path(tmp), dtype=dtype, mxfp8=args.mxfp8, backward=not args.forward_only,
+            tune_shape(shape, tokens[name], Path(tmp), dtype=dtype, mxfp8=args.mxfp8, backward=not args.forward_only,
                        progress=lambda i, T, name=name: done(i, T, name))
     path = out / (configs.table_name(torch.cuda.get_device_name()) + ".json")
     n = sum(len(per) for problems in configs.load(path).entries.values() for per in problems.values())

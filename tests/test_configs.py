@@ -513,10 +513,23 @@ def test_precompile_runs_the_shapes_side_by_side_within_the_gpu_memory(monkeypat
     monkeypatch.setattr(tune.subprocess, "Popen", FakeProc)
     monkeypatch.setattr(tune.time, "sleep", lambda s: None)
     args = argparse.Namespace(dtype="bfloat16", mxfp8=True, forward_only=False)
-    tune.precompile(shapes, tokens, args, jobs=3)
+    tune.precompile(shapes, {n: tokens for n in shapes}, args, jobs=3)
     assert sorted(seen) == sorted(shapes)
     for mem, n in most:
         assert mem <= 0.85 * free or n == 1, (mem, n)
     assert 2 <= max(n for _, n in most) <= 3  # side by side, never more than jobs
     err = capsys.readouterr().err
     assert "compiling olmoe-1b-7b failed" in err and "boom" in err and "compiled qwen3-30b-a3b" in err
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b", "qwen1.5-moe-a2.7b", "deepseek-v3-ep16"])
+def test_default_tokens_give_every_launch_a_tuned_bucket_of_its_own_variant(name):
+    # every token count up to the maximum launches the same kernel variants (regime) at the same row buckets
+    # (routed: T*K rows, shared: T) as some tuned count: no launch takes another bucket's pick
+    shape = tune.PRESETS[name]
+    o = options.current()
+    tokens = tune.default_tokens(shape, 16384)
+    K = shape[3]
+    tuned = {(tune._regime(shape, t, o), configs.bucket(t * K), configs.bucket(t)) for t in tokens}
+    assert all((tune._regime(shape, T, o), configs.bucket(T * K), configs.bucket(T)) in tuned for T in range(1, 16385))
+    assert set(tokens) >= {1 << i for i in range(15)} and len(tokens) < 15 + 8
