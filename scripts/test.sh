@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 tests "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --durations=20 tests "$@"

@@ -17,7 +17,6 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from typing import Optional
 
@@ -176,6 +175,7 @@ def test_pinned_environment_is_inside_the_declared_bounds():
     the declared bounds, so `pip install -e .[dev]` and scripts/setup_venv.sh describe the same tested set."""
     from packaging.requirements import Requirement
 
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = [Requirement(r) for r in [*meta["dependencies"], *meta["optional-dependencies"]["dev"]]]
     pins = {}

@@ -52,15 +52,15 @@ def test_corpus_holds_out_whole_files(tmp_path):
 
 def test_train_text_learns_and_mok_tracks_grouped_mm(tmp_path):
     """A few steps of each backend on the standard library's bytes: every curve is finite and falls from
-    about ln 256; "mok" (and HF's eager loop) follow "grouped_mm" step by step to float32 rounding and the
+    about ln 256; "mok" follows "grouped_mm" step by step to float32 rounding and the
     verdict puts them within the seed-to-seed noise; the PNG and the JSON are written."""
     ex = _train_text()
     steps = 10
     rec = ex.main(["--preset", "tiny", "--layers", "1", "--steps", str(steps), "--batch", "4", "--seq", "64",
                    "--eval-every", "5", "--compile", "aot_eager", "--seeds", "0,1", "--device", "cpu",
-                   "--backends", "mok,grouped_mm,eager", "--out", str(tmp_path)])
+                   "--backends", "mok,grouped_mm", "--out", str(tmp_path)])  # (HF's eager loop: the slowest compile)
     runs = {(r["backend"], r["seed"]): r for r in rec["results"]}
-    assert set(runs) == {("mok", 0), ("grouped_mm", 0), ("eager", 0), ("grouped_mm", 1)}
+    assert set(runs) == {("mok", 0), ("grouped_mm", 0), ("grouped_mm", 1)}
     for (backend, seed), r in runs.items():
         assert len(r["losses"]) == steps and all(math.isfinite(v) for v in r["losses"]), (backend, seed)
         assert [s for s, _ in r["val"]] == [0, 5, 10] and all(math.isfinite(v) for _, v in r["val"])
@@ -68,16 +68,15 @@ def test_train_text_learns_and_mok_tracks_grouped_mm(tmp_path):
         assert abs(r["losses"][0] - math.log(256)) < 0.3, (backend, r["losses"][0])
         assert sum(r["losses"][-3:]) / 3 < r["losses"][0] - 0.5, (backend, seed, r["losses"])
         assert r["val"][-1][1] < r["val"][0][1] - 0.5, (backend, seed, r["val"])
-        assert r["compiled"] and r["fullgraph"] == (backend != "eager"), r
+        assert r["compiled"] and r["fullgraph"], r
         assert r["tokens_per_s"] > 0
-    assert runs[("eager", 0)]["graph_breaks"] > 0  # HF's loop over the experts hit cannot be one graph
 
     # Same weights, same batches: the backends differ by float32 rounding only (measured: at most one ulp of
     # the loss over these steps). The bound is tight because at a random init the experts' output is small
     # against the residual stream: an expert computation 30% off moves the loss by ~4e-6 relative at the first
     # step and ~1e-4 after one update, so a loose bound would pass a wrong backend.
     base = runs[("grouped_mm", 0)]["losses"]
-    for backend in ("mok", "eager"):
+    for backend in ("mok",):
         got = runs[(backend, 0)]["losses"]
         worst = max(abs(a - b) / b for a, b in zip(got, base))
         assert worst <= 5e-6, (backend, worst, got, base)
@@ -85,8 +84,7 @@ def test_train_text_learns_and_mok_tracks_grouped_mm(tmp_path):
 
     v = rec["verdict"]
     assert v["baseline"] == "grouped_mm" and v["noise_seeds"] == [0, 1] and v["noise"] > 0
-    for backend in ("mok", "eager"):
-        assert v["backends"][backend]["within_noise"], (backend, v)
+    assert v["backends"]["mok"]["within_noise"], v
 
     png = tmp_path / "loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
