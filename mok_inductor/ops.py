@@ -12,8 +12,16 @@ Ops (schemas, fakes and the autograd formula side by side below):
                     and sorted slot order, gu_shared in float32), are the saved activations (marked
                     non-differentiable).
     mok::moe_bwd    -> (dx, d_router_weights, d_gate_up_proj, d_down_proj, d_shared_gate_up_proj,
-                    d_shared_down_proj, d_shared_output_gate); an absent gradient is [0]-shaped (no shared
-                    expert / gate; an MXFP8 weight without a master).
+                    d_shared_down_proj, d_shared_output_gate, d_gate_up_bias, d_down_bias); an absent gradient
+                    is [0]-shaped (no shared expert / gate / bias; an MXFP8 weight without a master). Weight and
+                    bias gradients are allocated in their inputs' layouts (strides), so a strided view's (GPT-OSS's
+                    checkpoint layout) reaches its parameter without a copy.
+
+The gated-activation variant (docs/semantics.md) is three trailing arguments of moe, moe_fwd and moe_bwd:
+`activation` ("swiglu" or "gpt_oss", `types.Activation`: the two numbers alpha, beta of the one formula the
+reference and the kernels' epilogues compute), and the optional routed biases `gate_up_bias` ([E, 2I] or a
+[E, 2, I] view) and `down_bias` [E, H], which the forward adds in the GEMMs' accumulators (the saved gu includes
+the FC1 bias). The routed FC1 may also be a 4-D [E, 2, I, H] view of any strides (gate rows, up rows).
 
 MXFP8 routed weights are the same ops with optional arguments (`mok_inductor.mxfp8`): `gate_up_proj` /
 `down_proj` then hold float8_e4m3fn data [E, M, K] and `*_scale` its uint8 E8M0 scales [E, M, K/32]
@@ -197,6 +205,9 @@ def backward(dy, x, router_weights, top_experts, sched: Schedule, operands: Rout
     if grads is None:
         grads = GradBuffers.allocate(None, operands.gate.data, operands.up.data, operands.down.data, s_gate, s_up,
                                      s_down, s_out_gate, dtype=x.dtype)
+    for name, bias in (("d_gate_up_bias", gate_up_bias), ("d_down_bias", down_bias)):
+        if bias is not None and getattr(grads, name) is None:  # every path writes a given bias's gradient
+            grads = grads._replace(**{name: torch.empty_like(bias, memory_format=torch.preserve_format)})
     with autocast_off(x):
         if use_triton(x):
             return kernels_module().backward(dy, x, router_weights, top_experts, sched, operands, gu, s_gate, s_up,
@@ -570,7 +581,7 @@ def moe_bwd_impl(*args):
                                  shared_output_gate, gate_up=gate_up_proj if gate_up_grad else None,
                                  s_gate_up=shared_gate_up_proj, dtype=x.dtype,
                                  out_gate_dtype=None if shared_output_gate is None else shared_output_gate.dtype,
-                                 preserve_layout=not use_triton(x))
+                                 preserve_layout=True)
     # the bias gradients in the biases' own layouts (a strided view's gradient reaches its base without a copy)
     d_gub = None if gate_up_bias is None else torch.empty_like(gate_up_bias, memory_format=torch.preserve_format)
     d_db = None if down_bias is None else torch.empty_like(down_bias, memory_format=torch.preserve_format)
@@ -644,13 +655,12 @@ def _(*args):
     dtypes = (x.dtype, router_weights.dtype) + (x.dtype,) * 4 + (
         shared_output_gate.dtype if shared_output_gate is not None else x.dtype,) + (x.dtype,) * 2
     outs = [x.new_empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
-    # the real kernel allocates gradients in their tensors' layouts (`GradBuffers.allocate`: the reference every
-    # weight's, the Triton kernels a 4-D FC1 view's; the biases' always): the fake says so
-    preserve = not use_triton(x)
+    # the real kernel allocates gradients in their tensors' layouts (`GradBuffers.allocate(preserve_layout=True)`):
+    # the fake says so
     likes = (None, None, gate_up_proj if gate_up_grad else None, down_proj if down_grad else None, shared_gate_up_proj,
              shared_down_proj, shared_output_gate, gate_up_bias, down_bias)
     for i, like in enumerate(likes):
-        if like is not None and (preserve or i >= 7 or (i == 2 and like.dim() == 4)):
+        if like is not None:
             outs[i] = torch.empty_like(like, dtype=dtypes[i], memory_format=torch.preserve_format)
     return tuple(outs)
 

@@ -116,7 +116,8 @@ class GradBuffers(NamedTuple):
                 # a 4-D FC1 view [E, 2, I, H] (GPT-OSS's checkpoint layout) gets a gradient with its strides, so
                 # autograd hands it to the parameter without a copy (a permutation of a dense tensor is dense,
                 # and preserve_format keeps the strides of such a tensor)
-                # (`preserve_layout`: every weight's, for the reference, which writes any strides)
+                # (`preserve_layout`: every weight's; mok::moe_bwd's, so that a transposed view's gradient, e.g.
+                # GPT-OSS's down_proj [E, I, H] read as [E, H, I], reaches the parameter without a copy)
                 fmt = torch.preserve_format if w.dim() == 4 or preserve_layout else torch.contiguous_format
                 return make(w, dtype=dt or w.dtype, memory_format=fmt)
             return tuple(make(p, dtype=dt or p.dtype, memory_format=torch.contiguous_format) for p in w)

@@ -115,17 +115,22 @@ def _hf_layout(inp):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hf_checkpoint_layout_views(dtype):
     """The 4-D FC1 view, the transposed down view and the [E, 2, I] bias view of GPT-OSS's parameters: the values
-    of the oracle, and gradients that reach the parameters in their own (contiguous) layout."""
+    of the oracle, and gradients that reach the parameters in their own (contiguous) layout as the op returns
+    them: a hook sees each parameter's gradient before AccumulateGrad, which would copy one of another layout."""
     inp = _inputs(dtype=dtype, seed=7)
     E, two_i, H = inp["gate_up_proj"].shape
     I = two_i // 2
     w_hf, b_hf, d_hf = (t.requires_grad_(True) for t in _hf_layout(inp))
     x, rw = inp["x"].clone().requires_grad_(True), inp["router_weights"].clone().requires_grad_(True)
+    arriving = {}
+    for name, p in (("gate_up_proj", w_hf), ("gate_up_bias", b_hf), ("down_proj", d_hf)):
+        p.register_hook(lambda g, name=name: arriving.__setitem__(name, g.is_contiguous()))
     y = mok_inductor.moe(x, rw, inp["top_experts"], w_hf.view(E, H, I, 2).permute(0, 3, 2, 1),
                          d_hf.transpose(1, 2), swiglu_limit=1.0, activation="gpt_oss",
                          gate_up_bias=b_hf.view(E, I, 2).transpose(1, 2), down_bias=inp["down_bias"])
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(dtype)
     y.backward(dy)
+    assert arriving == {"gate_up_proj": True, "gate_up_bias": True, "down_proj": True}, arriving
     y_ref, g_ref = _oracle_with_grads(inp, "gpt_oss", 1.0, (True, True), dy)
     tol = TOLERANCE[dtype]
     assert rel_err(y, y_ref) <= tol
@@ -210,11 +215,13 @@ def test_errors():
 # The Triton kernels (under the interpreter on CPU: tiny shapes), through the same op: the activation's alpha and
 # beta in the gate/up epilogue and the backward's, the biases in the GEMMs' accumulators, the bias gradients'
 # per-expert row sums and the router weight's bias term.
-# (activation, limit, biases, dtype, routing kind, HF checkpoint views?)
+# (activation, limit, biases, dtype, routing kind, HF checkpoint views?, options)
 TRITON_CASES = {
-    "gpt_oss_bf16_hf_views": ("gpt_oss", 1.0, (True, True), torch.bfloat16, "random", True),
-    "gpt_oss_fp32_empty_experts": ("gpt_oss", 1.0, (True, True), torch.float32, "low_half", False),
-    "swiglu_down_bias_fp32": ("swiglu", None, (False, True), torch.float32, "repeat", False),
+    "gpt_oss_bf16_hf_views": ("gpt_oss", 1.0, (True, True), torch.bfloat16, "random", True, {}),
+    # the backward's two-pass variant (a plain GEMM, then the activation's backward in a second kernel)
+    "gpt_oss_fp32_empty_experts_two_pass": ("gpt_oss", 1.0, (True, True), torch.float32, "low_half", False,
+                                            {"two_pass_min_rows": 1}),
+    "swiglu_down_bias_fp32": ("swiglu", None, (False, True), torch.float32, "repeat", False, {}),
 }
 
 
@@ -224,19 +231,22 @@ def test_triton_kernels_against_oracle(case):
 
     if not kernels.AVAILABLE:  # tests/conftest.py sets TRITON_INTERPRET=1 without CUDA, so this never skips in CI
         pytest.fail("the Triton kernels are not available (no CUDA and no TRITON_INTERPRET=1)")
-    activation, limit, with_bias, dtype, kind, hf = TRITON_CASES[case]
+    activation, limit, with_bias, dtype, kind, hf, opts = TRITON_CASES[case]
     # T=7 < a tile, H=16, I=8, E=4 (prime-free but with an empty expert in "low_half"), K=2
     inp = _inputs(T=7, H=16, I=8, E=4, K=2, dtype=dtype, seed=len(case), kind=kind)
     dy = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
     leaves = _leaves(inp, NAMES)
     call = dict(leaves)
+    arriving = {}
     if hf:  # GPT-OSS's layouts: strided views (pointer loads, strided gradient destinations)
         w_hf, b_hf, d_hf = (t.detach().requires_grad_(True) for t in _hf_layout(inp))
+        for p in (w_hf, b_hf, d_hf):  # each gradient as it arrives, before AccumulateGrad (which would copy)
+            p.register_hook(lambda g, p=p: arriving.__setitem__(id(p), g.is_contiguous()))
         E, two_i, H = inp["gate_up_proj"].shape
         I = two_i // 2
         call.update(gate_up_proj=w_hf.view(E, H, I, 2).permute(0, 3, 2, 1), down_proj=d_hf.transpose(1, 2),
                     gate_up_bias=b_hf.view(E, I, 2).transpose(1, 2))
-    with mok_inductor.options.override(backend="triton"):
+    with mok_inductor.options.override(backend="triton", **opts):
         y = _mok(call, activation, limit, with_bias)
         y.backward(dy)
     y_ref, g_ref = _oracle_with_grads(inp, activation, limit, with_bias, dy)
@@ -244,6 +254,7 @@ def test_triton_kernels_against_oracle(case):
     assert rel_err(y, y_ref) <= tol, rel_err(y, y_ref)
     grads = {n: leaves[n].grad for n in NAMES}
     if hf:
+        assert list(arriving.values()) == [True] * 3, arriving
         grads["gate_up_proj"], grads["gate_up_bias"], grads["down_proj"] = w_hf.grad, b_hf.grad, d_hf.grad
         g_ref = dict(g_ref)
         g_ref["gate_up_proj"], g_ref["gate_up_bias"], g_ref["down_proj"] = _hf_layout(
@@ -253,3 +264,50 @@ def test_triton_kernels_against_oracle(case):
         if n in ("gate_up_bias", "down_bias") and not with_bias[n == "down_bias"]:
             continue
         assert rel_err(grads[n], g_ref[n]) <= tol, f"d_{n}: {rel_err(grads[n], g_ref[n]):.3e}"
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_mxfp8_weights_with_biases(backend):
+    """MXFP8 routed weights with the GPT-OSS variant: the biases are separate x.dtype tensors, so the forward and
+    every gradient (the weights' to their masters, straight-through) equal the computation on the row-wise
+    dequantized weights (the forward's; the data gradients read the column-wise pair, within bf16 rounding)."""
+    from mok_inductor import kernels, mxfp8
+
+    if backend == "triton" and not kernels.AVAILABLE:
+        pytest.fail("the Triton kernels are not available (no CUDA and no TRITON_INTERPRET=1)")
+    # H=32, I=32 (MXFP8 blocks of 32 along both dims), T=6 < a tile, E=3, K=2
+    inp = _inputs(T=6, H=32, I=32, E=3, K=2, dtype=torch.bfloat16, seed=21)
+    masters = {n: inp[n].clone().requires_grad_(True) for n in ("gate_up_proj", "down_proj")}
+    q = {n: mxfp8.quantize(masters[n]) for n in masters}
+    deq = {n: mxfp8.dequantize(q[n], layout="row") for n in q}
+    dy = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(22)).to(torch.bfloat16)
+    leaves = _leaves(inp, NAMES)
+    with mok_inductor.options.override(backend=backend):
+        y = _mok(dict(leaves, **q), "gpt_oss", 1.0)
+        y.backward(dy)
+    y_ref, g_ref = _oracle_with_grads(dict(inp, **deq), "gpt_oss", 1.0, (True, True), dy)
+    tol = TOLERANCE[torch.bfloat16]
+    assert rel_err(y, y_ref) <= tol, rel_err(y, y_ref)
+    got = {**{n: leaves[n].grad for n in NAMES}, **{n: masters[n].grad for n in masters}}
+    for n in NAMES:
+        assert rel_err(got[n], g_ref[n]) <= tol, f"d_{n}: {rel_err(got[n], g_ref[n]):.3e}"
+
+
+def test_autocast_casts_the_biases():
+    """Under torch.autocast the biases are cast with x and the weights (mok::moe's autocast policy): the result
+    and the gradients equal the call on the cast inputs, the gradients coming back in float32 through the casts."""
+    inp = _inputs(T=8, seed=31)
+    dy = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(32)).to(torch.bfloat16)
+    leaves = _leaves(inp, NAMES)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = _mok(leaves, "gpt_oss", 1.0)
+    assert y.dtype == torch.bfloat16
+    y.backward(dy)
+    cast = _leaves({n: (t.to(torch.bfloat16) if n != "router_weights" and t.is_floating_point() else t)
+                    for n, t in inp.items()}, NAMES)
+    y_cast = _mok(cast, "gpt_oss", 1.0)
+    y_cast.backward(dy)
+    torch.testing.assert_close(y, y_cast, rtol=0, atol=0)
+    for n in NAMES:
+        assert leaves[n].grad.dtype == inp[n].dtype, n
+        torch.testing.assert_close(leaves[n].grad, cast[n].grad.to(inp[n].dtype), rtol=0, atol=0)

@@ -214,7 +214,8 @@ def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, 
     # d_gate and d_up as one GEMM over dgu = [dg | du]: both read the gathered x tile; into their common buffer
     # when there is one (dgu^T @ x is its [2I, H] rows in order)
     # (a 4-D [E, 2, I, H] buffer's halves are not [2I, H] rows in order: the two views then)
-    pair = (d_gate_up,) if d_gate_up is not None and d_gate_up.dim() == 3 else (d_gate, d_up)
+    four_d = isinstance(d_gate_up, torch.Tensor) and d_gate_up.dim() == 4
+    pair = (d_gate_up,) if d_gate_up is not None and not four_d else (d_gate, d_up)
     wgrad.wgrad_into(pair, dgu, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
     grouped_gemm.grouped_rows(dgu, gate_t, dx_out, routes_N, offsets_E1, w2=up_t, scatter=scatter, single=single)
     return dscale
