@@ -229,7 +229,8 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         gu_out, gu_out.stride(0), gu_out.stride(1), h, h.stride(0), h.stride(1),
         *((None, None, 1) if tma is None else (*tma[0], tma[1])),
         M, H, I, E, topk, 0.0 if limit is None else float(limit), above, below,
-        *((gu_out, 0, 0, 0) if bias_E2I is None else (bias_E2I, *bias_E2I.stride())),
+        # (without a bias: a read-only input in its place, never read; an output there would alias a written one)
+        *((x_TH, 0, 0, 0) if bias_E2I is None else (bias_E2I, *bias_E2I.stride())),
         1.0 if act is None else act.alpha, 0.0 if act is None else act.beta, HAS_BIAS=bias_E2I is not None,
         SINGLE=single, MX_G=gate.quantized, MX_U=up.quantized, WRITE_H=h_out is not None,
         HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip, DOT_PREC=common.dot_precision(x_TH.dtype),
