@@ -537,6 +537,9 @@ def shard_experts(model: torch.nn.Module, group) -> list:
         plan = experts_plan(module)
         if not plan.supported:
             raise ValueError(f"model.{mname}: MoK cannot run these experts ({plan.reason}), so they cannot be sharded")
+        if plan.activation != "swiglu" or getattr(module, "has_bias", False):
+            raise ValueError(f"model.{mname}: MoK's expert parallelism does not take activation={plan.activation!r} "
+                             "or expert biases (GPT-OSS's) yet, so these experts cannot be sharded")
         E = module.gate_up_proj.shape[0]
         if E % W != 0:
             raise ValueError(f"model.{mname}: {E} experts do not split over {W} ranks")
