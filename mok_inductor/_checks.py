@@ -164,7 +164,14 @@ def check_moe_args(
 
     require_tensor("gate_up_proj", gate_up_proj)
     require_dtype("gate_up_proj", gate_up_proj, (x.dtype,))
-    require_dim("gate_up_proj", gate_up_proj, 3, "[E, 2*I, H]")
+    if gate_up_proj.dim() == 4:  # [E, 2, I, H] (index 0 gate rows, 1 up rows; any strides: GPT-OSS's layout)
+        if gate_up_proj.shape[1] != 2:
+            raise ValueError(f"gate_up_proj: expected a 4-D FC1 of shape [E, 2, I, H] (gate rows, up rows), got "
+                             f"{_shape(gate_up_proj)}")
+        # checked below as the [E, 2I, H] it stands for (a stand-in with its dtype and device: no copy)
+        E4, _, I4, H4 = gate_up_proj.shape
+        gate_up_proj = gate_up_proj.new_empty(()).expand(E4, 2 * I4, H4)
+    require_dim("gate_up_proj", gate_up_proj, 3, "[E, 2*I, H] (or [E, 2, I, H])")
     require_device("gate_up_proj", gate_up_proj, device)
     E, two_i, h_w = gate_up_proj.shape
     if h_w != H:
@@ -208,6 +215,27 @@ def check_moe_args(
         require_device("shared_output_gate", shared_output_gate, device)
         require_shape("shared_output_gate", shared_output_gate, (1, H), "[1, H]")
     check_swiglu_limit(swiglu_limit)
+
+
+def check_variant(x, gate_up_proj, down_proj, shared_gate_up_proj, gate_up_bias, down_bias) -> None:
+    """The routed biases (after `check_moe_args` accepted the weights): gate_up_bias [E, 2*I] (gate columns then
+    up columns) or [E, 2, I] (any strides), down_bias [E, H], x's dtype and device; not with a shared expert
+    (its biases are not supported, and routed biases with an unbiased shared expert match no model)."""
+    E, H = down_proj.shape[0], down_proj.shape[1]
+    I = down_proj.shape[2]
+    for name, b in (("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
+        if b is None:
+            continue
+        require_tensor(name, b)
+        require_dtype(name, b, (x.dtype,))
+        require_device(name, b, x.device)
+        if shared_gate_up_proj is not None:
+            raise ValueError(f"{name}: routed biases are not supported with a shared expert (shared_gate_up_proj)")
+    if gate_up_bias is not None and tuple(gate_up_bias.shape) not in ((E, 2 * I), (E, 2, I)):
+        raise ValueError(f"gate_up_bias: expected shape [{E}, {2 * I}] or [{E}, 2, {I}] ([E, 2*I] or [E, 2, I] of "
+                         f"gate_up_proj), got {_shape(gate_up_bias)}")
+    if down_bias is not None:
+        require_shape("down_bias", down_bias, (E, H), "[E, H] (of down_proj [E, H, I])")
 
 
 def expert_ids_message(num_experts: int, found=None) -> str:

@@ -12,8 +12,16 @@ Ops (schemas, fakes and the autograd formula side by side below):
                     and sorted slot order, gu_shared in float32), are the saved activations (marked
                     non-differentiable).
     mok::moe_bwd    -> (dx, d_router_weights, d_gate_up_proj, d_down_proj, d_shared_gate_up_proj,
-                    d_shared_down_proj, d_shared_output_gate); an absent gradient is [0]-shaped (no shared
-                    expert / gate; an MXFP8 weight without a master).
+                    d_shared_down_proj, d_shared_output_gate, d_gate_up_bias, d_down_bias); an absent gradient
+                    is [0]-shaped (no shared expert / gate / bias; an MXFP8 weight without a master). Weight and
+                    bias gradients are allocated in their inputs' layouts (strides), so a strided view's (GPT-OSS's
+                    checkpoint layout) reaches its parameter without a copy.
+
+The gated-activation variant (docs/semantics.md) is three trailing arguments of moe, moe_fwd and moe_bwd:
+`activation` ("swiglu" or "gpt_oss", `types.Activation`: the two numbers alpha, beta of the one formula the
+reference and the kernels' epilogues compute), and the optional routed biases `gate_up_bias` ([E, 2I] or a
+[E, 2, I] view) and `down_bias` [E, H], which the forward adds in the GEMMs' accumulators (the saved gu includes
+the FC1 bias). The routed FC1 may also be a 4-D [E, 2, I, H] view of any strides (gate rows, up rows).
 
 MXFP8 routed weights are the same ops with optional arguments (`mok_inductor.mxfp8`): `gate_up_proj` /
 `down_proj` then hold float8_e4m3fn data [E, M, K] and `*_scale` its uint8 E8M0 scales [E, M, K/32]
@@ -63,8 +71,8 @@ import torch
 from torch import Tensor
 
 from . import _checks, options, reference
-from .types import (BackwardResult, ForwardResult, GradBuffers, RoutedOperands, Schedule, shared_saved_dtype,
-                    split_gate_up, transposed_payload)
+from .types import (SWIGLU, Activation, BackwardResult, ForwardResult, GradBuffers, RoutedOperands, Schedule,
+                    activation as _activation, shared_saved_dtype, split_gate_up, transposed_payload)
 
 _lib = torch.library.Library("mok", "DEF")
 
@@ -112,7 +120,7 @@ def path_name(t: Tensor) -> str:
 
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 # mok::moe's arguments that autocast casts: x, the routed and shared weights, the output gate, the two masters
-_AUTOCAST_ARGS = (0, 3, 4, 5, 6, 7, 15, 16)
+_AUTOCAST_ARGS = (0, 3, 4, 5, 6, 7, 15, 16, 18, 19)  # ... and the two routed biases
 
 
 def autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
@@ -167,40 +175,48 @@ def schedule(top_experts: Tensor, num_experts: int) -> Schedule:
 
 
 def forward(x, router_weights, top_experts, sched: Schedule, operands: RoutedOperands, s_gate=None, s_up=None,
-            s_down=None, s_out_gate=None, swiglu_limit=None) -> ForwardResult:
+            s_down=None, s_out_gate=None, swiglu_limit=None, act: Activation = SWIGLU, gate_up_bias=None,
+            down_bias=None) -> ForwardResult:
     """The MoE forward on routed weights given as `operands` (bf16 or MXFP8, 3-D or split per expert; only
     the row-wise gate, up, down are read) and an optional shared expert (s_gate, s_up [Is, H], s_down
-    [H, Is], s_out_gate [1, H])."""
+    [H, Is], s_out_gate [1, H]); `act` the gated activation, `gate_up_bias` [E, 2, I] and `down_bias` [E, H]
+    the optional routed biases."""
     with autocast_off(x):
         if use_triton(x):
             return kernels_module().forward(x, router_weights, top_experts, sched, operands, s_gate, s_up, s_down,
-                                            s_out_gate, swiglu_limit)
+                                            s_out_gate, swiglu_limit, act, gate_up_bias, down_bias)
         (wg, wu, wd), _ = _reference_weights(operands, x.dtype, backward=False)
         return reference.moe_forward(x, router_weights, top_experts, sched, wg, wu, wd, s_gate, s_up, s_down,
-                                     s_out_gate, swiglu_limit)
+                                     s_out_gate, swiglu_limit, act, gate_up_bias, down_bias)
 
 
 def backward(dy, x, router_weights, top_experts, sched: Schedule, operands: RoutedOperands, gu, s_gate=None,
-             s_up=None, s_down=None, s_out_gate=None, gu_shared=None, swiglu_limit=None, *,
-             grads: Optional[GradBuffers] = None, accumulate: bool = False) -> BackwardResult:
+             s_up=None, s_down=None, s_out_gate=None, gu_shared=None, swiglu_limit=None, act: Activation = SWIGLU,
+             gate_up_bias=None, down_bias=None, *, grads: Optional[GradBuffers] = None,
+             accumulate: bool = False) -> BackwardResult:
     """The MoE backward from the forward's saved `gu` / `gu_shared`. The data-gradient GEMMs read the
     column-wise operands (gate_t, up_t, down_t). Weight gradients go into `grads` (written, or ADDED when
-    `accumulate`; a None routed entry: not wanted); None allocates them all in x.dtype."""
+    `accumulate`; a None routed entry: not wanted); None allocates them all in x.dtype. With routed biases
+    (`gate_up_bias` [E, 2, I], `down_bias` [E, H]) their gradients go to `grads.d_gate_up_bias` / `d_down_bias`
+    (allocated when None)."""
     if operands.gate_t is None or operands.down_t is None:
         which = "gate_up" if operands.gate_t is None else "down"
         raise ValueError(f"{which}: the backward needs the column-wise MXFP8 data (quantize with columnwise=True)")
     if grads is None:
         grads = GradBuffers.allocate(None, operands.gate.data, operands.up.data, operands.down.data, s_gate, s_up,
                                      s_down, s_out_gate, dtype=x.dtype)
+    for name, bias in (("d_gate_up_bias", gate_up_bias), ("d_down_bias", down_bias)):
+        if bias is not None and getattr(grads, name) is None:  # every path writes a given bias's gradient
+            grads = grads._replace(**{name: torch.empty_like(bias, memory_format=torch.preserve_format)})
     with autocast_off(x):
         if use_triton(x):
             return kernels_module().backward(dy, x, router_weights, top_experts, sched, operands, gu, s_gate, s_up,
-                                             s_down, s_out_gate, gu_shared, swiglu_limit, grads=grads,
-                                             accumulate=accumulate)
+                                             s_down, s_out_gate, gu_shared, swiglu_limit, act, gate_up_bias,
+                                             down_bias, grads=grads, accumulate=accumulate)
         (wg, wu, wd), dgrad = _reference_weights(operands, x.dtype, backward=True)
         return reference.moe_backward(dy, x, router_weights, top_experts, sched, wg, wu, wd, gu, s_gate, s_up,
-                                      s_down, s_out_gate, gu_shared, swiglu_limit, grads=grads, accumulate=accumulate,
-                                      dgrad=dgrad)
+                                      s_down, s_out_gate, gu_shared, swiglu_limit, act, gate_up_bias, down_bias,
+                                      grads=grads, accumulate=accumulate, dgrad=dgrad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,9 +229,29 @@ _MX_SCHEMA = ", ".join(f"Tensor? {n}=None" for n in _MX_NAMES)
 _MASTER_SCHEMA = ", ".join(f"Tensor? {n}=None" for n in _MASTER_NAMES)
 
 
+# The gated-activation variant's arguments, after the MXFP8 ones (moe, moe_fwd: after the masters; moe_bwd: after
+# its two flags): the activation's name and the optional routed biases
+_VARIANT_SCHEMA = 'str activation="swiglu", Tensor? gate_up_bias=None, Tensor? down_bias=None'
+
+
 def _pad(mx, n=6):
     mx = tuple(mx)
     return mx + (None,) * (n - len(mx))
+
+
+def _variant(rest):
+    """(Activation, gate_up_bias, down_bias) of the op's trailing variant arguments (absent: the SwiGLU, none)."""
+    name, gub, db = (tuple(rest) + (None, None, None))[:3]
+    return _activation(name), gub, db
+
+
+def bias_E2I(gate_up_bias):
+    """The routed FC1 bias as [E, 2, I] (gate row, up row): a [E, 2I] bias (gate columns then up columns) as
+    a view, a [E, 2, I] one (any strides; Hugging Face GPT-OSS's interleaved [E, 2I] bias is
+    `b.view(E, I, 2).transpose(1, 2)`) as it is; None stays None."""
+    if gate_up_bias is None or gate_up_bias.dim() == 3:
+        return gate_up_bias
+    return gate_up_bias.unflatten(1, (2, gate_up_bias.shape[1] // 2))
 
 
 def routed_operands(gate_up_proj, down_proj, mx=(), *, columnwise: bool = True) -> RoutedOperands:
@@ -257,8 +293,8 @@ def _(top_experts, num_experts):
 _lib.define(
     "moe_fwd(Tensor x, Tensor router_weights, Tensor top_experts, Tensor sorted_routes, Tensor expert_offsets, "
     "Tensor route_slots, Tensor gate_up_proj, Tensor down_proj, Tensor? shared_gate_up_proj, "
-    f"Tensor? shared_down_proj, Tensor? shared_output_gate, float? swiglu_limit, {_MX_SCHEMA}, {_MASTER_SCHEMA}) "
-    "-> (Tensor, Tensor, Tensor)"
+    f"Tensor? shared_down_proj, Tensor? shared_output_gate, float? swiglu_limit, {_MX_SCHEMA}, {_MASTER_SCHEMA}, "
+    f"{_VARIANT_SCHEMA}) -> (Tensor, Tensor, Tensor)"
 )
 
 
@@ -266,7 +302,7 @@ def fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj):
     """Shapes of (y, gu, gu_shared): the one shape function of the fake and the real kernels."""
     T, H = x.shape
     N = T * top_experts.shape[1]
-    two_i = gate_up_proj.shape[1]
+    two_i = 2 * gate_up_proj.shape[2] if gate_up_proj.dim() == 4 else gate_up_proj.shape[1]  # [E, 2, I, H]
     gus = (T, shared_gate_up_proj.shape[0]) if shared_gate_up_proj is not None else (0, 0)
     return (T, H), (N, two_i), gus
 
@@ -274,9 +310,10 @@ def fwd_output_shapes(x, top_experts, gate_up_proj, shared_gate_up_proj):
 def moe_fwd_impl(x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
                  shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit, *mx_and_masters):
     s_gate, s_up = split_gate_up(shared_gate_up_proj)
+    act, gub, db = _variant(mx_and_masters[8:])
     out = forward(x, router_weights, top_experts, Schedule(sorted_routes, expert_offsets, route_slots),
                   routed_operands(gate_up_proj, down_proj, mx_and_masters[:6], columnwise=False), s_gate, s_up,
-                  shared_down_proj, shared_output_gate, swiglu_limit)
+                  shared_down_proj, shared_output_gate, swiglu_limit, act, bias_E2I(gub), db)
     return tuple(out)
 
 
@@ -308,6 +345,9 @@ class _MoeFwdFunction(torch.autograd.Function):
         (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
          shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit, *rest) = inputs
         mx, (gate_up_master, down_master) = _pad(rest[:6]), _pad(rest[6:8], 2)
+        act, gate_up_bias, down_bias = _variant(rest[8:])
+        ctx.act = act
+        ctx.has_gate_up_bias, ctx.has_down_bias = gate_up_bias is not None, down_bias is not None
         _, gu, gu_shared = output
         ctx.mark_non_differentiable(gu, gu_shared)
         ctx.set_materialize_grads(False)
@@ -322,20 +362,25 @@ class _MoeFwdFunction(torch.autograd.Function):
         ctx.gate_up_grad = not ctx.gate_up_mx or gate_up_master is not None
         ctx.down_grad = not ctx.down_mx or down_master is not None
         saved = (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-                 shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, *mx)
+                 shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, gate_up_bias, down_bias,
+                 *mx)
         ctx.save_for_backward(*saved)
         ctx.save_for_forward(*saved)
 
     @staticmethod
     def backward(ctx, dy, _dgu, _dgu_shared):
         (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-         shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, *mx) = ctx.saved_tensors
+         shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, gate_up_bias, down_bias,
+         *mx) = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(x)
         quantized = ctx.gate_up_mx or ctx.down_mx
-        extra = (*mx, ctx.gate_up_grad, ctx.down_grad) if quantized else ()
+        variant = ctx.act is not SWIGLU or gate_up_bias is not None or down_bias is not None
+        extra = (*mx, ctx.gate_up_grad, ctx.down_grad) if quantized or variant else ()
+        if variant:
+            extra += (ctx.act.name, gate_up_bias, down_bias)
         with options.override(ctx.options):
-            dx, drw, dgu, dd, dsgu, dsd, dsg = _call_bwd(
+            dx, drw, dgu, dd, dsgu, dsd, dsg, dgub, ddb = _call_bwd(
                 dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj,
                 down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared,
                 ctx.swiglu_limit, *extra,
@@ -351,14 +396,16 @@ class _MoeFwdFunction(torch.autograd.Function):
         ]
         grads += [None] * 6 + [dgu if ctx.gate_up_mx and ctx.gate_up_grad else None,
                                dd if ctx.down_mx and ctx.down_grad else None]
+        grads += [None, dgub if ctx.has_gate_up_bias else None, ddb if ctx.has_down_bias else None]
         return tuple(grads[:ctx.num_inputs])
 
     @staticmethod
     def jvp(ctx, *tangents):
         """Forward-mode AD (torch.func.jvp, jacfwd): the tangent of y; gu and gu_shared have none."""
         (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
-         shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, *mx) = ctx.saved_tensors
-        t = _pad(tangents, 20)
+         shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, gate_up_bias, down_bias,
+         *mx) = ctx.saved_tensors
+        t = _pad(tangents, 23)
         # the tangent of an MXFP8 weight is its master's (straight-through, as its gradient is)
         d_gate_up = t[18] if ctx.gate_up_mx else t[6]
         d_down = t[19] if ctx.down_mx else t[7]
@@ -366,7 +413,9 @@ class _MoeFwdFunction(torch.autograd.Function):
         with autocast_off(x):
             dy = forward_jvp(x, router_weights, top_experts, Schedule(sorted_routes, expert_offsets, route_slots),
                              operands, shared_gate_up_proj, shared_down_proj, shared_output_gate, ctx.swiglu_limit,
-                             gu, gu_shared, t[0], t[1], d_gate_up, d_down, t[8], t[9], t[10])
+                             gu, gu_shared, t[0], t[1], d_gate_up, d_down, t[8], t[9], t[10], act=ctx.act,
+                             gate_up_bias=bias_E2I(gate_up_bias), down_bias=down_bias,
+                             d_gate_up_bias=bias_E2I(t[21]), d_down_bias=t[22])
         return dy, None, None
 
 
@@ -387,19 +436,20 @@ def _terms(*terms):
     return None if not present else functools.reduce(torch.add, present)
 
 
-def _swiglu_jvp(g, u, dg, du, limit):
-    """(h, dh): the clamped SwiGLU of float32 g, u and its tangent for tangents dg, du (None: zero). The
-    partial derivatives are the reference's SwiGLU backward of dh = 1 (the clamp's masks included)."""
-    h = reference.swiglu(g, u, limit)
+def _swiglu_jvp(g, u, dg, du, limit, act=SWIGLU):
+    """(h, dh): the clamped gated activation of float32 g, u and its tangent for tangents dg, du (None: zero).
+    The partial derivatives are the reference's activation backward of dh = 1 (the clamp's masks included)."""
+    h = reference.swiglu(g, u, limit, act)
     if dg is None and du is None:
         return h, None
-    h_g, h_u = reference.swiglu_backward(torch.ones_like(g), g, u, limit)
+    h_g, h_u = reference.swiglu_backward(torch.ones_like(g), g, u, limit, act)
     return h, _terms(None if dg is None else h_g * dg, None if du is None else h_u * du)
 
 
 def forward_jvp(x, router_weights, top_experts, sched: Schedule, operands: RoutedOperands, s_gate_up, s_down,
                 s_out_gate, swiglu_limit, gu, gu_shared, dx, d_router_weights, d_gate_up, d_down, d_s_gate_up,
-                d_s_down, d_s_out_gate) -> Tensor:
+                d_s_down, d_s_out_gate, *, act: Activation = SWIGLU, gate_up_bias=None, down_bias=None,
+                d_gate_up_bias=None, d_down_bias=None) -> Tensor:
     """The tangent of moe_fwd's y for tangents of its inputs (`d_*`, each None when absent), at the point of
     the forward that saved `gu`, `gu_shared`: docs/semantics.md's forward differentiated term by term, in
     float32, from PyTorch ops (the GEMMs per expert; the schedule's offsets are read on the host). Every
@@ -416,7 +466,7 @@ def forward_jvp(x, router_weights, top_experts, sched: Schedule, operands: Route
     (wg, wu, wd), _ = _reference_weights(operands, dtype, backward=False)
     E = len(wg)
     I = wd[0].shape[-1] if E > 0 else 0
-    dg_w, du_w = (None, None) if d_gate_up is None else (d_gate_up[:, :I], d_gate_up[:, I:])
+    dg_w, du_w = split_gate_up(d_gate_up)
     try:
         offsets = sched.expert_offsets_E1.tolist()
     except RuntimeError as e:  # a tensor batched by torch.vmap (routing per entry) has no one value to read
@@ -434,12 +484,22 @@ def forward_jvp(x, router_weights, top_experts, sched: Schedule, operands: Route
         xe = x[tokens_N[a:b]]
         dxe = None if dx is None else dx[tokens_N[a:b]]
         g, u = gu[a:b].to(acc).chunk(2, dim=-1)
-        dg = _terms(None if dxe is None else mm(dxe, wg[e].t()), None if dg_w is None else mm(xe, dg_w[e].t()))
-        du = _terms(None if dxe is None else mm(dxe, wu[e].t()), None if du_w is None else mm(xe, du_w[e].t()))
-        h, dh = _swiglu_jvp(g, u, dg, du, swiglu_limit)
+        dgb, dub = (None, None) if d_gate_up_bias is None else (d_gate_up_bias[e, 0].to(acc), d_gate_up_bias[e, 1].to(acc))
+        dg = _terms(None if dxe is None else mm(dxe, wg[e].t()), None if dg_w is None else mm(xe, dg_w[e].t()), dgb)
+        du = _terms(None if dxe is None else mm(dxe, wu[e].t()), None if du_w is None else mm(xe, du_w[e].t()), dub)
+        if dg is not None and du is None:  # a bias tangent alone broadcasts over the rows
+            du = torch.zeros_like(g)
+        if du is not None and dg is None:
+            dg = torch.zeros_like(g)
+        h, dh = _swiglu_jvp(g, u, None if dg is None else dg.expand_as(g), None if du is None else du.expand_as(u),
+                            swiglu_limit, act)
         h = h.to(dtype)
-        y_rows.append(mm(h, wd[e].t()).to(dtype).to(acc))
-        dy_e = _terms(None if dh is None else mm(dh, wd[e].t()), None if d_down is None else mm(h, d_down[e].t()))
+        y = mm(h, wd[e].t())
+        if down_bias is not None:
+            y = y + down_bias[e].to(acc)
+        y_rows.append(y.to(dtype).to(acc))
+        dy_e = _terms(None if dh is None else mm(dh, wd[e].t()), None if d_down is None else mm(h, d_down[e].t()),
+                      None if d_down_bias is None else d_down_bias[e].to(acc).expand(b - a, H))
         dy_rows.append(dy_e if dy_e is not None else x.new_zeros(b - a, H, dtype=acc))
     pad = x.new_zeros(N - (offsets[E] if E > 0 else 0), H, dtype=acc)
     slots_TK = sched.route_slots_N.to(torch.int64).view(T, K)
@@ -449,7 +509,7 @@ def forward_jvp(x, router_weights, top_experts, sched: Schedule, operands: Route
 
     valid_TK1 = (top_experts >= 0).unsqueeze(-1)
     terms = []
-    if any(t is not None for t in (dx, d_gate_up, d_down)):
+    if any(t is not None for t in (dx, d_gate_up, d_down, d_gate_up_bias, d_down_bias)):
         terms.append(router_weights.to(acc).unsqueeze(-1) * by_route(dy_rows))
     if d_router_weights is not None:
         terms.append(d_router_weights.to(acc).unsqueeze(-1) * by_route(y_rows))
@@ -461,7 +521,7 @@ def forward_jvp(x, router_weights, top_experts, sched: Schedule, operands: Route
         d_sg, d_su = (None, None) if d_s_gate_up is None else (d_s_gate_up[:i_s], d_s_gate_up[i_s:])
         dgs = _terms(None if dx is None else mm(dx, s_gate_up[:i_s].t()), None if d_sg is None else mm(x, d_sg.t()))
         dus = _terms(None if dx is None else mm(dx, s_gate_up[i_s:].t()), None if d_su is None else mm(x, d_su.t()))
-        hs, dhs = _swiglu_jvp(gs, us, dgs, dus, swiglu_limit)
+        hs, dhs = _swiglu_jvp(gs, us, dgs, dus, swiglu_limit, act)
         hs = hs.to(dtype)
         ds = _terms(None if dhs is None else mm(dhs, s_down.t()), None if d_s_down is None else mm(hs, d_s_down.t()))
         if s_out_gate is not None:
@@ -481,13 +541,13 @@ _lib.define(
     "moe_bwd(Tensor dy, Tensor x, Tensor router_weights, Tensor top_experts, Tensor sorted_routes, "
     "Tensor expert_offsets, Tensor route_slots, Tensor gate_up_proj, Tensor down_proj, Tensor? shared_gate_up_proj, "
     "Tensor? shared_down_proj, Tensor? shared_output_gate, Tensor gu, Tensor gu_shared, float? swiglu_limit, "
-    f"{_MX_SCHEMA}, bool gate_up_grad=True, bool down_grad=True) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    f"{_MX_SCHEMA}, bool gate_up_grad=True, bool down_grad=True, {_VARIANT_SCHEMA}) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
 
 def bwd_output_shapes(x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj,
-                      shared_output_gate, gate_up_grad=True, down_grad=True):
+                      shared_output_gate, gate_up_grad=True, down_grad=True, gate_up_bias=None, down_bias=None):
     """Shapes of moe_bwd's outputs: the one shape function of the fake and the real kernels."""
     empty = (0,)
     return (
@@ -498,35 +558,44 @@ def bwd_output_shapes(x, router_weights, gate_up_proj, down_proj, shared_gate_up
         tuple(shared_gate_up_proj.shape) if shared_gate_up_proj is not None else empty,
         tuple(shared_down_proj.shape) if shared_down_proj is not None else empty,
         tuple(shared_output_gate.shape) if shared_output_gate is not None else empty,
+        tuple(gate_up_bias.shape) if gate_up_bias is not None else empty,
+        tuple(down_bias.shape) if down_bias is not None else empty,
     )
 
 
 def _bwd_args(args):
-    """(the 15 common arguments, the six MXFP8 ones, gate_up_grad, down_grad) of moe_bwd."""
+    """(the 15 common arguments, the six MXFP8 ones, gate_up_grad, down_grad, (Activation, gate_up_bias,
+    down_bias)) of moe_bwd."""
     common, rest = args[:15], args[15:]
     mx = _pad(rest[:6])
     flags = tuple(rest[6:8]) + (True, True)[len(rest[6:8]):]
-    return common, mx, flags[0], flags[1]
+    return common, mx, flags[0], flags[1], _variant(rest[8:])
 
 
 def moe_bwd_impl(*args):
-    common, mx, gate_up_grad, down_grad = _bwd_args(args)
+    common, mx, gate_up_grad, down_grad, (act, gate_up_bias, down_bias) = _bwd_args(args)
     (dy, x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
      shared_gate_up_proj, shared_down_proj, shared_output_gate, gu, gu_shared, swiglu_limit) = common
     s_gate, s_up = split_gate_up(shared_gate_up_proj)
     grads = GradBuffers.allocate(None, None, None, down_proj if down_grad else None, s_gate, s_up, shared_down_proj,
                                  shared_output_gate, gate_up=gate_up_proj if gate_up_grad else None,
                                  s_gate_up=shared_gate_up_proj, dtype=x.dtype,
-                                 out_gate_dtype=None if shared_output_gate is None else shared_output_gate.dtype)
+                                 out_gate_dtype=None if shared_output_gate is None else shared_output_gate.dtype,
+                                 preserve_layout=True)
+    # the bias gradients in the biases' own layouts (a strided view's gradient reaches its base without a copy)
+    d_gub = None if gate_up_bias is None else torch.empty_like(gate_up_bias, memory_format=torch.preserve_format)
+    d_db = None if down_bias is None else torch.empty_like(down_bias, memory_format=torch.preserve_format)
+    grads = grads._replace(d_gate_up_bias=bias_E2I(d_gub), d_down_bias=d_db)
     out = backward(dy, x, router_weights, top_experts, Schedule(sorted_routes, expert_offsets, route_slots),
                    routed_operands(gate_up_proj, down_proj, mx), gu, s_gate, s_up, shared_down_proj,
-                   shared_output_gate, gu_shared, swiglu_limit, grads=grads)
+                   shared_output_gate, gu_shared, swiglu_limit, act, bias_E2I(gate_up_bias), down_bias, grads=grads)
     # absent gradients are [0]-shaped, and distinct tensors (op outputs must not alias each other)
     def given(t):
         return t if t is not None else x.new_empty(0)
 
     return (out.dx_TH, out.d_router_weights_TK.to(router_weights.dtype), given(grads.d_gate_up),
-            given(grads.d_down), given(grads.d_s_gate_up), given(grads.d_s_down), given(grads.d_s_out_gate))
+            given(grads.d_down), given(grads.d_s_gate_up), given(grads.d_s_down), given(grads.d_s_out_gate),
+            given(d_gub), given(d_db))
 
 
 _lib.impl("moe_bwd", moe_bwd_impl, "CompositeExplicitAutograd")
@@ -578,14 +647,22 @@ _lib.impl("moe_bwd", _moe_bwd_autograd, "Autograd")
 
 @torch.library.register_fake("mok::moe_bwd", lib=_lib)
 def _(*args):
-    common, _mx, gate_up_grad, down_grad = _bwd_args(args)
+    common, _mx, gate_up_grad, down_grad, (_act, gate_up_bias, down_bias) = _bwd_args(args)
     (dy, x, router_weights, _te, _sr, _eo, _rs, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj,
      shared_output_gate, _gu, _gus, _limit) = common
     shapes = bwd_output_shapes(x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj,
-                               shared_output_gate, gate_up_grad, down_grad)
+                               shared_output_gate, gate_up_grad, down_grad, gate_up_bias, down_bias)
     dtypes = (x.dtype, router_weights.dtype) + (x.dtype,) * 4 + (
-        shared_output_gate.dtype if shared_output_gate is not None else x.dtype,)
-    return tuple(x.new_empty(s, dtype=d) for s, d in zip(shapes, dtypes))
+        shared_output_gate.dtype if shared_output_gate is not None else x.dtype,) + (x.dtype,) * 2
+    outs = [x.new_empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
+    # the real kernel allocates gradients in their tensors' layouts (`GradBuffers.allocate(preserve_layout=True)`):
+    # the fake says so
+    likes = (None, None, gate_up_proj if gate_up_grad else None, down_proj if down_grad else None, shared_gate_up_proj,
+             shared_down_proj, shared_output_gate, gate_up_bias, down_bias)
+    for i, like in enumerate(likes):
+        if like is not None:
+            outs[i] = torch.empty_like(like, dtype=dtypes[i], memory_format=torch.preserve_format)
+    return tuple(outs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -594,7 +671,7 @@ def _(*args):
 _lib.define(
     "moe(Tensor x, Tensor router_weights, Tensor top_experts, Tensor gate_up_proj, Tensor down_proj, "
     "Tensor? shared_gate_up_proj=None, Tensor? shared_down_proj=None, Tensor? shared_output_gate=None, "
-    f"float? swiglu_limit=None, {_MX_SCHEMA}, {_MASTER_SCHEMA}) -> Tensor"
+    f"float? swiglu_limit=None, {_MX_SCHEMA}, {_MASTER_SCHEMA}, {_VARIANT_SCHEMA}) -> Tensor"
 )
 
 
@@ -639,6 +716,7 @@ def _check_mxfp8(x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj
 def _moe_composite(x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj=None,
                    shared_down_proj=None, shared_output_gate=None, swiglu_limit=None, *mx_and_masters):
     mx, masters = _pad(mx_and_masters[:6]), _pad(mx_and_masters[6:8], 2)
+    act, gate_up_bias, down_bias = _variant(mx_and_masters[8:])
     quantized = any(t is not None for t in mx + masters)
     gu_w, d_w = gate_up_proj, down_proj
     if quantized:
@@ -646,12 +724,15 @@ def _moe_composite(x, router_weights, top_experts, gate_up_proj, down_proj, shar
                                  shared_output_gate, mx, masters)
     _checks.check_moe_args(x, router_weights, top_experts, gu_w, d_w, shared_gate_up_proj, shared_down_proj,
                            shared_output_gate, swiglu_limit)
+    _checks.check_variant(x, gu_w, d_w, shared_gate_up_proj, gate_up_bias, down_bias)
     sorted_routes, expert_offsets, route_slots = torch.ops.mok.schedule(top_experts, gate_up_proj.shape[0])
     args = (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
             shared_gate_up_proj, shared_down_proj, shared_output_gate,
             None if swiglu_limit is None else float(swiglu_limit))
     if quantized:
         args += mx + masters
+    if act is not SWIGLU or gate_up_bias is not None or down_bias is not None:
+        args = args + (None,) * (20 - len(args)) + (act.name, gate_up_bias, down_bias)
     if _needs_autograd(args):
         y, _, _ = _MoeFwdFunction.apply(*args)
     else:  # inference: the forward op alone, without the Function's per-call cost (host-bound decode)
@@ -731,7 +812,8 @@ _lib.impl("moe", _moe_autocast, "AutocastCUDA")
 
 _BATCHABLE = ("x", "router_weights", "top_experts")
 _MOE_ARG_NAMES = ("x", "router_weights", "top_experts", "gate_up_proj", "down_proj", "shared_gate_up_proj",
-                  "shared_down_proj", "shared_output_gate", "swiglu_limit") + _MX_NAMES + _MASTER_NAMES
+                  "shared_down_proj", "shared_output_gate", "swiglu_limit") + _MX_NAMES + _MASTER_NAMES + (
+                      "activation", "gate_up_bias", "down_bias")
 
 
 def _moe_vmap(info, in_dims, *args):

@@ -36,7 +36,8 @@ from typing import Optional
 
 import torch
 
-from .types import BackwardResult, ForwardResult, GradBuffers, Schedule, Weight, clip_bounds, shared_saved_dtype
+from .types import (SWIGLU, Activation, BackwardResult, ForwardResult, GradBuffers, Schedule, Weight, clip_bounds,
+                    shared_saved_dtype)
 
 def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
     """Sort the routes of `top_experts_TK` by expert; `-1` routes go last. Values must be in [-1, E)."""
@@ -53,28 +54,37 @@ def build_schedule(top_experts_TK: torch.Tensor, num_experts: int) -> Schedule:
 
 
 # ---------------------------------------------------------------------------------------------
-# SwiGLU with the optional clamp (MoK / Megatron activation_func_clamp_value): gate clamped above,
-# up clamped both ways, before the activation. Float32 in, float32 out.
+# The gated activation with the optional clamp (MoK / Megatron activation_func_clamp_value, GPT-OSS): gate
+# clamped above, up clamped both ways, then h = g * sigmoid(alpha * g) * (u + beta) (`types.Activation`;
+# SwiGLU is alpha 1, beta 0). Float32 in, float32 out.
 
 
-def swiglu(g: torch.Tensor, u: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: Optional[float], act: Activation = SWIGLU) -> torch.Tensor:
     if limit is not None:
         g = torch.clamp(g, max=limit)
         u = torch.clamp(u, min=-limit, max=limit)
-    return torch.nn.functional.silu(g) * u
+    if act.beta != 0.0:
+        u = u + act.beta
+    if act.alpha == 1.0:  # F.silu: the SwiGLU's values exactly as before the variants existed
+        return torch.nn.functional.silu(g) * u
+    return g * torch.sigmoid(act.alpha * g) * u
 
 
-def swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, limit: Optional[float]):
-    """Gradients of swiglu w.r.t. g and u (pre-clamp). The clamp passes no gradient where it clipped;
-    a NaN is not "clipped", so it propagates."""
+def swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, limit: Optional[float],
+                    act: Activation = SWIGLU):
+    """Gradients of the gated activation w.r.t. g and u (pre-clamp). The clamp passes no gradient where it
+    clipped; a NaN is not "clipped", so it propagates. With s = sigmoid(alpha g'):
+    dh/dg' = (u' + beta) s (1 + alpha g' (1 - s)),  dh/du' = g' s."""
     if limit is not None:
         gc = torch.clamp(g, max=limit)
         uc = torch.clamp(u, min=-limit, max=limit)
     else:
         gc, uc = g, u
-    sig = torch.sigmoid(gc)
+    if act.beta != 0.0:
+        uc = uc + act.beta
+    sig = torch.sigmoid(gc if act.alpha == 1.0 else act.alpha * gc)
     silu = gc * sig
-    dsilu = sig * (1.0 + gc * (1.0 - sig))
+    dsilu = sig * (1.0 + (gc if act.alpha == 1.0 else act.alpha * gc) * (1.0 - sig))
     dg = dh * uc * dsilu
     du = dh * silu
     if limit is not None:
@@ -116,22 +126,27 @@ def round_keep_clip(g32, u32, dtype, limit):
     return g, u
 
 
-def gate_up_outputs(x, w_gate, w_up, limit, gu_dtype=None):
-    """(gu = [x @ gate^T | x @ up^T] rounded to gu_dtype (default x.dtype; `round_keep_clip`), h = swiglu
-    of the rounded values in x.dtype)."""
-    g, u = round_keep_clip(_mm(x, w_gate.t()), _mm(x, w_up.t()), gu_dtype or x.dtype, limit)
+def gate_up_outputs(x, w_gate, w_up, limit, gu_dtype=None, act: Activation = SWIGLU, bias_2I=None):
+    """(gu = [x @ gate^T + b_g | x @ up^T + b_u] rounded to gu_dtype (default x.dtype; `round_keep_clip`),
+    h = the activation of the rounded values in x.dtype). `bias_2I`: optional [2, I] (gate row, up row), added
+    to the float32 accumulators, before the rounding and the clamp."""
+    g32, u32 = _mm(x, w_gate.t()), _mm(x, w_up.t())
+    if bias_2I is not None:
+        g32 = g32 + bias_2I[0].to(g32.dtype)
+        u32 = u32 + bias_2I[1].to(u32.dtype)
+    g, u = round_keep_clip(g32, u32, gu_dtype or x.dtype, limit)
     gu = torch.cat([g, u], dim=-1)
-    return gu, swiglu_of(gu, limit).to(x.dtype)
+    return gu, swiglu_of(gu, limit, act).to(x.dtype)
 
 
-def swiglu_of(gu: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
-    """swiglu(g, u) of a stored [.., 2I] gate/up tensor, in the accumulation dtype."""
+def swiglu_of(gu: torch.Tensor, limit: Optional[float], act: Activation = SWIGLU) -> torch.Tensor:
+    """The activation of a stored [.., 2I] gate/up tensor, in the accumulation dtype."""
     g, u = gu.to(_acc_dtype(gu)).chunk(2, dim=-1)
-    return swiglu(g, u, limit)
+    return swiglu(g, u, limit, act)
 
 
-def _shared_forward(x_TH, s_gate, s_up, s_down, limit):
-    gu, h = gate_up_outputs(x_TH, s_gate, s_up, limit, gu_dtype=shared_saved_dtype(x_TH.dtype))
+def _shared_forward(x_TH, s_gate, s_up, s_down, limit, act):
+    gu, h = gate_up_outputs(x_TH, s_gate, s_up, limit, gu_dtype=shared_saved_dtype(x_TH.dtype), act=act)
     s = _mm(h, s_down.t()).to(x_TH.dtype)
     return gu, s
 
@@ -149,6 +164,9 @@ def moe_forward(
     s_down: Optional[torch.Tensor] = None,  # [H, Is]
     s_out_gate_1H: Optional[torch.Tensor] = None,  # [1, H]
     swiglu_limit: Optional[float] = None,
+    act: Activation = SWIGLU,
+    gate_up_bias_E2I: Optional[torch.Tensor] = None,  # [E, 2, I] (gate row, up row; any strides)
+    down_bias_EH: Optional[torch.Tensor] = None,  # [E, H]
 ) -> ForwardResult:
     T, H = x_TH.shape
     K = top_experts_TK.shape[1]
@@ -168,12 +186,16 @@ def moe_forward(
         a, b = offsets[e], offsets[e + 1]
         if a == b:
             continue
-        gu_N2I[a:b], h = gate_up_outputs(xs[a:b], w_gate[e], w_up[e], swiglu_limit)
-        y_NH[a:b] = _mm(h, w_down[e].t()).to(dtype).to(acc)
+        bias = None if gate_up_bias_E2I is None else gate_up_bias_E2I[e]
+        gu_N2I[a:b], h = gate_up_outputs(xs[a:b], w_gate[e], w_up[e], swiglu_limit, act=act, bias_2I=bias)
+        y = _mm(h, w_down[e].t())
+        if down_bias_EH is not None:  # in the down GEMM's accumulator, before the routing weight
+            y = y + down_bias_EH[e].to(y.dtype)
+        y_NH[a:b] = y.to(dtype).to(acc)
 
     acc_TH = torch.zeros(T, H, dtype=acc, device=x_TH.device)
     if s_gate is not None:
-        gu_shared, s_TH = _shared_forward(x_TH, s_gate, s_up, s_down, swiglu_limit)
+        gu_shared, s_TH = _shared_forward(x_TH, s_gate, s_up, s_down, swiglu_limit, act)
         if s_out_gate_1H is not None:
             acc_TH = s_TH.to(acc) * torch.sigmoid(_mm(x_TH, s_out_gate_1H.t()))
         else:
@@ -217,6 +239,9 @@ def moe_backward(
     s_out_gate_1H: Optional[torch.Tensor] = None,
     gu_shared_T2Is: Optional[torch.Tensor] = None,
     swiglu_limit: Optional[float] = None,
+    act: Activation = SWIGLU,
+    gate_up_bias_E2I: Optional[torch.Tensor] = None,
+    down_bias_EH: Optional[torch.Tensor] = None,
     *,
     grads: Optional["GradBuffers"] = None,
     accumulate: bool = False,
@@ -228,6 +253,11 @@ def moe_backward(
     Weight gradients go into `grads` (each entry a 3-D tensor or a sequence of E 2-D tensors, any
     float dtype; None entries are allocated in the weight's dtype): written, or ADDED when
     `accumulate` (Megatron's main_grad accumulation). They are computed in float32 and rounded once.
+
+    Bias gradients (when the biases are given) go to `grads.d_gate_up_bias` [E, 2, I] and `grads.d_down_bias`
+    [E, H] (allocated in the bias's dtype when None): d b_down[e] = sum over e's routes of w dy_t,
+    d b_gu[e] = the sums of dg and du over them, each a fixed-order float32 sum. The router weight's gradient
+    gains <dy_t, b_down[e]> (y_tk includes the bias).
 
     `dgrad`: optional routed (gate, up, down) weights for the data-gradient GEMMs (dy @ down, dg @ gate,
     du @ up) when they differ from the forward's: MXFP8's column-wise operands, dequantized
@@ -252,6 +282,11 @@ def moe_backward(
     grads = GradBuffers.allocate(
         grads, w_gate, w_up, w_down, s_gate, s_up, s_down, s_out_gate_1H
     )
+    if gate_up_bias_E2I is not None and grads.d_gate_up_bias is None:
+        grads = grads._replace(d_gate_up_bias=torch.empty_like(gate_up_bias_E2I))
+    if down_bias_EH is not None and grads.d_down_bias is None:
+        grads = grads._replace(d_down_bias=torch.empty_like(down_bias_EH))
+    bias_grads = [b for b in (grads.d_gate_up_bias, grads.d_down_bias) if b is not None]
     dx_N = torch.zeros(N, H, dtype=acc, device=x_TH.device)
     drw_N = torch.zeros(N, dtype=acc, device=x_TH.device)
     for e in range(E):
@@ -260,19 +295,25 @@ def moe_backward(
         dg_w, du_w, dd_w = (wg, wu, wd) if dgrad is None else (dgrad[0][e], dgrad[1][e], dgrad[2][e])
         if a == b:
             if not accumulate:  # an expert with no routes has zero weight gradients
-                for buf in (grads.d_gate[e], grads.d_up[e], grads.d_down[e]):
+                for buf in (grads.d_gate[e], grads.d_up[e], grads.d_down[e], *(b[e] for b in bias_grads)):
                     buf.zero_()
             continue
         xe, dye, gue = xs[a:b], dys[a:b], gu_N2I[a:b]
-        he32 = swiglu_of(gue, swiglu_limit)  # h recomputed from the saved g, u (float32: the dot below)
+        he32 = swiglu_of(gue, swiglu_limit, act)  # h recomputed from the saved g, u (float32: the dot below)
         he = he32.to(dtype)  # the forward's h, as the down GEMM read it
         q = _mm(dye, dd_w)  # dy_t @ down[e]: [rows, I]
         drw_N[a:b] = (q * he32).sum(-1)
+        if down_bias_EH is not None:  # <dy_t, y_tk> with y_tk = D h + b: the bias's share
+            drw_N[a:b] += dye @ down_bias_EH[e].to(acc)
         dye_w = (dye * rw_N[a:b, None]).to(dtype)  # the down GEMM's scaled input, as a kernel stores it
         dh = _mm(dye_w, dd_w)
         g, u = gue.to(acc).chunk(2, dim=-1)
-        dg, du = swiglu_backward(dh, g, u, swiglu_limit)
+        dg, du = swiglu_backward(dh, g, u, swiglu_limit, act)
         dg, du = dg.to(dtype), du.to(dtype)
+        if grads.d_down_bias is not None:
+            _store(grads.d_down_bias[e], dye_w.to(acc).sum(0), accumulate)
+        if grads.d_gate_up_bias is not None:
+            _store(grads.d_gate_up_bias[e], torch.stack([dg.to(acc).sum(0), du.to(acc).sum(0)]), accumulate)
         _store(grads.d_down[e], _mm(dye_w.t(), he), accumulate)
         _store(grads.d_gate[e], _mm(dg.t(), xe), accumulate)
         _store(grads.d_up[e], _mm(du.t(), xe), accumulate)
@@ -287,7 +328,7 @@ def moe_backward(
     drw_TK = torch.where(valid_TK, drw_N[slots_TK], torch.zeros_like(drw_N[slots_TK]))
 
     if s_gate is not None:
-        hs = swiglu_of(gu_shared_T2Is, swiglu_limit)
+        hs = swiglu_of(gu_shared_T2Is, swiglu_limit, act)
         h_s = hs.to(dtype)
         q = _mm(dy_TH, s_down)  # [T, Is]
         if s_out_gate_1H is not None:
@@ -301,7 +342,7 @@ def moe_backward(
             dy_s = dy_TH.to(dtype)
         dh = _mm(dy_s, s_down)
         g, u = gu_shared_T2Is.to(acc).chunk(2, dim=-1)
-        dg, du = swiglu_backward(dh, g, u, swiglu_limit)
+        dg, du = swiglu_backward(dh, g, u, swiglu_limit, act)
         dg, du = dg.to(dtype), du.to(dtype)
         _store(grads.d_s_down, _mm(dy_s.t(), h_s), accumulate)
         _store(grads.d_s_gate, _mm(dg.t(), x_TH), accumulate)

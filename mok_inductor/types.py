@@ -8,6 +8,7 @@ N = T*K.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -29,6 +30,38 @@ class Schedule(NamedTuple):
     sorted_routes_N: torch.Tensor
     expert_offsets_E1: torch.Tensor
     route_slots_N: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """The gated activation of an expert, one formula for every variant (docs/semantics.md):
+
+        h = g' * sigmoid(alpha * g') * (u' + beta),   g' = min(g, L), u' = clamp(u, -L, L) (with a limit L)
+
+    "swiglu" (alpha 1, beta 0) is silu(g') * u'; "gpt_oss" (alpha 1.702, beta 1) is GPT-OSS's
+    `(up + 1) * gate * sigmoid(1.702 * gate)`. The reference and the kernels take alpha and beta as numbers, so a
+    variant is a row of `ACTIVATIONS`, not a branch in the code."""
+
+    name: str
+    alpha: float
+    beta: float
+
+
+ACTIVATIONS = {a.name: a for a in (Activation("swiglu", 1.0, 0.0), Activation("gpt_oss", 1.702, 1.0))}
+SWIGLU = ACTIVATIONS["swiglu"]
+
+
+def activation(name) -> Activation:
+    """The `Activation` named `name` (an `Activation` passes through; None is "swiglu")."""
+    if name is None:
+        return SWIGLU
+    if isinstance(name, Activation):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"activation: expected one of {sorted(ACTIVATIONS)} (a str), got {type(name).__name__}")
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {sorted(ACTIVATIONS)}, got {name!r}")
+    return ACTIVATIONS[name]
 
 
 class ForwardResult(NamedTuple):
@@ -55,11 +88,16 @@ class GradBuffers(NamedTuple):
     # copies of the gradient.
     d_gate_up: Optional[Weight] = None
     d_s_gate_up: Optional[torch.Tensor] = None
+    # The routed biases' gradients (the "gpt_oss" variant's biases), when the biases are given: [E, 2, I] (gate
+    # row, up row; a view of a [E, 2I] buffer or any strides) and [E, H].
+    d_gate_up_bias: Optional[torch.Tensor] = None
+    d_down_bias: Optional[torch.Tensor] = None
 
     @staticmethod
     def allocate(given: Optional["GradBuffers"], w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None,
                  s_out_gate=None, *, gate_up=None, s_gate_up=None, dtype: Optional[torch.dtype] = None,
-                 out_gate_dtype: Optional[torch.dtype] = None, zero: bool = False) -> "GradBuffers":
+                 out_gate_dtype: Optional[torch.dtype] = None, zero: bool = False,
+                 preserve_layout: bool = False) -> "GradBuffers":
         """The gradient destinations: the entries of `given` that are set, fresh buffers for the others.
 
         A fresh buffer is contiguous, shaped like the weight it is the gradient of (`w_gate` ... `s_out_gate`:
@@ -75,7 +113,13 @@ class GradBuffers(NamedTuple):
             if w is None:
                 return None
             if isinstance(w, torch.Tensor):
-                return make(w, dtype=dt or w.dtype, memory_format=torch.contiguous_format)
+                # a 4-D FC1 view [E, 2, I, H] (GPT-OSS's checkpoint layout) gets a gradient with its strides, so
+                # autograd hands it to the parameter without a copy (a permutation of a dense tensor is dense,
+                # and preserve_format keeps the strides of such a tensor)
+                # (`preserve_layout`: every weight's; mok::moe_bwd's, so that a transposed view's gradient, e.g.
+                # GPT-OSS's down_proj [E, I, H] read as [E, H, I], reaches the parameter without a copy)
+                fmt = torch.preserve_format if w.dim() == 4 or preserve_layout else torch.contiguous_format
+                return make(w, dtype=dt or w.dtype, memory_format=fmt)
             return tuple(make(p, dtype=dt or p.dtype, memory_format=torch.contiguous_format) for p in w)
 
         out = given._asdict()
@@ -138,11 +182,14 @@ def narrow_payload(p, dim: int, start: int, length: int):
 
 
 def split_gate_up(payload):
-    """The zero-copy gate and up row views of a combined FC1: [..., 2I, H] -> two [..., I, H]; a sequence of
+    """The zero-copy gate and up row views of a combined FC1: [..., 2I, H] or [E, 2, I, H] (any strides; Hugging
+    Face GPT-OSS's interleaved [E, H, 2I] is `w.view(E, H, I, 2).permute(0, 3, 2, 1)`) -> two [..., I, H]; a sequence of
     per-expert [2I, H] tensors -> two tuples; None -> (None, None). MXFP8 row-wise scales [..., 2I, H/32]
     split the same way."""
     if payload is None:
         return None, None
+    if isinstance(payload, torch.Tensor) and payload.dim() == 4:  # [E, 2, I, H]: index 0 gate rows, 1 up rows
+        return payload.select(1, 0), payload.select(1, 1)
     i = (payload if isinstance(payload, torch.Tensor) else payload[0]).shape[-2] // 2
     return narrow_payload(payload, -2, 0, i), narrow_payload(payload, -2, i, i)
 

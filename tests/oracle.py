@@ -10,8 +10,14 @@ import torch.nn.functional as F
 
 
 def oracle_moe(x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj=None,
-               shared_down_proj=None, shared_output_gate=None, swiglu_limit=None):
-    """Float64 forward of docs/semantics.md on [T, H] inputs; differentiable by autograd."""
+               shared_down_proj=None, shared_output_gate=None, swiglu_limit=None, activation="swiglu",
+               gate_up_bias=None, down_bias=None):
+    """Float64 forward of docs/semantics.md on [T, H] inputs; differentiable by autograd.
+
+    activation "gpt_oss" is GPT-OSS's expert (transformers' GptOssExperts._apply_gate, written out here):
+    glu = g * sigmoid(1.702 g), h = (u + 1) * glu, after the same clamps; gate_up_bias [E, 2I] (gate columns,
+    then up columns) is added to g, u before the clamps, down_bias [E, H] to the expert's output before the
+    routing weight."""
     x = x.double()
     rw = router_weights.double()
     w1 = gate_up_proj.double()
@@ -24,6 +30,9 @@ def oracle_moe(x, router_weights, top_experts, gate_up_proj, down_proj, shared_g
         if swiglu_limit is not None:
             g = torch.clamp(g, max=swiglu_limit)
             u = torch.clamp(u, min=-swiglu_limit, max=swiglu_limit)
+        if activation == "gpt_oss":
+            return (u + 1) * (g * torch.sigmoid(g * 1.702))
+        assert activation == "swiglu", activation
         return F.silu(g) * u
 
     y = torch.zeros(T, H, dtype=torch.float64, device=x.device)
@@ -34,7 +43,12 @@ def oracle_moe(x, router_weights, top_experts, gate_up_proj, down_proj, shared_g
         xe = x[token_idx]
         g = xe @ w1[e, :I].T
         u = xe @ w1[e, I:].T
+        if gate_up_bias is not None:
+            g = g + gate_up_bias.double()[e, :I]
+            u = u + gate_up_bias.double()[e, I:]
         out = act(g, u) @ w2[e].T
+        if down_bias is not None:
+            out = out + down_bias.double()[e]
         y = y.index_add(0, token_idx, out * rw[token_idx, k_idx][:, None])
     if shared_gate_up_proj is not None:
         s1 = shared_gate_up_proj.double()

@@ -188,7 +188,7 @@ class TestBadInput(expecttest.TestCase):
 
     def test_gate_up_proj_rank(self):
         self.assertExpectedInline(self.bad(ValueError, "gate_up_proj", gate_up_proj=_good()["gate_up_proj"][0]),
-            """gate_up_proj: expected a 3-D tensor [E, 2*I, H], got shape [8, 8]""")
+            """gate_up_proj: expected a 3-D tensor [E, 2*I, H] (or [E, 2, I, H]), got shape [8, 8]""")
 
     def test_gate_up_proj_hidden_size(self):
         self.assertExpectedInline(

@@ -218,7 +218,7 @@ class _ImplPair(torch.autograd.Function):
 
         x, rw, te, s0, s1, s2, gate_up, down, s_gate_up, s_down, s_gate, gu, gus = ctx.saved_tensors
         with mok_inductor.options.override(backend="reference"):
-            dx, drw, dgu, dd, dsgu, dsd, dsg = ops.moe_bwd_impl(dy, x, rw, te, s0, s1, s2, gate_up, down, s_gate_up,
+            dx, drw, dgu, dd, dsgu, dsd, dsg, _, _ = ops.moe_bwd_impl(dy, x, rw, te, s0, s1, s2, gate_up, down, s_gate_up,
                                                                 s_down, s_gate, gu, gus, ctx.limit)
         return None, None, dx, drw, dgu, dd, dsgu, dsd, dsg
 

@@ -523,13 +523,14 @@ def _clip_fraction(model, experts, ids, plan):
 
 
 def test_plan_classifies_by_what_the_experts_compute():
-    """Declared variants, on real experts modules: plain SwiGLU, a clamp mapped onto swiglu_limit, and
-    what must fall back (biases, no gate, non-SiLU activations, soft-caps, post-expert norms)."""
+    """Declared variants, on real experts modules: plain SwiGLU, a clamp mapped onto swiglu_limit (GPT-OSS: its
+    activation and biases too), and what must fall back (no gate, non-SiLU activations, soft-caps, post-expert
+    norms)."""
     by_type = {}
     for info in _DISCOVERED:
         by_type.setdefault(info.model_type, []).append(info)
     expect = {"qwen3_moe": "supported", "mixtral": "supported", "deepseek_v4": "mapped", "hy_v4": "mapped",
-              "gpt_oss": "unsupported", "nemotron_h": "unsupported", "inkling2": "unsupported"}
+              "gpt_oss": "mapped", "nemotron_h": "unsupported", "inkling2": "unsupported"}
     for model_type, kind in expect.items():
         if model_type not in by_type:  # an older transformers without this family
             continue
@@ -863,12 +864,16 @@ def test_compiled_fullgraph_forward_backward(kind, backend):
 
 
 def test_compiled_fallback_is_fullgraph_and_warns():
-    """An unsupported family (GPT-OSS: biases, alpha-SiLU gate) under torch.compile(fullgraph=True) with "mok":
-    the plan is made eagerly at trace time (one warning), the graph holds transformers' grouped_mm path and no
-    mok op, and the result equals eager."""
-    info = next(i for i in _DISCOVERED if i.model_type == "gpt_oss")
+    """An unsupported experts module (Qwen3-MoE's with a GELU gate, as Gemma 4 has) under
+    torch.compile(fullgraph=True) with "mok": the plan is made eagerly at trace time (one warning), the graph
+    holds transformers' grouped_mm path and no mok op, and the result equals eager."""
+    from transformers.activations import ACT2FN
+
+    info = next(i for i in _DISCOVERED if i.model_type == "qwen3_moe")
     model, why = build_tiny(info)
     assert model is not None, why
+    for m in _experts_modules(model, info):
+        m.act_fn = ACT2FN["gelu_pytorch_tanh"]
     ids = _ids(model, 2, 8, seed=4)
     model.set_experts_implementation("eager")
     ref = model(input_ids=ids, use_cache=False).logits
@@ -889,16 +894,102 @@ def test_compiled_fallback_is_fullgraph_and_warns():
     codes = []
     compiled = torch.compile(model, fullgraph=True, backend=_graph_capturing_backend(codes))
     if theirs is not None:
-        with pytest.warns(UserWarning, match="GptOssExperts falls back"), pytest.raises(type(theirs)):
+        with pytest.warns(UserWarning, match="Qwen3MoeExperts falls back"), pytest.raises(type(theirs)):
             compiled(input_ids=ids, use_cache=False)
         torch._dynamo.reset()
         return
-    with pytest.warns(UserWarning, match="GptOssExperts falls back"):
+    with pytest.warns(UserWarning, match="Qwen3MoeExperts falls back"):
         got = compiled(input_ids=ids, use_cache=False).logits
     assert codes and not any("mok.moe" in c for c in codes)
     assert any("grouped_mm" in c for c in codes)
     assert rel_err(got, ref) <= 1e-4
     torch._dynamo.reset()
+
+
+def _tiny_gpt_oss(seed=0):
+    """A tiny GPT-OSS (sliding and full attention layers, 4 experts, top-2) with random biases: the model's init
+    leaves the expert biases zero, a checkpoint's are not."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                       num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            ex = layer.mlp.experts
+            for b in (ex.gate_up_proj_bias, ex.down_proj_bias):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.5)
+    return model
+
+
+def test_gpt_oss_experts_run_natively(monkeypatch):
+    """GptOssExperts (interleaved, transposed gate_up_proj [E, H, 2I] with its bias, down_proj [E, I, H] with its
+    bias, clamp 7, alpha 1.702) runs on mok in its checkpoint layout, no fallback: output, d x and every
+    parameter's gradient against the module's own eager forward in float64, float32 within 1e-4 and bfloat16
+    within 1e-2 (the clamp set to clip about 5% of the pre-activations, `_experts_check`)."""
+    calls = _count_mok_calls(monkeypatch)
+    model = _tiny_gpt_oss()
+    ex = model.model.layers[0].mlp.experts
+    hf._PLANS.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        plan = hf.experts_plan(ex)
+    assert plan.supported and plan.activation == "gpt_oss" and plan.limit_attr == "limit", plan
+    fp32 = _experts_check(ex, torch.float32)
+    assert calls, "mok never ran"
+    bf16 = _experts_check(ex, torch.bfloat16)
+    assert max(fp32) <= 1e-4, fp32
+    assert max(bf16) <= 1e-2, bf16
+
+
+def test_gpt_oss_compiled_fullgraph_forward_backward():
+    """A tiny GPT-OSS compiled with "mok" (torch.compile(fullgraph=True), Dynamo + AOTAutograd, no codegen): the
+    graphs call mok::moe_fwd / mok::moe_bwd on views of the checkpoint-layout parameters, and the loss and every
+    gradient (the expert biases' included) equal eager HF at 1e-4."""
+    torch._dynamo.reset()
+    model = _tiny_gpt_oss(seed=6)
+    ids = _ids(model, 2, 8, seed=7)
+
+    def loss_fn(input_ids):
+        logits = model(input_ids=input_ids, use_cache=False).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                 input_ids[:, 1:].reshape(-1))
+
+    model.set_experts_implementation("eager")
+    ref_loss = loss_fn(ids)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    model.set_experts_implementation("mok")
+    hf._PLANS.clear()
+    codes = []
+    compiled = torch.compile(loss_fn, fullgraph=True, backend=_graph_capturing_backend(codes))
+    with mok_inductor.enabled():
+        loss = compiled(ids)
+        loss.backward()
+    assert any("mok.moe_fwd" in c for c in codes) and any("mok.moe_bwd" in c for c in codes)
+    assert rel_err(loss, ref_loss) <= 1e-4
+    params = dict(model.named_parameters())
+    assert any("experts.down_proj_bias" in n for n in ref_grads)
+    for n, g in ref_grads.items():
+        assert rel_err(params[n].grad, g) <= 1e-4, (n, rel_err(params[n].grad, g))
+    torch._dynamo.reset()
+
+
+def test_gpt_oss_generate_matches_eager():
+    """Greedy generate of a tiny GPT-OSS through "mok" (prefill + decode): the tokens equal eager's."""
+    model = _tiny_gpt_oss(seed=3).eval()
+    ids = _ids(model, 2, 5, seed=5)
+    outs = {}
+    for impl in ("eager", "mok"):
+        model.set_experts_implementation(impl)
+        with torch.no_grad():
+            outs[impl] = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert outs["mok"].shape == (2, 11)
+    assert torch.equal(outs["mok"], outs["eager"])
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])

@@ -10,18 +10,23 @@ top_k_weights [T, K])`, the signature of transformers' `ExpertsInterface`):
 
 1. `experts_plan(self)` decides, from what the module computes, whether MoK can run it:
    - static checks of the `@use_experts_implementation` flags: `has_gate` (MoK is gated only),
-     `has_bias`, `has_post_expert_norm`, `is_concatenated` (gate rows then up rows);
+     `has_bias` (`gate_up_proj_bias` [E, 2I] and `down_proj_bias` [E, H], MoK's routed biases),
+     `has_post_expert_norm`, `is_concatenated` (gate rows then up rows; interleaved ones, gate at even
+     columns as GPT-OSS has them, are read through a zero-copy [E, 2, I, H] view);
    - a numerical probe of the module's own `_apply_gate` (whatever it is: the default
-     `act_fn(gate) * up`, a custom clamp, a soft-cap, an fp32 upcast) on a float32 probe tensor,
-     compared against MoK's SwiGLU without a clamp and with each finite float attribute of the module
-     whose name contains "limit" as `swiglu_limit`. It matches → supported (or "mapped" onto
-     `swiglu_limit`); nothing matches → unsupported, with the reason.
+     `act_fn(gate) * up`, a custom clamp, a soft-cap, an fp32 upcast, GPT-OSS's `(up + 1) * gate *
+     sigmoid(1.702 gate)`) on a float32 probe tensor, compared against each of MoK's activations
+     ("swiglu", "gpt_oss") without a clamp and with each finite float attribute of the module whose
+     name contains "limit" as `swiglu_limit`. It matches → supported (or "mapped" onto `swiglu_limit`);
+     nothing matches → unsupported, with the reason.
    The plan is cached per module and computed eagerly even under torch.compile
    (`torch.compiler.assume_constant_result`: Dynamo runs it at trace time and bakes in the result,
    guarded on the module's identity), so the one-time warning is issued from eager code too.
 2. Supported: `mok_inductor.moe(x, top_k_weights, top_k_index, gate_up_proj, down_proj,
-   swiglu_limit=...)`. Transposed weights (`is_transposed`: [E, H, 2I] / [E, I, H]) are passed as
-   zero-copy transposed views; expert-parallel sentinels (ids >= E) become MoK's "no route" (-1).
+   swiglu_limit=..., activation=..., gate_up_bias=..., down_bias=...)`. Transposed weights (`is_transposed`:
+   [E, H, 2I] / [E, I, H]) and interleaved gate/up columns are passed as zero-copy views (GPT-OSS's
+   checkpoint layout runs as it is stored; gradients come back in it); expert-parallel sentinels (ids >= E)
+   become MoK's "no route" (-1).
 3. Unsupported: transformers' own "grouped_mm" experts function, or, for weight dtypes grouped_mm
    cannot take (float64), the class's own eager forward; after a one-time warning that names the
    class, the reason, what runs instead and what the user can do, attributed to the user's line (the
@@ -135,6 +140,7 @@ class ExpertsPlan:
     remedy: what the user can do so that MoK runs it ("" where MoK has no kernel for what it computes).
     fallback: what runs it instead: "grouped_mm" (transformers' experts function) or "eager" (the class's
         own forward, for weight dtypes grouped_mm cannot take).
+    activation: MoK's gated activation that matched the module's gate ("swiglu" or "gpt_oss").
     """
 
     supported: bool
@@ -143,6 +149,7 @@ class ExpertsPlan:
     reason: str = ""
     remedy: str = ""
     fallback: str = ""
+    activation: str = "swiglu"
 
     @property
     def kind(self) -> str:
@@ -182,9 +189,14 @@ def _dtype_name(dtype) -> str:
 _SHAPES_HINT = "MoK needs gate_up_proj [E, 2I, H] and down_proj [E, H, I] (or both transposed, is_transposed=True)"
 
 
+def _interleaved(module) -> bool:
+    """Whether the module's gate/up columns alternate (gate at even, up at odd: GPT-OSS), not concatenated."""
+    return not getattr(module, "is_concatenated", True)
+
+
 def _weights(module):
-    """(gate_up [E, 2I, H], down [E, H, I], "", "") as MoK wants them (transposed views when needed), or
-    (None, None, reason, remedy)."""
+    """(gate_up [E, 2I, H] (interleaved gate/up: the [E, 2, I, H] view), down [E, H, I], "", "") as MoK takes
+    them (views, never copies), or (None, None, reason, remedy)."""
     gate_up = getattr(module, "gate_up_proj", None)
     down = getattr(module, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
@@ -206,11 +218,32 @@ def _weights(module):
         return (None, None, f"gate_up_proj is {_dtype_name(gate_up.dtype)} but down_proj is "
                 f"{_dtype_name(down.dtype)}, and MoK takes one dtype for both",
                 "cast both to one dtype, e.g. model.to(torch.bfloat16)")
+    if _interleaved(module):  # rows 2i (gate) and 2i+1 (up) -> [E, 2, I, H]: a view of any strides
+        gate_up = gate_up.unflatten(1, (two_i // 2, 2)).permute(0, 2, 1, 3)
     return gate_up, down, "", ""
 
 
+def _biases(module, E: int, I: int, H: int, dtype):
+    """(gate_up_bias [E, 2I] (interleaved: the [E, 2, I] view), down_bias [E, H], "") of a `has_bias` module, or
+    (None, None, reason)."""
+    b1 = getattr(module, "gate_up_proj_bias", None)
+    b2 = getattr(module, "down_proj_bias", None)
+    if not isinstance(b1, torch.Tensor) or not isinstance(b2, torch.Tensor):
+        return None, None, "its biases are not gate_up_proj_bias/down_proj_bias tensors"
+    if tuple(b1.shape) != (E, 2 * I) or tuple(b2.shape) != (E, H):
+        return None, None, (f"its biases gate_up_proj_bias {list(b1.shape)} / down_proj_bias {list(b2.shape)} are "
+                            f"not [E, 2I] = [{E}, {2 * I}] / [E, H] = [{E}, {H}]")
+    if b1.dtype != dtype or b2.dtype != dtype:
+        return None, None, (f"its biases are {_dtype_name(b1.dtype)}/{_dtype_name(b2.dtype)} and its weights "
+                            f"{_dtype_name(dtype)}, and MoK takes one dtype for all")
+    if _interleaved(module):
+        b1 = b1.unflatten(1, (I, 2)).transpose(1, 2)
+    return b1, b2, ""
+
+
 def _probe_gate(module, two_i: int, device) -> ExpertsPlan:
-    """Run the module's own `_apply_gate` on a probe and match it against MoK's SwiGLU (optionally clamped)."""
+    """Run the module's own `_apply_gate` on a probe and match it against MoK's activations (optionally
+    clamped): the SwiGLU, then GPT-OSS's."""
     i = two_i // 2
     candidates = [(None, None)] + _limit_candidates(module)
     gen = torch.Generator(device="cpu").manual_seed(1234)
@@ -226,21 +259,52 @@ def _probe_gate(module, two_i: int, device) -> ExpertsPlan:
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != (probe.shape[0], i):
         return ExpertsPlan(False, reason="its _apply_gate does not map [S, 2I] to [S, I]")
     got = got.double().cpu()
-    g, u = probe.double().cpu().split(i, dim=-1)
-    for name, limit in candidates:
-        gg, uu = (g, u) if limit is None else (g.clamp(max=limit), u.clamp(-limit, limit))
-        want = torch.nn.functional.silu(gg) * uu
-        err = (got - want).norm() / want.norm().clamp_min(1e-30)
-        if bool(err <= 1e-5):  # float32 rounding of the module's own arithmetic
-            return ExpertsPlan(True, swiglu_limit=limit, limit_attr=name)
+    p = probe.double().cpu()
+    g, u = (p[:, 0::2], p[:, 1::2]) if _interleaved(module) else p.split(i, dim=-1)
+    # MoK's activations (`mok_inductor.types.ACTIVATIONS`), written out: h = g * sigmoid(alpha g) * (u + beta)
+    activations = (("swiglu", 1.0, 0.0), ("gpt_oss", 1.702, 1.0))
+    for act, alpha, beta in activations:
+        for name, limit in candidates:
+            gg, uu = (g, u) if limit is None else (g.clamp(max=limit), u.clamp(-limit, limit))
+            want = gg * torch.sigmoid(alpha * gg) * (uu + beta)
+            err = (got - want).norm() / want.norm().clamp_min(1e-30)
+            if bool(err <= 1e-5):  # float32 rounding of the module's own arithmetic
+                name = _limit_read(module, name, limit, candidates, probe, got)
+                return ExpertsPlan(True, swiglu_limit=limit, limit_attr=name, activation=act)
+    alpha = getattr(module, "alpha", None)
+    if isinstance(alpha, float) and alpha != 1.702:
+        return ExpertsPlan(False, reason=f"its gate is GPT-OSS-like with alpha = {alpha}, and MoK's \"gpt_oss\" "
+                                         "activation has GPT-OSS's alpha = 1.702")
     act = getattr(module, "act_fn", None)
     act_name = type(act).__name__ if act is not None else "none"
     gate_fn = getattr(type(module), "_apply_gate", None)
     custom = "default _apply_gate" if getattr(gate_fn, "__name__", "") == "_default_apply_gate" else "custom _apply_gate"
     return ExpertsPlan(
         False,
-        reason=f"its gate ({custom}, act_fn={act_name}) is not SwiGLU (silu(gate) * up, optionally clamped)",
+        reason=f"its gate ({custom}, act_fn={act_name}) is not SwiGLU (silu(gate) * up) or GPT-OSS's ((up + 1) * gate * "
+               "sigmoid(1.702 gate)), optionally clamped",
     )
+
+
+def _limit_read(module, name, limit, candidates, probe, got):
+    """Of the limit attributes holding the matched value (MiniMax-M3-VL has `limit` and `swiglu_limit`, equal), the
+    one the gate reads: the first whose change changes the gate's output (the plan reads it on every call)."""
+    same = [n for n, v in candidates if n is not None and v == limit]
+    if len(same) < 2:
+        return name
+    for n in same:
+        old = getattr(module, n)
+        try:
+            object.__setattr__(module, n, limit * 0.5)
+            with torch.no_grad():
+                changed = not torch.equal(type(module)._apply_gate(module, probe).double().cpu(), got)
+        except Exception:  # noqa: BLE001 - a gate that rejects the change does not read it as a limit
+            changed = False
+        finally:
+            object.__setattr__(module, n, old)
+        if changed:
+            return n
+    return name
 
 
 def _weight_dtype(module) -> Optional[torch.dtype]:
@@ -283,18 +347,18 @@ def _compute_support(module) -> ExpertsPlan:
         act = getattr(module, "act_fn", None)
         return ExpertsPlan(False, reason=f"its experts are ungated, act_fn(up) (act_fn={type(act).__name__}), and MoK "
                                          "computes gated SwiGLU only")
-    if getattr(module, "has_bias", False):
-        return ExpertsPlan(False, reason="its expert projections have biases (as GPT-OSS's do), which MoK does not take")
     if getattr(module, "has_post_expert_norm", False):
         return ExpertsPlan(False, reason="it applies a norm to each expert's output before the routing weights, "
                                          "which MoK does not")
-    if not getattr(module, "is_concatenated", True):
-        return ExpertsPlan(False, reason="its gate/up rows are interleaved, and MoK takes them concatenated "
-                                         "(gate rows, then up rows)")
-    gate_up, _, why, remedy = _weights(module)
+    gate_up, down, why, remedy = _weights(module)
     if gate_up is None:
         return ExpertsPlan(False, reason=why, remedy=remedy)
-    return _probe_gate(module, gate_up.shape[1], gate_up.device)
+    E, H, I = down.shape
+    if getattr(module, "has_bias", False):
+        _, _, why = _biases(module, E, I, H, down.dtype)
+        if why:
+            return ExpertsPlan(False, reason=why)
+    return _probe_gate(module, 2 * I, gate_up.device)
 
 
 def experts_plan(module) -> ExpertsPlan:
@@ -429,20 +493,24 @@ def mok_experts_forward(
             raise RuntimeError(f"{type(self).__qualname__}: its experts were sharded by shard_experts, but MoK cannot "
                                f"run them: {plan.reason}")
         return _fallback(self, plan, hidden_states, top_k_index, top_k_weights)
-    gate_up_E2IH, down_EHI, _, _ = _weights(self)
-    num_experts = gate_up_E2IH.shape[0]
+    gate_up_E2IH, down_EHI, _, _ = _weights(self)  # (interleaved gate/up: [E, 2, I, H])
+    num_experts, H, I = down_EHI.shape
+    # the variant: GPT-OSS's activation and biases (views of the parameters, as the weights are)
+    variant = dict(activation=plan.activation)
+    if getattr(self, "has_bias", False):
+        variant["gate_up_bias"], variant["down_bias"], _ = _biases(self, num_experts, I, H, down_EHI.dtype)
     top_TK = top_k_index
     if group is not None:  # shard_experts: this rank's tokens, global ids, local experts
         x_TH = hidden_states.to(gate_up_E2IH.dtype)
         limit = None if plan.limit_attr is None else float(getattr(self, plan.limit_attr))
-        return _moe(x_TH, top_k_weights, top_TK, gate_up_E2IH, down_EHI, swiglu_limit=limit,
-                    group=group).to(hidden_states.dtype)
+        return _moe(x_TH, top_k_weights, top_TK, gate_up_E2IH, down_EHI, swiglu_limit=limit, group=group,
+                    **variant).to(hidden_states.dtype)
     if getattr(self, "_is_expert_parallel", False):
         # EP marks routes to other ranks' experts with ids >= E: MoK's "no route"
         top_TK = torch.where(top_TK >= num_experts, torch.full_like(top_TK, -1), top_TK)
     x_TH = hidden_states.to(gate_up_E2IH.dtype)
     limit = None if plan.limit_attr is None else float(getattr(self, plan.limit_attr))
-    y_TH = _moe(x_TH, top_k_weights, top_TK, gate_up_E2IH, down_EHI, swiglu_limit=limit)
+    y_TH = _moe(x_TH, top_k_weights, top_TK, gate_up_E2IH, down_EHI, swiglu_limit=limit, **variant)
     return y_TH.to(hidden_states.dtype)
 
 
@@ -469,6 +537,9 @@ def shard_experts(model: torch.nn.Module, group) -> list:
         plan = experts_plan(module)
         if not plan.supported:
             raise ValueError(f"model.{mname}: MoK cannot run these experts ({plan.reason}), so they cannot be sharded")
+        if plan.activation != "swiglu" or getattr(module, "has_bias", False):
+            raise ValueError(f"model.{mname}: MoK's expert parallelism does not take activation={plan.activation!r} "
+                             "or expert biases (GPT-OSS's) yet, so these experts cannot be sharded")
         E = module.gate_up_proj.shape[0]
         if E % W != 0:
             raise ValueError(f"model.{mname}: {E} experts do not split over {W} ranks")

@@ -25,6 +25,7 @@ Families, one module each:
     gate_up.py       the gathered gate/up GEMM, SwiGLU epilogue
     grouped_gemm.py  the grouped row GEMM (the down GEMM; the data gradients)
     combine.py       the combine over routes, the row dot of the shared output gate
+    bias_grad.py     the routed biases' gradients (fixed-order sums over each expert's rows)
     bwd_act.py       the down data-gradient GEMM with the SwiGLU backward (fused or a second pass)
     wgrad.py         the grouped weight-gradient GEMM with the accumulating epilogue
 
@@ -66,14 +67,14 @@ except ImportError:  # pragma: no cover - triton is a dependency of torch on Lin
 AVAILABLE = _HAVE_TRITON and (torch.cuda.is_available() or options.INTERPRET)
 
 if _HAVE_TRITON:
-    from . import bwd_act, combine, common, gate_up, grouped_gemm, mx_loop, operands, wgrad  # noqa: F401
+    from . import bias_grad, bwd_act, combine, common, gate_up, grouped_gemm, mx_loop, operands, wgrad  # noqa: F401
     from .common import flat
     from .operands import ExpertTable, dequantized, plain, plain_t
     from . import schedule as _schedule
     from .schedule import build_schedule  # noqa: F401
 
     # the kernel families' modules (their `_*_kernel` objects are the Triton kernels Inductor's code names)
-    MODULES = (_schedule, operands, mx_loop, gate_up, grouped_gemm, combine, bwd_act, wgrad)
+    MODULES = (_schedule, operands, mx_loop, gate_up, grouped_gemm, combine, bwd_act, wgrad, bias_grad)
 
 
 def _num_experts(op) -> int:
@@ -127,17 +128,22 @@ def _dequantized_if_large(ops: RoutedOperands, n_routes, dtype, fields, *, symbo
 # Forward
 
 
-def expert_mlp(x_TH, gate, up, down, gu_out, out, routes_N, offsets_E1, topk, limit, *, scatter, single=False):
+def expert_mlp(x_TH, gate, up, down, gu_out, out, routes_N, offsets_E1, topk, limit, *, scatter, single=False,
+               act=None, gate_up_bias=None, down_bias=None):
     """gu_out = [g | u] (saved for backward) and out[dest(r)] = swiglu(g, u) @ down[e]^T for each sorted
     row r: the gate/up GEMM (which also writes h, freed on return) then the down GEMM. gate, up read as
     [E, I, H], down as [E, H, I]. (A down GEMM applying the SwiGLU to g, u tiles in its K loop instead of
-    reading h ran at half the rate: its A operand goes through registers.)"""
+    reading h ran at half the rate: its A operand goes through registers.) `act`: the gated activation
+    (`types.Activation`, None: the SwiGLU); the optional biases [E, 2, I], [E, H] go into the GEMMs'
+    accumulators."""
     h = torch.empty(gu_out.shape[0], gu_out.shape[1] // 2, dtype=out.dtype, device=gu_out.device)
-    gate_up.gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, h_out=h, single=single)
-    return grouped_gemm.grouped_rows(h, down, out, routes_N, offsets_E1, scatter=scatter, single=single)
+    gate_up.gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, h_out=h, single=single, act=act,
+                    bias_E2I=gate_up_bias)
+    return grouped_gemm.grouped_rows(h, down, out, routes_N, offsets_E1, scatter=scatter, single=single,
+                                     bias_EN=down_bias)
 
 
-def shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_E1, swiglu_limit):
+def shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_E1, swiglu_limit, act=None):
     """The shared expert (always x.dtype weights) -> (gu_shared [T, 2Is] (empty without one), its output
     s_TH [T, H] or None, the output gate's logits [T] float32 or None): the combine's inputs."""
     T, H = x_TH.shape
@@ -147,15 +153,17 @@ def shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_
     gu_shared = torch.empty(T, 2 * s_gate.shape[0], dtype=shared_saved_dtype(dtype), device=dev)
     s_TH = torch.empty(T, H, dtype=dtype, device=dev)
     expert_mlp(x_TH, plain(s_gate[None]), plain(s_up[None]), plain(s_down[None]), gu_shared, s_TH, sorted_N,
-               offsets_E1, 1, swiglu_limit, scatter=False, single=True)
+               offsets_E1, 1, swiglu_limit, scatter=False, single=True, act=act)
     logit_T = combine.rowdot(x_TH, s_out_gate_1H) if s_out_gate_1H is not None else None
     return gu_shared, s_TH, logit_T
 
 
 def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperands, s_gate=None, s_up=None,
-            s_down=None, s_out_gate_1H=None, swiglu_limit=None) -> ForwardResult:
+            s_down=None, s_out_gate_1H=None, swiglu_limit=None, act=None, gate_up_bias=None,
+            down_bias=None) -> ForwardResult:
     """The forward with the routed weights as kernel operands (`types.RoutedOperands`: bf16, or MXFP8
-    row-wise data + scales read in the K loop, 3-D or split per expert)."""
+    row-wise data + scales read in the K loop, 3-D or split per expert); `act` the gated activation, the
+    optional routed biases gate_up_bias [E, 2, I] and down_bias [E, H]."""
     T, H = x_TH.shape
     K = top_experts_TK.shape[1]
     N = T * K
@@ -167,10 +175,11 @@ def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperan
 
     gu_N2I = torch.empty(N, 2 * I, dtype=dtype, device=dev)  # saved for backward
     y_NH = torch.empty(N, H, dtype=dtype, device=dev)  # route order; rows of `-1` routes unwritten
-    expert_mlp(x_TH, ops.gate, ops.up, ops.down, gu_N2I, y_NH, sorted_N, offsets_E1, K, swiglu_limit, scatter=True)
+    expert_mlp(x_TH, ops.gate, ops.up, ops.down, gu_N2I, y_NH, sorted_N, offsets_E1, K, swiglu_limit, scatter=True,
+               act=act, gate_up_bias=gate_up_bias, down_bias=down_bias)
 
     gu_shared, s_TH, logit_T = shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_E1,
-                                              swiglu_limit)
+                                              swiglu_limit, act)
 
     y_TH = torch.empty(T, H, dtype=dtype, device=dev)
     combine.combine(y_NH, flat(top_experts_TK), y_TH, rw_N=flat(router_weights_TK), s_TH=s_TH, logit_T=logit_T)
@@ -182,28 +191,38 @@ def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperan
 
 
 def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit,
-                    d_weights, dx_out, accumulate, *, scatter, single=False, d_gate_up=None):
+                    d_weights, dx_out, accumulate, *, scatter, single=False, d_gate_up=None, act=None,
+                    d_biases=(None, None)):
     """Weight gradients (d_gate, d_up, d_down) = `d_weights` (written or ADDED; None entries skipped) and
     dx_out[dest(r)] = dg @ gate[e] + du @ up[e] of the expert MLPs whose forward saved `gu_M2I`. gate_t, up_t
     read as [E, H, I], down_t as [E, I, H] (the transposed weights). `d_gate_up`: the [E, 2I, H] buffer whose
-    row halves d_gate and d_up are, written as one destination (GradBuffers.d_gate_up). Returns d scale
-    [routes] float32."""
+    row halves d_gate and d_up are, written as one destination (GradBuffers.d_gate_up). `d_biases`: the routed
+    biases' gradient destinations ([E, 2, I], [E, H]; None: no bias), sums over each expert's rows. Returns
+    d scale [routes] float32 (without the down bias's share <dy_t, b_e>)."""
     n_rows = x_TH.shape[0] if single else None
-    dgu, dscale, hs = bwd_act.bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, single=single)
+    dgu, dscale, hs = bwd_act.bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, single=single,
+                                      act=act)
+    d_gub, d_db = d_biases
+    if d_gub is not None:  # sum over e's rows of [dg | du] (as rounded for the weight gradient's GEMM)
+        bias_grad.bias_grad(d_gub, dgu, routes_N, offsets_E1, accumulate=accumulate)
+    if d_db is not None:  # sum over e's routes of rw * dy at the route's token
+        bias_grad.bias_grad(d_db, dy_TH, routes_N, offsets_E1, topk=topk, scale_N=scale, accumulate=accumulate)
     d_gate, d_up, d_down = d_weights
     tokens_N = None if single else routes_N // topk  # the wgrads' gather index, once for both
     kw = dict(accumulate=accumulate, single=single, n_rows=n_rows, tokens_N=tokens_N)
     wgrad.wgrad_into((d_down,), dy_TH, hs, routes_N, offsets_E1, topk, a_gather=True, b_gather=False, **kw)
     # d_gate and d_up as one GEMM over dgu = [dg | du]: both read the gathered x tile; into their common buffer
     # when there is one (dgu^T @ x is its [2I, H] rows in order)
-    pair = (d_gate_up,) if d_gate_up is not None else (d_gate, d_up)
+    # (a 4-D [E, 2, I, H] buffer's halves are not [2I, H] rows in order: the two views then)
+    four_d = isinstance(d_gate_up, torch.Tensor) and d_gate_up.dim() == 4
+    pair = (d_gate_up,) if d_gate_up is not None and not four_d else (d_gate, d_up)
     wgrad.wgrad_into(pair, dgu, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
     grouped_gemm.grouped_rows(dgu, gate_t, dx_out, routes_N, offsets_E1, w2=up_t, scatter=scatter, single=single)
     return dscale
 
 
 def shared_backward(x_TH, dy_TH, s_gate, s_up, s_down, s_out_gate_1H, gu_shared_T2Is, swiglu_limit, sorted_N,
-                    offsets_E1, grads, accumulate):
+                    offsets_E1, grads, accumulate, act=None):
     """Weight gradients of the shared expert and its output gate into `grads` (written or ADDED), and the
     combine's inputs for dx: (dx_s [T, H] or None, bias [H] or None, bias scale [T] or None)."""
     if s_gate is None:
@@ -214,7 +233,7 @@ def shared_backward(x_TH, dy_TH, s_gate, s_up, s_down, s_out_gate_1H, gu_shared_
     d_weights = (grads.d_s_gate[None], grads.d_s_up[None], grads.d_s_down[None])
     dgate_T = expert_backward(x_TH, dy_TH, plain_t(s_gate[None]), plain_t(s_up[None]), plain_t(s_down[None]),
                               gu_shared_T2Is, gate_T, sorted_N, offsets_E1, 1, swiglu_limit, d_weights, dx_s,
-                              accumulate, scatter=False, single=True,
+                              accumulate, scatter=False, single=True, act=act,
                               d_gate_up=None if grads.d_s_gate_up is None else grads.d_s_gate_up[None])
     if s_out_gate_1H is None:
         return dx_s, None, None
@@ -228,10 +247,11 @@ def shared_backward(x_TH, dy_TH, s_gate, s_up, s_down, s_out_gate_1H, gu_shared_
 
 
 def backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperands, gu_N2I, s_gate=None,
-             s_up=None, s_down=None, s_out_gate_1H=None, gu_shared_T2Is=None, swiglu_limit=None, *,
-             grads: GradBuffers, accumulate=False) -> BackwardResult:
+             s_up=None, s_down=None, s_out_gate_1H=None, gu_shared_T2Is=None, swiglu_limit=None, act=None,
+             gate_up_bias=None, down_bias=None, *, grads: GradBuffers, accumulate=False) -> BackwardResult:
     """The backward with the routed weights as kernel operands (the column-wise gate_t, up_t, down_t are
-    read). `grads`: destinations (3-D, per-expert lists, or None for a routed gradient not wanted)."""
+    read). `grads`: destinations (3-D, per-expert lists, or None for a routed gradient not wanted; the biases'
+    in d_gate_up_bias, d_down_bias when the biases are given)."""
     T, H = x_TH.shape
     K = top_experts_TK.shape[1]
     dev, dtype = x_TH.device, x_TH.dtype
@@ -244,9 +264,15 @@ def backward(dy_TH, x_TH, router_weights_TK, top_experts_TK, schedule, ops: Rout
     dx_NH = torch.empty(T * K, H, dtype=dtype, device=dev)  # route order
     drw_N = expert_backward(x_TH, dy_TH, ops.gate_t, ops.up_t, ops.down_t, gu_N2I, flat(router_weights_TK.float()),
                             sorted_N, offsets_E1, K, swiglu_limit, (grads.d_gate, grads.d_up, grads.d_down), dx_NH,
-                            accumulate, scatter=True, d_gate_up=grads.d_gate_up)
+                            accumulate, scatter=True, d_gate_up=grads.d_gate_up, act=act,
+                            d_biases=(grads.d_gate_up_bias if gate_up_bias is not None else None,
+                                      grads.d_down_bias if down_bias is not None else None))
+    if down_bias is not None:  # y_tk = D h + b: d w[t, k] gains <dy_t, b_e>, one [T, E] GEMM gathered per route
+        te_TK = top_experts_TK.long()
+        dot_TK = (dy_TH.float() @ down_bias.float().t()).gather(1, te_TK.clamp(min=0))
+        drw_N = drw_N + torch.where(te_TK >= 0, dot_TK, torch.zeros_like(dot_TK)).reshape(-1)
     dx_s, bias, d_logit = shared_backward(x_TH, dy_TH, s_gate, s_up, s_down, s_out_gate_1H, gu_shared_T2Is,
-                                          swiglu_limit, sorted_N, offsets_E1, grads, accumulate)
+                                          swiglu_limit, sorted_N, offsets_E1, grads, accumulate, act)
 
     dx_TH = torch.empty(T, H, dtype=dtype, device=dev)
     combine.combine(dx_NH, flat(top_experts_TK), dx_TH, s_TH=dx_s, bias_H=bias, bscale_T=d_logit)

@@ -68,12 +68,15 @@ def _bwd_act_body(
     dh_ptr,  # float32 [M, I] out (STORE_ACC: the accumulator only, no epilogue)
     wd_desc, w_rows,  # TMA: the host descriptor of down^T's 2-D view and its R (operands.tma_weights)
     M, H, I, E, TOPK, limit,
+    alpha, beta,  # the gated activation g * sigmoid(alpha g) * (u + beta) (`types.Activation`)
     SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, MX_D: tl.constexpr, STORE_ACC: tl.constexpr,
     DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
     GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     limit = tl.cast(limit, tl.float32)  # Inductor passes a Python float as fp64: keep the epilogue in fp32
+    alpha = tl.cast(alpha, tl.float32)
+    beta = tl.cast(beta, tl.float32)
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, E, I, SINGLE, BLOCK_M, BLOCK_N, GROUP_M)
     group, row_start, row_end = _tile_rows(pid_m, offsets_ptr, M, E, SINGLE, False, BLOCK_M, GROUPS_POW2)
     if row_start >= row_end:
@@ -112,7 +115,8 @@ def _bwd_act_body(
         tl.store(dh_ptr + rows64 * I + cols[None, :], acc, mask=omask)
         return
     part = _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr,
-                            dgu_ptr, stride_om, stride_on, hs_ptr, I, limit, HAS_SCALE, HAS_LIMIT, DOT_PREC)
+                            dgu_ptr, stride_om, stride_on, hs_ptr, I, limit, alpha, beta, HAS_SCALE, HAS_LIMIT,
+                            DOT_PREC)
     tl.store(dscale_ptr + pid_n * stride_sp + route, part, mask=rmask)
 
 
@@ -127,16 +131,18 @@ BWD_GEMM = register(Family("bwd_gemm", _bwd_act_body, _BWD_GEMM_CONFIGS, fields=
 
 @triton.jit
 def _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr, dgu_ptr,
-                     stride_om, stride_on, hs_ptr, I, limit, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                     DOT_PREC: tl.constexpr):
-    """The SwiGLU backward of one [rows, cols] tile of acc = dy @ down[e] (float32): writes dg, du and
-    (scale *) h; returns the tile's share of d scale = <acc, h> per row (h in float32)."""
+                     stride_om, stride_on, hs_ptr, I, limit, alpha, beta, HAS_SCALE: tl.constexpr,
+                     HAS_LIMIT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The gated activation's backward (h = g' sigmoid(alpha g') (u' + beta); the SwiGLU is alpha 1, beta 0)
+    of one [rows, cols] tile of acc = dy @ down[e] (float32): writes dg, du and (scale *) h; returns the tile's
+    share of d scale = <acc, h> per row (h in float32)."""
     g_ptrs = gu_ptr + rows64 * stride_gm + cols[None, :] * stride_gn
     g = tl.load(g_ptrs, mask=omask, other=0.0).to(tl.float32)
     u = tl.load(g_ptrs + I * stride_gn, mask=omask, other=0.0).to(tl.float32)
     gc, uc = clamp_gu(g, u, limit, HAS_LIMIT)
-    sig = tl.sigmoid(gc)
-    h32 = gc * sig * uc  # swiglu(g, u), its clamp and sigmoid reused by the gradient below
+    uc = uc + beta
+    sig = tl.sigmoid(alpha * gc)
+    h32 = gc * sig * uc  # the activation of (g, u), its clamp and sigmoid reused by the gradient below
     part = tl.sum(acc * h32, axis=1)
     h = to_out(h32, hs_ptr, DOT_PREC).to(tl.float32)  # the forward's h, as the down GEMM read it
     if HAS_SCALE:
@@ -146,7 +152,7 @@ def _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, 
     else:
         tl.store(hs_ptr + rows64 * I + cols[None, :], to_out(h, hs_ptr, DOT_PREC), mask=omask)
         dh = acc
-    dg = dh * uc * (sig * (1.0 + gc * (1.0 - sig)))
+    dg = dh * uc * (sig * (1.0 + alpha * gc * (1.0 - sig)))
     du = dh * gc * sig
     if HAS_LIMIT:  # the clamp passes no gradient where it clipped (NaN is not clipped)
         dg = tl.where(g > limit, 0.0, dg)
@@ -161,13 +167,15 @@ def _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, 
 def _swiglu_bwd_kernel(
     dh_ptr,  # float32 [M, I]: dy @ down[e] per sorted row (from _bwd_act_kernel with STORE_ACC)
     routes_ptr, offsets_ptr, gu_ptr, stride_gm, stride_gn, scale_ptr, dgu_ptr, stride_om, stride_on,
-    dscale_ptr, hs_ptr, M, E, I, limit,
+    dscale_ptr, hs_ptr, M, E, I, limit, alpha, beta,
     SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The second pass of the two-pass bwd_act: BLOCK_M rows, all of I in BLOCK_N steps (d scale summed
     in that fixed order; rows of the `-1` tail are skipped, their d scale stays 0)."""
     limit = tl.cast(limit, tl.float32)  # (fp64 under Inductor, see _bwd_act_body)
+    alpha = tl.cast(alpha, tl.float32)
+    beta = tl.cast(beta, tl.float32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     if SINGLE:
         rmask = rows < M
@@ -182,7 +190,8 @@ def _swiglu_bwd_kernel(
         omask = rmask[:, None] & (cols < I)[None, :]
         acc = tl.load(dh_ptr + rows64 * I + cols[None, :], mask=omask, other=0.0)
         total += _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr,
-                                  dgu_ptr, stride_om, stride_on, hs_ptr, I, limit, HAS_SCALE, HAS_LIMIT, DOT_PREC)
+                                  dgu_ptr, stride_om, stride_on, hs_ptr, I, limit, alpha, beta, HAS_SCALE, HAS_LIMIT,
+                                  DOT_PREC)
     tl.store(dscale_ptr + route, total, mask=rmask)
 
 
@@ -191,9 +200,10 @@ def _swiglu_bwd_kernel(
 # to 64-wide tiles; below it, one launch is cheaper.
 
 
-def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, single=False, two_pass=None):
+def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, single=False, two_pass=None,
+            act=None):
     """-> (dgu [M, 2I] dy.dtype, dscale [routes] float32 = <dy @ down[e], h> per route, hs [M, I] = scale * h
-    in dy.dtype (h without a scale)). down_t: the down weight's transpose as a `types.Operand` read as
+    in dy.dtype (h without a scale)). act: the gated activation (`types.Activation`; None: the SwiGLU). down_t: the down weight's transpose as a `types.Operand` read as
     [E, I, H]; gu: the forward's saved [g | u]. two_pass: None picks by rows per expert (shapes only)."""
     M = gu_M2I.shape[0]
     I = gu_M2I.shape[1] // 2
@@ -214,6 +224,7 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
     flags = dict(SINGLE=single, HAS_SCALE=scale is not None, HAS_LIMIT=limit is not None,
                  DOT_PREC=common.dot_precision(dtype))
     lim = 0.0 if limit is None else float(limit)
+    ab = (1.0, 0.0) if act is None else (act.alpha, act.beta)
     tma = tma_weights((down_t,)) if tma_eligible(dy_TH, M, E) else None
     common.launch(
         BWD_GEMM if two_pass else BWD_ACT, grid,
@@ -221,7 +232,7 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
         gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1), scale_arg,
         dgu, dgu.stride(0), dgu.stride(1), dscale_P, dscale_P.stride(0), hs, dh,
         *((None, 1) if tma is None else (tma[0][0], tma[1])),
-        M, H, I, E, topk, lim, MX_D=down_t.quantized, STORE_ACC=two_pass,
+        M, H, I, E, topk, lim, *ab, MX_D=down_t.quantized, STORE_ACC=two_pass,
         TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
         GROUPS_POW2=common.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(down_t), **flags,
         rows=M, problem=(dtype_name(dtype), H, I, E, tma is not None),
@@ -231,7 +242,7 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
         common.launch(
             _swiglu_bwd_kernel, (common.cdiv(M, bm),),
             dh, routes_N, offsets_E1, gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1), scale_arg,
-            dgu, dgu.stride(0), dgu.stride(1), dscale_P, hs, M, E, I, lim,
+            dgu, dgu.stride(0), dgu.stride(1), dscale_P, hs, M, E, I, lim, *ab,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=8, **flags,
         )
     return dgu, dscale_P[0] if P == 1 else dscale_P.sum(0), hs  # fixed-order reduction over the I-tiles

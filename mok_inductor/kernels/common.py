@@ -256,10 +256,12 @@ def clamp_gu(g, u, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
-    """silu(clamp(g, max=limit)) * clamp(u, -limit, limit) in float32."""
+def swiglu(g, u, limit, alpha, beta, HAS_LIMIT: tl.constexpr):
+    """The gated activation g' * sigmoid(alpha g') * (u' + beta) of g' = clamp(g, max=limit),
+    u' = clamp(u, -limit, limit), in float32 (`types.Activation`: the SwiGLU is alpha 1, beta 0, exactly
+    silu(g') * u')."""
     g, u = clamp_gu(g, u, limit, HAS_LIMIT)
-    return g * tl.sigmoid(g) * u
+    return g * tl.sigmoid(alpha * g) * (u + beta)
 
 
 def flat(t: torch.Tensor) -> torch.Tensor:

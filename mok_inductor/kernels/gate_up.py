@@ -37,6 +37,7 @@ def _gate_up_tile(
     wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k, wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k,
     gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm, stride_hi, g_desc, u_desc, w_rows,
     H, I, E, TOPK, limit, above, below, group, row_start, row_end, pid_n,
+    bias_ptr, b_e, b_c, b_i, alpha, beta, HAS_BIAS: tl.constexpr,
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr,
     W_TABLE: tl.constexpr, MX_LOOP: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
@@ -120,6 +121,10 @@ def _gate_up_tile(
             bu = w_tile(wu, us, kk, cols, kmask, cmask, u_n, u_k, us_n, us_k, x_ptr, MX_U, DOT_PREC)
             acc_g = mma(a, bg, acc_g, DOT_PREC)
             acc_u = mma(a, bu, acc_u, DOT_PREC)
+    if HAS_BIAS:  # the FC1 bias, in the accumulators: before the rounding and the clamp
+        b_ptrs = bias_ptr + e64 * b_e + cols * b_i
+        acc_g += tl.load(b_ptrs, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptrs + b_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
     g = to_out(acc_g, gu_ptr, DOT_PREC).to(tl.float32)
     u = to_out(acc_u, gu_ptr, DOT_PREC).to(tl.float32)
     if KEEP_CLIP:  # never round across a clamp bound (reference.round_keep_clip). where(), not min/max:
@@ -130,7 +135,7 @@ def _gate_up_tile(
     tl.store(g_ptrs, g.to(gu_ptr.dtype.element_ty), mask=omask)
     tl.store(g_ptrs + I * stride_gn, u.to(gu_ptr.dtype.element_ty), mask=omask)
     if WRITE_H:
-        h = swiglu(g, u, limit, HAS_LIMIT)
+        h = swiglu(g, u, limit, alpha, beta, HAS_LIMIT)
         tl.store(h_ptrs, to_out(h, h_ptr, DOT_PREC), mask=omask)
 
 
@@ -146,6 +151,9 @@ def _gate_up_kernel(
     g_desc, u_desc, w_rows,  # TMA: host descriptors of gate's and up's 2-D views, their R (`tma_weights`)
     M, H, I, E, TOPK,  # rows (routes), hidden, intermediate, experts, routes per token
     limit, above, below,  # swiglu clamp (HAS_LIMIT); the stored dtype's neighbours of it (KEEP_CLIP)
+    bias_ptr, b_e, b_c, b_i,  # FC1 bias read as [E, 2, I] (HAS_BIAS): gate row, up row
+    alpha, beta,  # the gated activation g * sigmoid(alpha g) * (u + beta) (`types.Activation`)
+    HAS_BIAS: tl.constexpr,
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr,
     MX_LOOP: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, GROUPS_POW2: tl.constexpr,
@@ -155,6 +163,8 @@ def _gate_up_kernel(
     limit = tl.cast(limit, tl.float32)
     above = tl.cast(above, tl.float32)
     below = tl.cast(below, tl.float32)
+    alpha = tl.cast(alpha, tl.float32)
+    beta = tl.cast(beta, tl.float32)
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, E, I, SINGLE, BLOCK_M, BLOCK_N, GROUP_M)
     group, row_start, row_end = _tile_rows(pid_m, offsets_ptr, M, E, SINGLE, True, BLOCK_M, GROUPS_POW2)
     if row_start >= row_end:
@@ -175,7 +185,7 @@ def _gate_up_kernel(
     _gate_up_tile(x_ptr, stride_xt, stride_xh, xr_ptr, routes_ptr, wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k,
                   wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k, gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm,
                   stride_hi, g_desc, u_desc, w_rows, H, I, E, TOPK, limit, above, below, group, row_start, row_end,
-                  pid_n, SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, W_TABLE, MX_LOOP, TMA,
+                  pid_n, bias_ptr, b_e, b_c, b_i, alpha, beta, HAS_BIAS, SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, W_TABLE, MX_LOOP, TMA,
                   W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
@@ -191,10 +201,12 @@ GATE_UP_MX = register(Family("gate_up_mx", _gate_up_kernel, _MX_F16_CONFIGS, fie
                              small=MX_F16_SMALL_GATE_UP))
 
 
-def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=None, single=False):
-    """gu_out[M, 2I] = [x[rows] @ gate[e]^T | x[rows] @ up[e]^T] per sorted row (before the clamp), and
-    h_out[M, I] = swiglu of those (rounded) values when given. gate, up: `types.Operand`s read as [E, I, H]
-    (SINGLE: all T rows, one expert given as [1, I, H] views)."""
+def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=None, single=False, act=None,
+            bias_E2I=None):
+    """gu_out[M, 2I] = [x[rows] @ gate[e]^T + b_g[e] | x[rows] @ up[e]^T + b_u[e]] per sorted row (before the
+    clamp), and h_out[M, I] = the activation `act` (`types.Activation`; None: the SwiGLU) of those (rounded)
+    values when given. gate, up: `types.Operand`s read as [E, I, H] (SINGLE: all T rows, one expert given as
+    [1, I, H] views); bias_E2I: optional [E, 2, I] (any strides)."""
     M = gu_out.shape[0]
     I = gu_out.shape[1] // 2
     if M == 0 or I == 0:
@@ -217,6 +229,9 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         gu_out, gu_out.stride(0), gu_out.stride(1), h, h.stride(0), h.stride(1),
         *((None, None, 1) if tma is None else (*tma[0], tma[1])),
         M, H, I, E, topk, 0.0 if limit is None else float(limit), above, below,
+        # (without a bias: a read-only input in its place, never read; an output there would alias a written one)
+        *((x_TH, 0, 0, 0) if bias_E2I is None else (bias_E2I, *bias_E2I.stride())),
+        1.0 if act is None else act.alpha, 0.0 if act is None else act.beta, HAS_BIAS=bias_E2I is not None,
         SINGLE=single, MX_G=gate.quantized, MX_U=up.quantized, WRITE_H=h_out is not None,
         HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip, DOT_PREC=common.dot_precision(x_TH.dtype),
         MX_LOOP=int(mx_loop), TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],

@@ -89,6 +89,8 @@ def _grouped_rows_kernel(
     out_ptr, stride_om, stride_on,  # out [rows, NCOL]; row = route (SCATTER) or the sorted row
     a_desc, w1_desc, w2_desc, w_rows,  # TMA: host descriptors of A and of W1's, W2's 2-D views, R (`_tma_args`)
     M, NCOL, KD, E,
+    bias_ptr, b_e, b_n,  # bias [E, NCOL] added to the accumulator (HAS_BIAS): the down GEMM's FC2 bias
+    HAS_BIAS: tl.constexpr,
     SINGLE: tl.constexpr, SCATTER: tl.constexpr, TWO: tl.constexpr, MX1: tl.constexpr, MX2: tl.constexpr,
     DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr, MX_LOOP: tl.constexpr, TMA: tl.constexpr,
     W_KMAJOR: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -129,6 +131,8 @@ def _grouped_rows_kernel(
         acc = tl.trans(acc)
     if MX_LOOP:  # A's row scales
         acc *= tl.load(ar_ptr + rows, mask=rmask, other=1.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e64 * b_e + cols * b_n, mask=cmask, other=0.0).to(tl.float32)[None, :]
     if SCATTER:
         dest = tl.load(routes_ptr + rows, mask=rmask, other=0)
     else:
@@ -164,9 +168,9 @@ def _tma_args(a_MK, w1, w2, two: bool, mx_loop: MxLoop):
     return (a_desc, descs[0], descs[-1], R), dict(TMA=True, W_KMAJOR=kmajor)
 
 
-def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, single=False):
-    """out[dest(r)] = A[r, :KD] @ W1[e]^T (+ A[r, KD:] @ W2[e]^T); w1, w2: `types.Operand`s read as
-    [E, NCOL, KD]."""
+def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, single=False, bias_EN=None):
+    """out[dest(r)] = A[r, :KD] @ W1[e]^T (+ A[r, KD:] @ W2[e]^T) (+ bias_EN[e], in the float32 accumulator);
+    w1, w2: `types.Operand`s read as [E, NCOL, KD]."""
     M = a_MK.shape[0]
     NCOL = out.shape[1]
     KD = a_MK.shape[1] // (2 if w2 is not None else 1)
@@ -187,6 +191,8 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, 
         *w_args(w1), *w_args(w2),
         out, out.stride(0), out.stride(1), *tma,
         M, NCOL, KD, E,
+        # (without a bias: a read-only input in its place, never read; an output there would alias a written one)
+        *((a_MK, 0, 0) if bias_EN is None else (bias_EN, *bias_EN.stride())), HAS_BIAS=bias_EN is not None,
         SINGLE=single, SCATTER=scatter, TWO=two, MX1=w1.quantized, MX2=w2.quantized,
         DOT_PREC=dot_prec, MX_LOOP=int(mx_loop), GROUP_M=GROUP_M, GROUPS_POW2=common.next_pow2(E + 1),
         **tma_meta, **w_meta(w1, w2), rows=M,

@@ -1,0 +1,348 @@
+"""The "gpt_oss" variant of mok::moe (issue 38): GPT-OSS's gated activation and the routed biases, on the CPU
+reference path, against the float64 oracle of `tests/oracle.py` (forward, every gradient, the forward-mode
+tangent), in Hugging Face GPT-OSS's checkpoint layout (strided views, gradients back in the parameters'
+layouts), through opcheck and torch.compile, and the argument errors.
+
+Shape legend: T tokens, H hidden, I intermediate, E experts, K routes per token.
+"""
+
+import pytest
+import torch
+
+import mok_inductor
+from _helpers import TOLERANCE, rel_err, routing
+from oracle import oracle_moe
+
+NAMES = ("x", "router_weights", "gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
+
+
+def _inputs(T=24, H=16, I=8, E=5, K=2, *, dtype=torch.float32, seed=0, kind="random", drop=0.2):
+    """Fresh random inputs; weights scaled for O(1) pre-activations, biases O(0.5) so a limit of 1 clips some
+    values of both g and u; router weights positive like softmax outputs."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+    return dict(
+        x=randn(T, H),
+        router_weights=(torch.rand(T, K, generator=gen, dtype=torch.float64) + 0.1).float(),
+        top_experts=routing(T, K, E, kind, generator=gen, drop=drop),
+        gate_up_proj=randn(E, 2 * I, H, scale=H ** -0.5),
+        down_proj=randn(E, H, I, scale=I ** -0.5),
+        gate_up_bias=randn(E, 2 * I, scale=0.5),
+        down_bias=randn(E, H, scale=0.5),
+    )
+
+
+def _leaves(inp, names):
+    return {n: (t.detach().clone().requires_grad_(n in names) if t.is_floating_point() else t)
+            for n, t in inp.items()}
+
+
+def _mok(inp, activation, limit, with_bias=(True, True), **kw):
+    return mok_inductor.moe(inp["x"], inp["router_weights"], inp["top_experts"], inp["gate_up_proj"],
+                            inp["down_proj"], swiglu_limit=limit, activation=activation,
+                            gate_up_bias=inp["gate_up_bias"] if with_bias[0] else None,
+                            down_bias=inp["down_bias"] if with_bias[1] else None, **kw)
+
+
+def _oracle_with_grads(inp, activation, limit, with_bias, dy):
+    leaves = {n: (t.detach().double().requires_grad_(True) if t.is_floating_point() else t) for n, t in inp.items()}
+    y = oracle_moe(leaves["x"], leaves["router_weights"], leaves["top_experts"], leaves["gate_up_proj"],
+                   leaves["down_proj"], swiglu_limit=limit, activation=activation,
+                   gate_up_bias=leaves["gate_up_bias"] if with_bias[0] else None,
+                   down_bias=leaves["down_bias"] if with_bias[1] else None)
+    if y.requires_grad:  # the oracle's output is a constant zero when no route exists (T = 0)
+        y.backward(dy.double())
+    # a leaf the oracle never used has no grad: its gradient is zero
+    return y.detach(), {n: leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])
+                        for n in NAMES}
+
+
+# (activation, swiglu_limit, (gate_up_bias?, down_bias?), dtype, routing kind): the GPT-OSS expert as the model
+# has it (limit and both biases), without a limit or biases, one bias alone, and the SwiGLU with biases (the
+# variant's two parameters are independent of its biases)
+CASES = {
+    "gpt_oss_fp32": ("gpt_oss", 1.0, (True, True), torch.float32, "random"),
+    "gpt_oss_bf16": ("gpt_oss", 1.0, (True, True), torch.bfloat16, "random"),
+    "gpt_oss_nolimit_nobias_fp32": ("gpt_oss", None, (False, False), torch.float32, "random"),
+    "gpt_oss_down_bias_only_bf16": ("gpt_oss", 1.0, (False, True), torch.bfloat16, "low_half"),  # empty experts
+    "swiglu_bias_fp32": ("swiglu", 0.8, (True, True), torch.float32, "repeat"),  # repeated experts in a token
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_against_oracle(case):
+    activation, limit, with_bias, dtype, kind = CASES[case]
+    inp = _inputs(dtype=dtype, seed=len(case), kind=kind)
+    gen = torch.Generator().manual_seed(len(case) + 100)
+    dy = torch.randn(inp["x"].shape, generator=gen, dtype=torch.float64).to(dtype)
+    leaves = _leaves(inp, NAMES)
+    y = _mok(leaves, activation, limit, with_bias)
+    y.backward(dy)
+    y_ref, g_ref = _oracle_with_grads(inp, activation, limit, with_bias, dy)
+    tol = TOLERANCE[dtype]
+    assert y.dtype == dtype and rel_err(y, y_ref) <= tol, rel_err(y, y_ref)
+    for n in NAMES:
+        if n in ("gate_up_bias", "down_bias") and not with_bias[n == "down_bias"]:
+            assert leaves[n].grad is None
+            continue
+        g = leaves[n].grad
+        assert g.dtype == leaves[n].dtype and g.shape == leaves[n].shape, n
+        assert rel_err(g, g_ref[n]) <= tol, f"d_{n}: {rel_err(g, g_ref[n]):.3e}"
+
+
+def test_no_route_gives_zero_output_and_bias_gradients():
+    # every route -1: no expert runs, so the down bias (added per route) must not appear in the output
+    inp = _inputs(T=3, kind="none")
+    leaves = _leaves(inp, NAMES)
+    y = _mok(leaves, "gpt_oss", 1.0)
+    y.backward(torch.randn(y.shape))
+    assert torch.equal(y, torch.zeros_like(y))
+    assert torch.equal(leaves["down_bias"].grad, torch.zeros_like(inp["down_bias"]))
+    assert torch.equal(leaves["gate_up_bias"].grad, torch.zeros_like(inp["gate_up_bias"]))
+
+
+def _hf_layout(inp):
+    """GPT-OSS's checkpoint tensors holding the same values: gate_up [E, H, 2I] and its bias [E, 2I] with gate and
+    up interleaved (gate at even columns), down [E, I, H]."""
+    w1, b1, w2 = inp["gate_up_proj"], inp["gate_up_bias"], inp["down_proj"]
+    E, two_i, H = w1.shape
+    I = two_i // 2
+    w_hf = torch.stack([w1[:, :I].transpose(1, 2), w1[:, I:].transpose(1, 2)], dim=-1).reshape(E, H, 2 * I)
+    b_hf = torch.stack([b1[:, :I], b1[:, I:]], dim=-1).reshape(E, 2 * I).contiguous()
+    return w_hf, b_hf, w2.transpose(1, 2).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_checkpoint_layout_views(dtype):
+    """The 4-D FC1 view, the transposed down view and the [E, 2, I] bias view of GPT-OSS's parameters: the values
+    of the oracle, and gradients that reach the parameters in their own (contiguous) layout as the op returns
+    them: a hook sees each parameter's gradient before AccumulateGrad, which would copy one of another layout."""
+    inp = _inputs(dtype=dtype, seed=7)
+    E, two_i, H = inp["gate_up_proj"].shape
+    I = two_i // 2
+    w_hf, b_hf, d_hf = (t.requires_grad_(True) for t in _hf_layout(inp))
+    x, rw = inp["x"].clone().requires_grad_(True), inp["router_weights"].clone().requires_grad_(True)
+    arriving = {}
+    for name, p in (("gate_up_proj", w_hf), ("gate_up_bias", b_hf), ("down_proj", d_hf)):
+        p.register_hook(lambda g, name=name: arriving.__setitem__(name, g.is_contiguous()))
+    y = mok_inductor.moe(x, rw, inp["top_experts"], w_hf.view(E, H, I, 2).permute(0, 3, 2, 1),
+                         d_hf.transpose(1, 2), swiglu_limit=1.0, activation="gpt_oss",
+                         gate_up_bias=b_hf.view(E, I, 2).transpose(1, 2), down_bias=inp["down_bias"])
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(dtype)
+    y.backward(dy)
+    assert arriving == {"gate_up_proj": True, "gate_up_bias": True, "down_proj": True}, arriving
+    y_ref, g_ref = _oracle_with_grads(inp, "gpt_oss", 1.0, (True, True), dy)
+    tol = TOLERANCE[dtype]
+    assert rel_err(y, y_ref) <= tol
+    w_ref, b_ref, d_ref = _hf_layout({"gate_up_proj": g_ref["gate_up_proj"], "gate_up_bias": g_ref["gate_up_bias"],
+                                      "down_proj": g_ref["down_proj"]})
+    for name, p, ref in (("gate_up_proj", w_hf, w_ref), ("gate_up_bias", b_hf, b_ref), ("down_proj", d_hf, d_ref),
+                         ("x", x, g_ref["x"]), ("router_weights", rw, g_ref["router_weights"])):
+        assert p.grad.stride() == p.stride(), f"d_{name}: strides {p.grad.stride()}, the parameter's {p.stride()}"
+        assert rel_err(p.grad, ref) <= tol, f"d_{name}: {rel_err(p.grad, ref):.3e}"
+
+
+def test_forward_mode_tangent():
+    """torch.func.jvp with tangents of x, the weights and both biases against the oracle's float64 jvp."""
+    inp = _inputs(T=12, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    names = ("x", "gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
+    tangents = tuple(torch.randn(inp[n].shape, generator=gen) for n in names)
+
+    def f(oracle):
+        def run(*ts):
+            kw = dict(inp, **dict(zip(names, ts)))
+            if oracle:
+                return oracle_moe(kw["x"], kw["router_weights"].double(), kw["top_experts"], kw["gate_up_proj"],
+                                  kw["down_proj"], swiglu_limit=1.0, activation="gpt_oss",
+                                  gate_up_bias=kw["gate_up_bias"], down_bias=kw["down_bias"])
+            return _mok(kw, "gpt_oss", 1.0)
+        return run
+
+    _, t = torch.func.jvp(f(False), tuple(inp[n] for n in names), tangents)
+    _, t_ref = torch.func.jvp(f(True), tuple(inp[n].double() for n in names), tuple(v.double() for v in tangents))
+    assert rel_err(t, t_ref) <= TOLERANCE[torch.float32]
+
+
+def _op_args(inp, limit=1.0):
+    return (inp["x"], inp["router_weights"], inp["top_experts"], inp["gate_up_proj"], inp["down_proj"], None, None,
+            None, limit) + (None,) * 8 + ("gpt_oss", inp["gate_up_bias"], inp["down_bias"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(dtype):
+    inp = _leaves(_inputs(T=5, H=8, I=4, E=3, dtype=dtype, seed=3), NAMES)
+    torch.library.opcheck(torch.ops.mok.moe.default, _op_args(inp))
+    d = {k: v.detach() for k, v in inp.items()}
+    sched = torch.ops.mok.schedule(d["top_experts"], 3)
+    fwd = (d["x"], d["router_weights"], d["top_experts"], *sched, d["gate_up_proj"], d["down_proj"], None, None,
+           None, 1.0) + (None,) * 8 + ("gpt_oss", d["gate_up_bias"], d["down_bias"])
+    torch.library.opcheck(torch.ops.mok.moe_fwd.default, fwd)
+    y, gu, gus = torch.ops.mok.moe_fwd(*fwd)
+    bwd = (torch.randn_like(y), *fwd[:11], gu, gus, 1.0) + (None,) * 6 + (True, True, "gpt_oss", d["gate_up_bias"],
+                                                                          d["down_bias"])
+    torch.library.opcheck(torch.ops.mok.moe_bwd.default, bwd)
+
+
+def test_torch_compile_matches_eager():
+    inp = _inputs(seed=5)
+    dy = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(6))
+    outs = []
+    for fn in (_mok, torch.compile(_mok, backend="aot_eager", fullgraph=True)):
+        leaves = _leaves(inp, NAMES)
+        y = fn(leaves, "gpt_oss", 1.0)
+        y.backward(dy)
+        outs.append((y.detach(), *(leaves[n].grad for n in NAMES)))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_errors():
+    inp = _inputs(T=4, seed=9)
+    with pytest.raises(ValueError, match="activation: expected one of"):
+        _mok(inp, "gelu", None)
+    with pytest.raises(ValueError, match="gate_up_bias: expected shape"):
+        _mok(dict(inp, gate_up_bias=inp["gate_up_bias"][:, :-1]), "gpt_oss", None)
+    with pytest.raises(ValueError, match="down_bias: expected shape"):
+        _mok(dict(inp, down_bias=inp["down_bias"][:-1]), "gpt_oss", None)
+    with pytest.raises(TypeError, match="down_bias: expected dtype"):
+        _mok(dict(inp, down_bias=inp["down_bias"].double()), "gpt_oss", None)
+    H, I = inp["x"].shape[1], inp["down_proj"].shape[2]
+    with pytest.raises(ValueError, match="gate_up_bias: routed biases are not supported with a shared expert"):
+        _mok(inp, "gpt_oss", None, shared_gate_up_proj=torch.randn(2 * I, H), shared_down_proj=torch.randn(H, I))
+
+
+# The Triton kernels (under the interpreter on CPU: tiny shapes), through the same op: the activation's alpha and
+# beta in the gate/up epilogue and the backward's, the biases in the GEMMs' accumulators, the bias gradients'
+# per-expert row sums and the router weight's bias term.
+# (activation, limit, biases, dtype, routing kind, HF checkpoint views?, options)
+TRITON_CASES = {
+    "gpt_oss_bf16_hf_views": ("gpt_oss", 1.0, (True, True), torch.bfloat16, "random", True, {}),
+    # the backward's two-pass variant (a plain GEMM, then the activation's backward in a second kernel)
+    "gpt_oss_fp32_empty_experts_two_pass": ("gpt_oss", 1.0, (True, True), torch.float32, "low_half", False,
+                                            {"two_pass_min_rows": 1}),
+    "swiglu_down_bias_fp32": ("swiglu", None, (False, True), torch.float32, "repeat", False, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(TRITON_CASES))
+def test_triton_kernels_against_oracle(case):
+    from mok_inductor import kernels
+
+    if not kernels.AVAILABLE:  # tests/conftest.py sets TRITON_INTERPRET=1 without CUDA, so this never skips in CI
+        pytest.fail("the Triton kernels are not available (no CUDA and no TRITON_INTERPRET=1)")
+    activation, limit, with_bias, dtype, kind, hf, opts = TRITON_CASES[case]
+    # T=7 < a tile, H=16, I=8, E=4 (prime-free but with an empty expert in "low_half"), K=2
+    inp = _inputs(T=7, H=16, I=8, E=4, K=2, dtype=dtype, seed=len(case), kind=kind)
+    dy = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+    leaves = _leaves(inp, NAMES)
+    call = dict(leaves)
+    arriving = {}
+    if hf:  # GPT-OSS's layouts: strided views (pointer loads, strided gradient destinations)
+        w_hf, b_hf, d_hf = (t.detach().requires_grad_(True) for t in _hf_layout(inp))
+        for p in (w_hf, b_hf, d_hf):  # each gradient as it arrives, before AccumulateGrad (which would copy)
+            p.register_hook(lambda g, p=p: arriving.__setitem__(id(p), g.is_contiguous()))
+        E, two_i, H = inp["gate_up_proj"].shape
+        I = two_i // 2
+        call.update(gate_up_proj=w_hf.view(E, H, I, 2).permute(0, 3, 2, 1), down_proj=d_hf.transpose(1, 2),
+                    gate_up_bias=b_hf.view(E, I, 2).transpose(1, 2))
+    with mok_inductor.options.override(backend="triton", **opts):
+        y = _mok(call, activation, limit, with_bias)
+        y.backward(dy)
+    y_ref, g_ref = _oracle_with_grads(inp, activation, limit, with_bias, dy)
+    tol = TOLERANCE[dtype]
+    assert rel_err(y, y_ref) <= tol, rel_err(y, y_ref)
+    grads = {n: leaves[n].grad for n in NAMES}
+    if hf:
+        assert list(arriving.values()) == [True] * 3, arriving
+        grads["gate_up_proj"], grads["gate_up_bias"], grads["down_proj"] = w_hf.grad, b_hf.grad, d_hf.grad
+        g_ref = dict(g_ref)
+        g_ref["gate_up_proj"], g_ref["gate_up_bias"], g_ref["down_proj"] = _hf_layout(
+            {"gate_up_proj": g_ref["gate_up_proj"], "gate_up_bias": g_ref["gate_up_bias"],
+             "down_proj": g_ref["down_proj"]})
+    for n in NAMES:
+        if n in ("gate_up_bias", "down_bias") and not with_bias[n == "down_bias"]:
+            continue
+        assert rel_err(grads[n], g_ref[n]) <= tol, f"d_{n}: {rel_err(grads[n], g_ref[n]):.3e}"
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_mxfp8_weights_with_biases(backend):
+    """MXFP8 routed weights with the GPT-OSS variant: the biases are separate x.dtype tensors, so the forward and
+    every gradient (the weights' to their masters, straight-through) equal the computation on the row-wise
+    dequantized weights (the forward's; the data gradients read the column-wise pair, within bf16 rounding)."""
+    from mok_inductor import kernels, mxfp8
+
+    if backend == "triton" and not kernels.AVAILABLE:
+        pytest.fail("the Triton kernels are not available (no CUDA and no TRITON_INTERPRET=1)")
+    # H=32, I=32 (MXFP8 blocks of 32 along both dims), T=6 < a tile, E=3, K=2
+    inp = _inputs(T=6, H=32, I=32, E=3, K=2, dtype=torch.bfloat16, seed=21)
+    masters = {n: inp[n].clone().requires_grad_(True) for n in ("gate_up_proj", "down_proj")}
+    q = {n: mxfp8.quantize(masters[n]) for n in masters}
+    deq = {n: mxfp8.dequantize(q[n], layout="row") for n in q}
+    dy = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(22)).to(torch.bfloat16)
+    leaves = _leaves(inp, NAMES)
+    with mok_inductor.options.override(backend=backend):
+        y = _mok(dict(leaves, **q), "gpt_oss", 1.0)
+        y.backward(dy)
+    y_ref, g_ref = _oracle_with_grads(dict(inp, **deq), "gpt_oss", 1.0, (True, True), dy)
+    tol = TOLERANCE[torch.bfloat16]
+    assert rel_err(y, y_ref) <= tol, rel_err(y, y_ref)
+    got = {**{n: leaves[n].grad for n in NAMES}, **{n: masters[n].grad for n in masters}}
+    for n in NAMES:
+        assert rel_err(got[n], g_ref[n]) <= tol, f"d_{n}: {rel_err(got[n], g_ref[n]):.3e}"
+
+
+def test_autocast_casts_the_biases():
+    """Under torch.autocast the biases are cast with x and the weights (mok::moe's autocast policy): the result
+    and the gradients equal the call on the cast inputs, the gradients coming back in float32 through the casts."""
+    inp = _inputs(T=8, seed=31)
+    dy = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(32)).to(torch.bfloat16)
+    leaves = _leaves(inp, NAMES)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = _mok(leaves, "gpt_oss", 1.0)
+    assert y.dtype == torch.bfloat16
+    y.backward(dy)
+    cast = _leaves({n: (t.to(torch.bfloat16) if n != "router_weights" and t.is_floating_point() else t)
+                    for n, t in inp.items()}, NAMES)
+    y_cast = _mok(cast, "gpt_oss", 1.0)
+    y_cast.backward(dy)
+    torch.testing.assert_close(y, y_cast, rtol=0, atol=0)
+    for n in NAMES:
+        assert leaves[n].grad.dtype == inp[n].dtype, n
+        torch.testing.assert_close(leaves[n].grad, cast[n].grad.to(inp[n].dtype), rtol=0, atol=0)
+
+
+def test_interleaved_weights_load_by_pointers():
+    """GPT-OSS's interleaved gate/up rows have inner stride 2 along I and 2I along H (no unit stride): no TMA
+    descriptor is built for them (TMA needs a unit inner stride), the launches load them by pointers."""
+    from mok_inductor import kernels
+    from mok_inductor.kernels import operands
+    from mok_inductor.types import Operand, split_gate_up
+
+    if not kernels.AVAILABLE:
+        pytest.fail("the Triton kernels are not available (no CUDA and no TRITON_INTERPRET=1)")
+    E, H, I = 3, 64, 32
+    w_hf = torch.randn(E, H, 2 * I, dtype=torch.bfloat16)
+    gate, up = split_gate_up(w_hf.view(E, H, I, 2).permute(0, 3, 2, 1))
+    assert gate.stride() == (H * 2 * I, 2, 2 * I)
+    assert operands.tma_weights((Operand(gate, None), Operand(up, None))) is None
+
+
+# T=0 (an empty call: zero weight and bias gradients), T=1 with K=1, K=E with every expert on every token
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("T,K", [(0, 2), (1, 1), (3, 4)])
+def test_edge_cases_against_oracle(backend, T, K):
+    inp = _inputs(T=T, E=4, K=K, seed=40 + T + K, drop=0.0)
+    dy = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(41))
+    leaves = _leaves(inp, NAMES)
+    with mok_inductor.options.override(backend=backend):
+        y = _mok(leaves, "gpt_oss", 1.0)
+        y.backward(dy)
+    y_ref, g_ref = _oracle_with_grads(inp, "gpt_oss", 1.0, (True, True), dy)
+    assert y.shape == y_ref.shape and rel_err(y, y_ref) <= TOLERANCE[torch.float32]
+    for n in NAMES:
+        assert rel_err(leaves[n].grad, g_ref[n]) <= TOLERANCE[torch.float32], n
