@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from . import _checks
+from . import types as _types
 from .api import moe as _moe
 
 # Per-expert Linear names of Hub checkpoints, (gate, up, down): Qwen/DeepSeek style, then Mixtral's.
@@ -56,17 +57,24 @@ class Experts(nn.Module):
     [E, H, I]. A holder: `MoE.forward` passes them to the op. `reset_parameters` initialises each expert as
     nn.Linear does its weight: uniform in +-1/sqrt(H) (gate_up_proj) and +-1/sqrt(I) (down_proj)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, device=None, dtype=None):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, bias: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **kw))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **kw))
+        # (GPT-OSS's names: gate_up_proj_bias [E, 2I] gate columns then up columns, down_proj_bias [E, H])
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, **kw)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **kw)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         _linear_init_(self.gate_up_proj, self.gate_up_proj.shape[2])
         _linear_init_(self.down_proj, self.down_proj.shape[2])
+        if self.gate_up_proj_bias is not None:  # as nn.Linear's bias: the same bound as its weight
+            _linear_init_(self.gate_up_proj_bias, self.gate_up_proj.shape[2])
+            _linear_init_(self.down_proj_bias, self.down_proj.shape[2])
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Hub checkpoints hold one Linear per expert: stack them into the fused tensors when the fused keys are
@@ -126,7 +134,7 @@ def _int_at_least(name: str, value, minimum: int = 1) -> int:
 
 
 class MoE(nn.Module):
-    """A Mixture-of-Experts layer with SwiGLU experts, an optional router, shared expert and shared output
+    """A Mixture-of-Experts layer with gated experts (SwiGLU or GPT-OSS's), an optional router, shared expert and shared output
     gate, computed by one `mok_inductor.moe` call (docs/api.md, "The MoE module").
 
     Args:
@@ -141,13 +149,19 @@ class MoE(nn.Module):
             parameter; `forward(x, router_weights, top_experts)` takes the routing.
         norm_topk_prob: renormalise the K picked softmax probabilities to sum to 1 (Qwen3-MoE and Mixtral; HF's
             Qwen2-MoE and Qwen3-MoE configs default to False).
-        swiglu_limit: the clamp of the SwiGLU (gate clamped above, up to [-limit, limit]), routed and shared.
+        swiglu_limit: the clamp of the gated activation (gate clamped above, up to [-limit, limit]), routed and
+            shared.
+        activation: the experts' gated activation, "swiglu" (silu(gate) * up) or "gpt_oss"
+            (gate * sigmoid(1.702 gate) * (up + 1)), routed and shared (docs/semantics.md).
+        expert_bias: the routed experts' projections have biases, `experts.gate_up_proj_bias` [E, 2I] and
+            `experts.down_proj_bias` [E, H] (GPT-OSS); not with a shared expert.
         device, dtype: of the parameters (x must have their dtype, or any float dtype under torch.autocast).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  shared_intermediate_size: int = 0, shared_expert_gate: bool = False, router: bool = True,
-                 norm_topk_prob: bool = True, swiglu_limit: Optional[float] = None, device=None, dtype=None):
+                 norm_topk_prob: bool = True, swiglu_limit: Optional[float] = None, activation: str = "swiglu",
+                 expert_bias: bool = False, device=None, dtype=None):
         super().__init__()
         self.hidden_size = _int_at_least("hidden_size", hidden_size)
         self.intermediate_size = _int_at_least("intermediate_size", intermediate_size)
@@ -162,11 +176,15 @@ class MoE(nn.Module):
         if dtype is not None and dtype not in _checks.FLOAT_DTYPES:
             raise TypeError(f"dtype: expected one of {', '.join(map(str, _checks.FLOAT_DTYPES))} (what the op "
                             f"takes), got {dtype}")
+        if expert_bias and shared_intermediate_size:
+            raise ValueError("expert_bias: routed biases are not taken together with a shared expert "
+                             "(shared_intermediate_size > 0)")
+        self.activation = _types.activation(activation).name
         self.norm_topk_prob = bool(norm_topk_prob)
         self.swiglu_limit = _checks.check_swiglu_limit(swiglu_limit)
         kw = dict(device=device, dtype=dtype)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, **kw) if router else None
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, **kw)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, bias=bool(expert_bias), **kw)
         self.shared_expert = SharedExpert(hidden_size, shared_intermediate_size, **kw) \
             if shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, **kw) if shared_expert_gate else None
@@ -230,7 +248,8 @@ class MoE(nn.Module):
                     shared_gate_up_proj=None if shared is None else shared.gate_up_proj,
                     shared_down_proj=None if shared is None else shared.down_proj,
                     shared_output_gate=None if gate is None else gate.weight,
-                    swiglu_limit=self.swiglu_limit)
+                    swiglu_limit=self.swiglu_limit, activation=self.activation,
+                    gate_up_bias=self.experts.gate_up_proj_bias, down_bias=self.experts.down_proj_bias)
 
     def extra_repr(self) -> str:
         s = (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
@@ -239,4 +258,6 @@ class MoE(nn.Module):
             s += f", shared_intermediate_size={self.shared_intermediate_size}"
         if self.swiglu_limit is not None:
             s += f", swiglu_limit={self.swiglu_limit}"
+        if self.activation != "swiglu":
+            s += f", activation={self.activation!r}"
         return s

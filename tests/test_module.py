@@ -54,7 +54,9 @@ def _oracle(m: mok_inductor.MoE, x, dy, top_experts):
         rw_TK = rw_TK / rw_TK.sum(dim=1, keepdim=True)
     y = oracle_moe(x_TH, rw_TK, te_TK, params["experts.gate_up_proj"], params["experts.down_proj"],
                    params.get("shared_expert.gate_up_proj"), params.get("shared_expert.down_proj"),
-                   params.get("shared_expert_gate.weight"), m.swiglu_limit).reshape(x.shape)
+                   params.get("shared_expert_gate.weight"), m.swiglu_limit, activation=m.activation,
+                   gate_up_bias=params.get("experts.gate_up_proj_bias"),
+                   down_bias=params.get("experts.down_proj_bias")).reshape(x.shape)
     y.backward(dy.double())
     return y.detach(), {"x": x64.grad, **{n: p.grad for n, p in params.items()}}
 
@@ -80,6 +82,11 @@ def _run(m, x, dy, *routing, fn=None):
                                                   norm_topk_prob=False), top_k=3),
     # bfloat16 parameters and input, shared expert without its gate
     dict(dtype=torch.bfloat16, lead=(3, 4), kw=dict(shared_expert_gate=False)),
+    # GPT-OSS's experts: its activation and the routed biases (no shared expert), float32 and bfloat16
+    dict(dtype=torch.float32, lead=(11,), kw=dict(shared_intermediate_size=0, shared_expert_gate=False,
+                                                   activation="gpt_oss", expert_bias=True, swiglu_limit=0.9)),
+    dict(dtype=torch.bfloat16, lead=(2, 6), kw=dict(shared_intermediate_size=0, shared_expert_gate=False,
+                                                     activation="gpt_oss", expert_bias=True)),
 ])
 def test_forward_and_gradients_match_float64(config):
     dtype, lead = config["dtype"], config["lead"]
@@ -144,6 +151,9 @@ def test_routing_given_by_the_caller():
     (lambda: mok_inductor.MoE(H, I, E, K, shared_expert_gate=True), ValueError, "^shared_expert_gate: .* needs a "),
     (lambda: mok_inductor.MoE(H, I, E, K, dtype=torch.float64), TypeError, "^dtype: expected one of"),
     (lambda: mok_inductor.MoE(H, I, E, K, swiglu_limit=-1.0), ValueError, "^swiglu_limit: expected a finite"),
+    (lambda: mok_inductor.MoE(H, I, E, K, activation="gelu"), ValueError, "^activation: expected one of"),
+    (lambda: mok_inductor.MoE(H, I, E, K, shared_intermediate_size=IS, expert_bias=True), ValueError,
+     "^expert_bias: routed biases are not taken together with a shared expert"),
     (lambda: _module()(torch.randn(3, H + 1)), ValueError, r"^x: expected shape \[\.\.\., 16\]"),
     (lambda: _module()(torch.randn(H)), ValueError, r"^x: expected shape \[\.\.\., 16\]"),
     (lambda: _module()(torch.randn(3, H), torch.rand(3, K)), ValueError, "^top_experts: router_weights was given"),
@@ -262,27 +272,31 @@ def test_per_expert_checkpoint_keys_are_stacked_on_load(names):
 
 def _assert_init_bounds(m: mok_inductor.MoE) -> None:
     """Every parameter as nn.Linear initialises a weight of its fan-in (the last dim here): uniform in
-    +-1/sqrt(fan_in); on tensors of a few hundred elements, the spread of a uniform too."""
+    +-1/sqrt(fan_in), the routed biases their weight's; on tensors of a few hundred elements, the spread of a
+    uniform too."""
+    fan_in = {"experts.gate_up_proj_bias": H, "experts.down_proj_bias": m.intermediate_size}
     for n, p in m.named_parameters():
         p = p.full_tensor() if hasattr(p, "full_tensor") else p
-        bound = p.shape[-1] ** -0.5
+        bound = fan_in.get(n, p.shape[-1]) ** -0.5
         assert p.abs().max() <= bound, n
         if p.numel() >= 256:
             assert abs(p.double().std().item() / (bound / 3 ** 0.5) - 1) < 0.15, n
             assert p.abs().max() > 0.9 * bound, n
 
 
-def test_meta_init_then_to_empty_and_reset_parameters():
+@pytest.mark.parametrize("kw", [dict(shared_intermediate_size=IS, shared_expert_gate=True, swiglu_limit=2.0),
+                                dict(activation="gpt_oss", expert_bias=True)], ids=["shared", "gpt_oss"])
+def test_meta_init_then_to_empty_and_reset_parameters(kw):
     """Deferred init (how FSDP2 builds big models): built on the meta device, materialised with to_empty, then
     reset_parameters gives the parameters that building on the CPU under the same seed gives."""
     with torch.device("meta"):
-        m = _module(swiglu_limit=2.0)
+        m = mok_inductor.MoE(H, I, E, K, **kw)
     assert all(p.is_meta for p in m.parameters())
     m.to_empty(device="cpu")
     torch.manual_seed(16)
     m.reset_parameters()
     torch.manual_seed(16)
-    ref = mok_inductor.MoE(H, I, E, K, shared_intermediate_size=IS, shared_expert_gate=True, swiglu_limit=2.0)
+    ref = mok_inductor.MoE(H, I, E, K, **kw)
     for (n, p), q in zip(m.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
     _assert_init_bounds(m)
