@@ -792,6 +792,8 @@ def _model_and_loss(kind):
     if kind == "qwen3_moe":
         sizes = dict(ex.PRESETS["tiny"].model, num_hidden_layers=1)
         model = ex.build_model(sizes, torch.float32, "cpu", seed=0, seq=32)
+    elif kind == "gpt_oss":  # its activation, the expert biases, the interleaved checkpoint-layout weights
+        model = _tiny_gpt_oss(seed=6)
     else:
         from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
@@ -820,6 +822,7 @@ def _graph_capturing_backend(codes):
     [
         pytest.param("qwen3_moe", "inductor", marks=pytest.mark.slow),  # what examples/train_text.py compiles
         ("qwen2_moe", "aot_autograd"),  # shared expert + gate around the experts; Dynamo + AOT, no codegen (CPU time)
+        ("gpt_oss", "aot_autograd"),  # the expert biases' gradients included
     ],
 )
 def test_compiled_fullgraph_forward_backward(kind, backend):
@@ -945,59 +948,13 @@ def test_gpt_oss_experts_run_natively(monkeypatch):
     assert max(bf16) <= 1e-2, bf16
 
 
-def test_gpt_oss_compiled_fullgraph_forward_backward():
-    """A tiny GPT-OSS compiled with "mok" (torch.compile(fullgraph=True), Dynamo + AOTAutograd, no codegen): the
-    graphs call mok::moe_fwd / mok::moe_bwd on views of the checkpoint-layout parameters, and the loss and every
-    gradient (the expert biases' included) equal eager HF at 1e-4."""
-    torch._dynamo.reset()
-    model = _tiny_gpt_oss(seed=6)
-    ids = _ids(model, 2, 8, seed=7)
-
-    def loss_fn(input_ids):
-        logits = model(input_ids=input_ids, use_cache=False).logits
-        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                 input_ids[:, 1:].reshape(-1))
-
-    model.set_experts_implementation("eager")
-    ref_loss = loss_fn(ids)
-    ref_loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    model.set_experts_implementation("mok")
-    hf._PLANS.clear()
-    codes = []
-    compiled = torch.compile(loss_fn, fullgraph=True, backend=_graph_capturing_backend(codes))
-    with mok_inductor.enabled():
-        loss = compiled(ids)
-        loss.backward()
-    assert any("mok.moe_fwd" in c for c in codes) and any("mok.moe_bwd" in c for c in codes)
-    assert rel_err(loss, ref_loss) <= 1e-4
-    params = dict(model.named_parameters())
-    assert any("experts.down_proj_bias" in n for n in ref_grads)
-    for n, g in ref_grads.items():
-        assert rel_err(params[n].grad, g) <= 1e-4, (n, rel_err(params[n].grad, g))
-    torch._dynamo.reset()
-
-
-def test_gpt_oss_generate_matches_eager():
-    """Greedy generate of a tiny GPT-OSS through "mok" (prefill + decode): the tokens equal eager's."""
-    model = _tiny_gpt_oss(seed=3).eval()
-    ids = _ids(model, 2, 5, seed=5)
-    outs = {}
-    for impl in ("eager", "mok"):
-        model.set_experts_implementation(impl)
-        with torch.no_grad():
-            outs[impl] = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert outs["mok"].shape == (2, 11)
-    assert torch.equal(outs["mok"], outs["eager"])
-
-
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
-def test_generate_with_mok_matches_eager(device, request):
-    """Greedy generate (prefill + decode through "mok"): the tokens equal eager's. On CUDA the Triton kernels
-    serve every step and the reference never runs."""
+def test_generate_with_mok_matches_eager(device, family, request):
+    """Greedy generate (prefill + decode through "mok"; GPT-OSS: its activation, biases and interleaved weights):
+    the tokens equal eager's. On CUDA the Triton kernels serve every step and the reference never runs."""
     calls = request.getfixturevalue("triton_only") if device == "cuda" else None
-    model = _tiny_qwen2_moe().eval().to(device)
+    model = (_tiny_qwen2_moe() if family == "qwen2_moe" else _tiny_gpt_oss(seed=3)).eval().to(device)
     ids = _ids(model, 2, 5, seed=9).to(device)
     outs = {}
     for impl in ("eager", "mok"):
