@@ -122,3 +122,52 @@ print(rules())
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:5] == ["[False, False, False]", "[True, True, True] True", "[False, False, False]",
                                           "[True, True, True]", "[False, False, False]"], out.stdout + out.stderr
+
+
+_AOTI_LOAD = """
+import sys
+import torch
+if sys.argv[2] == "import":
+    import mok_inductor  # noqa: F401  (the package's ops, which the CPU package calls)
+runner = torch._inductor.aoti_load_package(sys.argv[1])
+x = torch.load(sys.argv[1] + ".x.pt")
+torch.save(runner(x), sys.argv[1] + ".y.pt")
+"""
+
+
+@pytest.mark.slow
+def test_aoti_package_on_cpu_loads_in_a_fresh_process_with_the_package_imported(tmp_path):
+    # docs/compile.md "Deployment": torch.export of a layer (router + mok_inductor.moe, a dynamic token count),
+    # aoti_compile_and_package, then aoti_load_package in a fresh process at another token count: equal to eager
+    # with `import mok_inductor`; without it, the load says which op it lacks
+    import subprocess
+    import sys
+
+    H, I, E, K = 32, 16, 4, 2
+    gen = torch.Generator().manual_seed(41)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = torch.nn.Parameter(torch.randn(E, H, generator=gen) * H ** -0.5)
+            self.gate_up = torch.nn.Parameter(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5)
+            self.down = torch.nn.Parameter(torch.randn(E, H, I, generator=gen) * I ** -0.5)
+
+        def forward(self, x):
+            rw, te = torch.topk((x @ self.router.T).softmax(-1), K)
+            return mok_inductor.moe(x, rw, te, self.gate_up, self.down, swiglu_limit=1.5)
+
+    layer = Layer()
+    ep = torch.export.export(layer, (torch.randn(8, H, generator=gen),),
+                             dynamic_shapes=({0: torch.export.Dim("T", min=1, max=1024)},))
+    path = str(tmp_path / "layer.pt2")
+    torch._inductor.aoti_compile_and_package(ep, package_path=path)
+    x = torch.randn(37, H, generator=gen)
+    torch.save(x, path + ".x.pt")
+    with torch.no_grad():
+        want = layer(x)
+    ok = subprocess.run([sys.executable, "-c", _AOTI_LOAD, path, "import"], capture_output=True, text=True, timeout=600)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert rel_err(torch.load(path + ".y.pt"), want) <= 1e-5
+    bare = subprocess.run([sys.executable, "-c", _AOTI_LOAD, path, "bare"], capture_output=True, text=True, timeout=600)
+    assert bare.returncode != 0 and "Could not find schema for mok::" in bare.stderr, bare.stderr[-3000:]
