@@ -7,7 +7,8 @@ A grouped formulation is found in four steps, each of which either returns nodes
     anchor     GEMM nodes (torch._grouped_mm, F.grouped_mm, transformers::grouped_mm_fallback) grouped by
                the `offs` node they share
     body       h = silu(gate) * up between the first GEMM(s) and the last one; gate/up either the two halves
-               of one [E, 2I, H] weight (HF) or two weights (torchtitan w1/w3)
+               of one [E, 2I, H] weight (HF) or two weights (torchtitan w1/w3); or GPT-OSS's gate on the
+               interleaved halves of an [E, H, 2I] weight, with per-expert biases (`gpt_oss_core`)
     routing    offs = cumsum(histc(ids) | bincount(ids), dtype=int32); perm = sort(ids)[1] | argsort(ids),
                ids = top_experts.reshape(-1), and the dispatched input = x[perm // K]
     combine    per formulation (match_hf / match_titan): scale by router weights, un-permute, sum over K

@@ -21,8 +21,11 @@ grouped_mm adds `mask = (ids_g >= E).unsqueeze(-1)`, `ids_g.clamp_(max=E-1)`, `x
 routes); batched_mm clamps `ids = ids.clamp(0, E-1)` before the gathers (MoK gets the clamped ids) and, in
 5.23, zeroes `sample_weights` at `ids >= E` (those become -1 routes too).
 
-Biases (`out.add_(bias)`), `is_transposed=True` weights, other activations, custom `_apply_gate` and any
-other mask or clamp differ from these graphs and are rejected with a reason.
+GPT-OSS's experts (`is_transposed=True`, `has_bias=True`, its own `_apply_gate`) are matched too, with
+activation "gpt_oss" and the biases: grouped_mm in `_experts.gpt_oss_core`, batched_mm in
+`_match_batched_gpt_oss` (below). Other biases (`out.add_(bias)` on a SwiGLU block), `is_transposed=True`
+weights with SwiGLU, other activations, other custom `_apply_gate` and any other mask or clamp differ from these
+graphs and are rejected with a reason.
 """
 
 from __future__ import annotations
