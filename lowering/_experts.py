@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .._checks import FLOAT_DTYPES
+from ..types import ACTIVATIONS
 from ._fx import (Reject, arg, dtype, flat_source, getitem_of, is_fn, is_method, same, same_shape, shape,
                   strip_noop_casts, transposed_last2)
 
@@ -580,7 +581,7 @@ def routed_input(a1, offs, num_experts, nodes: set):
 # = mok::moe(activation="gpt_oss", swiglu_limit=L) with alpha = 1.702, the weights and the FC1 bias as
 # zero-copy [E, 2, I, H] / [E, H, I] / [E, 2, I] views (the bias enters before the routing weight, as in MoK).
 
-GPT_OSS_ALPHA = 1.702  # MoK's "gpt_oss" activation (docs/semantics.md); mok_inductor.types.ACTIVATIONS
+GPT_OSS = ACTIVATIONS["gpt_oss"]  # g * sigmoid(alpha g) * (u + beta): alpha = 1.702, beta = 1 (docs/semantics.md)
 
 
 def _plus_const(n):
@@ -623,7 +624,8 @@ def _interleaved_half(n, first: int):
     if not (is_fn(n, operator.getitem) and isinstance(n.args[1], tuple) and len(n.args[1]) == 2):
         return None
     ell, sl = n.args[1]
-    if ell is not Ellipsis or not isinstance(sl, slice) or sl.step != 2 or (sl.start or 0) != first or sl.stop is not None:
+    if ell is not Ellipsis or not isinstance(sl, slice) or sl.step != 2 or (sl.start or 0) != first or \
+            sl.stop is not None:
         return None
     return n.args[0]
 
@@ -657,8 +659,9 @@ def gpt_oss_body(h, nodes: set):
     a, b = h0.args
     up_beta, glu = (a, b) if isinstance(a, fx.Node) and _plus_const(a) is not None else (b, a)
     up_c, beta = _plus_const(up_beta)
-    if beta != 1:
-        raise Reject(f"{h0.name}: GPT-OSS-style gate with (up + {beta}); MoK's \"gpt_oss\" activation has (up + 1)")
+    if beta != GPT_OSS.beta:
+        raise Reject(f"{h0.name}: GPT-OSS-style gate with (up + {beta}); MoK's \"gpt_oss\" activation has "
+                     f"(up + {GPT_OSS.beta:g})")
     if not (isinstance(glu, fx.Node) and _is_mul(glu) and len(glu.args) == 2):
         raise Reject(f"{h0.name}: (up + 1) does not multiply gate * sigmoid(alpha * gate)")
     ga, gb = glu.args
@@ -668,9 +671,9 @@ def gpt_oss_body(h, nodes: set):
     alpha = _scaled_by_const(sig.args[0], gate_c)
     if alpha is None:
         raise Reject(f"{sig.name}: the sigmoid does not read alpha * gate with a constant alpha")
-    if alpha != GPT_OSS_ALPHA:
+    if alpha != GPT_OSS.alpha:
         raise Reject(f"{sig.name}: GPT-OSS-style gate with alpha = {alpha}; MoK's \"gpt_oss\" activation has "
-                     f"alpha = {GPT_OSS_ALPHA}")
+                     f"alpha = {GPT_OSS.alpha}")
     nodes.update((h0, up_beta, glu, sig, sig.args[0]))
     gate, up, limit = gate_c, up_c, None
     cg, cu = _clamp_bounds(gate_c), _clamp_bounds(up_c)

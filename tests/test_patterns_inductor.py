@@ -1,7 +1,8 @@
 """Real Inductor compiles (about 20 s each on two CPU cores, so only a few): backend="mok" on a bf16
 grouped_mm Qwen3-MoE block, `mok_inductor.enable()` on an fp32 Mixtral block (transformers::grouped_mm_fallback)
-and on an fp32 GPT-OSS block (activation "gpt_oss", biases), and the compile-cache keying that `enable()` installs (same sources and options -> FX-graph and AOTAutograd
-cache hits; a changed source file or changed options -> misses)."""
+and on an fp32 GPT-OSS block (activation "gpt_oss", biases), and the compile-cache keying that `enable()`
+installs (same sources and options -> FX-graph and AOTAutograd cache hits; a changed source file or changed
+options -> misses)."""
 
 from __future__ import annotations
 
