@@ -850,3 +850,60 @@ def test_gpt_oss_sentinel_masks_are_left_alone(monkeypatch):
     assert any(reason in m for m in messages), messages
     assert "mok.moe" not in gm.code
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def _gpt_oss_like_experts(impl, gate_slice, up_slice, beta):
+    """An experts module laid out as GptOssExperts ([E, H, 2I] / [E, I, H] weights, biases) whose gate reads
+    gate_up[..., gate_slice] and adds `beta` to up: the near misses of GPT-OSS's gate."""
+
+    class Experts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            self.num_experts, self.alpha, self.limit = E, 1.702, 7.0
+            self.gate_up_proj = nn.Parameter(0.3 * torch.randn(E, H, 2 * I, generator=g))
+            self.gate_up_proj_bias = nn.Parameter(0.3 * torch.randn(E, 2 * I, generator=g))
+            self.down_proj = nn.Parameter(0.3 * torch.randn(E, I, H, generator=g))
+            self.down_proj_bias = nn.Parameter(0.3 * torch.randn(E, H, generator=g))
+
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up[..., gate_slice], gate_up[..., up_slice]
+            gate = gate.clamp(min=None, max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return (up + beta) * (gate * torch.sigmoid(gate * self.alpha))
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):  # replaced by the decorator
+            raise NotImplementedError
+
+    Experts = use_experts_implementation(Experts, is_concatenated=False, is_transposed=True, has_bias=True)
+    return Experts(_Config(impl)).bfloat16()
+
+
+GPT_OSS_NEAR_MISSES = {
+    # name: ((gate slice, up slice, beta), expected reason fragment); "canonical" is GPT-OSS's own gate
+    "canonical": ((slice(None, None, 2), slice(1, None, 2), 1), None),
+    "beta": ((slice(None, None, 2), slice(1, None, 2), 2), "(up + 2); MoK's \"gpt_oss\" activation has (up + 1)"),
+    "swapped": ((slice(1, None, 2), slice(None, None, 2), 1), "interleaved halves swapped"),
+}
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("case", sorted(GPT_OSS_NEAR_MISSES))
+def test_gpt_oss_gate_near_misses(case, impl, monkeypatch):
+    """GPT-OSS's gate written by hand in a GptOssExperts-like module: the canonical one is replaced (and equals
+    eager); (up + 2) and swapped interleaved halves are left alone, bit-equal to eager, the reason logged."""
+    (gs, us, beta), reason = GPT_OSS_NEAR_MISSES[case]
+    experts = _gpt_oss_like_experts(impl, gs, us, beta)
+    x, idx, w = routing_inputs(torch.bfloat16)
+    ref = experts(x, idx, w)
+    with pattern_log(monkeypatch) as messages:
+        gm, records, out = rewritten(experts, x, idx, w)
+    if reason is None:
+        assert counters["mok_inductor"]["moe_replaced"] == 1, [str(r) for r in records]
+        assert rel_err(out, ref) <= 1e-2
+        return
+    assert counters["mok_inductor"]["moe_replaced"] == 0
+    assert any(reason in r.detail for r in records), [str(r) for r in records]
+    assert any(reason in m for m in messages), messages
+    assert "mok.moe" not in gm.code
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
