@@ -7,7 +7,8 @@ A grouped formulation is found in four steps, each of which either returns nodes
     anchor     GEMM nodes (torch._grouped_mm, F.grouped_mm, transformers::grouped_mm_fallback) grouped by
                the `offs` node they share
     body       h = silu(gate) * up between the first GEMM(s) and the last one; gate/up either the two halves
-               of one [E, 2I, H] weight (HF) or two weights (torchtitan w1/w3)
+               of one [E, 2I, H] weight (HF) or two weights (torchtitan w1/w3); or GPT-OSS's gate on the
+               interleaved halves of an [E, H, 2I] weight, with per-expert biases (`gpt_oss_core`)
     routing    offs = cumsum(histc(ids) | bincount(ids), dtype=int32); perm = sort(ids)[1] | argsort(ids),
                ids = top_experts.reshape(-1), and the dispatched input = x[perm // K]
     combine    per formulation (match_hf / match_titan): scale by router weights, un-permute, sum over K
@@ -26,6 +27,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .._checks import FLOAT_DTYPES
+from ..types import ACTIVATIONS
 from ._fx import (Reject, arg, dtype, flat_source, getitem_of, is_fn, is_method, same, same_shape, shape,
                   strip_noop_casts, transposed_last2)
 
@@ -52,12 +54,18 @@ class MoEMatch:
     # `top_experts`: None (as is), "sentinel" (ids >= E contribute nothing: -1 for MoK), "clamp" (clamp(0, E-1)),
     # "clamp_sentinel" (ids >= E -> -1, the rest clamp(0, E-1))
     ids_map: Optional[str] = None
+    # GPT-OSS's experts (`gpt_oss_body`): activation "gpt_oss", `gate_up` the [E, H, 2I] interleaved weight and
+    # `down` the [E, I, H] one as the checkpoint stores them, the biases [E, 2I] (interleaved) and [E, H]; the
+    # replacement hands mok::moe zero-copy views of them (lowering/patterns.py, `_gpt_oss_views`)
+    activation: str = "swiglu"
+    gate_up_bias: Optional[fx.Node] = None
+    down_bias: Optional[fx.Node] = None
 
     def describe(self) -> str:
         T, H = shape(self.x)
         K = shape(self.top_experts)[1]
         E = shape(self.down)[0]
-        I = shape(self.down)[2]
+        I = shape(self.down)[1 if self.activation == "gpt_oss" else 2]
         extra = ""
         if self.shared is not None:
             extra = ", shared expert" + (" + sigmoid gate" if self.shared[3] is not None else "")
@@ -65,6 +73,8 @@ class MoEMatch:
             extra += f", swiglu_limit={self.swiglu_limit}"
         if self.ids_map is not None:
             extra += f", ids: {IDS_MAPS[self.ids_map]}"
+        if self.activation != "swiglu":
+            extra += f", activation={self.activation}" + (", biases" if self.down_bias is not None else "")
         return (f"{self.formulation} -> {self.output.name}: T={T} H={H} I={I} E={E} K={K}, "
                 f"dtype={str(dtype(self.x)).replace('torch.', '')}{extra}")
 
@@ -468,6 +478,9 @@ class GroupedCore:
     uses_fallback: bool
     nodes: set
     ids_map: Optional[str] = None  # "sentinel" when the expert-parallel sentinel masks were matched
+    activation: str = "swiglu"
+    gate_up_bias: Optional[fx.Node] = None  # GPT-OSS: [E, 2I] (interleaved), gathered by the sorted ids
+    down_bias: Optional[fx.Node] = None  # GPT-OSS: [E, H]
 
 
 def chain(start, end, nodes: set) -> None:
@@ -487,6 +500,8 @@ def grouped_core(offs, gemms: list) -> GroupedCore:
                      "or 3 (gate, up, down)")
     down_gemm = gemms[-1]
     a2, b2, _ = gemm_parts(down_gemm)
+    if len(gemms) == 2 and _is_gpt_oss_gate(a2):
+        return gpt_oss_core(offs, gemms, nodes)
     down = gemm_weight(down_gemm, b2)
     chain(b2, down, nodes)
     gate, up, limit = swiglu(a2, nodes)
@@ -522,6 +537,18 @@ def grouped_core(offs, gemms: list) -> GroupedCore:
         gate_up = (wg, wu)
         a1 = ag
     num_experts = shape(down)[0]
+    x, idx, perm, te, ids, sort, xs = routed_input(a1, offs, num_experts, nodes)
+    fills[SENTINEL_FILLS[0]] = masked_fill_user(xs, inplace=True)
+    check_weights(x, gate_up, down, num_experts)
+    ids_map = sentinel_masks(fills, xs, ids, sort, num_experts, nodes)
+    y_N = fills[SENTINEL_FILLS[2]] if ids_map is not None else down_gemm
+    uses_fallback = any(is_fn(g, *_hf_fallback_targets()) for g in gemms)
+    return GroupedCore(x, idx, perm, te, gate_up, down, limit, y_N, uses_fallback, nodes, ids_map)
+
+
+def routed_input(a1, offs, num_experts, nodes: set):
+    """The first GEMM's input a1 = x[perm // K] with offs counting the sorted ids -> (x, idx, perm, top_experts,
+    ids the offsets count, sort node or None, the gathered rows)."""
     ids = routing(offs, num_experts, nodes)
     xs = strip_noop_casts(a1)
     chain(a1, xs, nodes)
@@ -529,7 +556,6 @@ def grouped_core(offs, gemms: list) -> GroupedCore:
         raise Reject(f"{xs.name}: router weights are applied to the expert inputs (score before experts); "
                      "MoK scales the expert outputs")
     x, idx = dispatch(xs, nodes)
-    fills[SENTINEL_FILLS[0]] = masked_fill_user(strip_noop_casts(xs), inplace=True)
     perm, k = token_index(idx, nodes)
     sort, te_flat = sort_perm(perm)
     te = flat_source(te_flat)
@@ -540,11 +566,181 @@ def grouped_core(offs, gemms: list) -> GroupedCore:
         raise Reject(f"the expert counts are taken from {getattr(ids, 'name', ids)}, not from the ids that were sorted")
     nodes.update(n for n in (perm, te_flat, sort, ids if getitem_of(ids, 0) is sort else None) if n is not None)
     check_routing_shapes(x, te, k, num_experts)
-    check_weights(x, gate_up, down, num_experts)
-    ids_map = sentinel_masks(fills, strip_noop_casts(xs), ids, sort, num_experts, nodes)
-    y_N = fills[SENTINEL_FILLS[2]] if ids_map is not None else down_gemm
+    return x, idx, perm, te, ids, sort, xs
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPT-OSS's experts (transformers' GptOssExperts: is_transposed=True, has_bias=True, its own _apply_gate), as
+# the grouped_mm backend traces them:
+#
+#     out = grouped_mm(xs, gate_up_proj [E, H, 2I], offs); out.add_(gate_up_proj_bias[ids_g])
+#     gate, up = out[..., ::2].clamp(max=L), out[..., 1::2].clamp(-L, L)
+#     h = (up + 1) * (gate * sigmoid(gate * alpha))
+#     y = grouped_mm(h, down_proj [E, I, H], offs); y.add_(down_proj_bias[ids_g])      (then HF's combine)
+#
+# = mok::moe(activation="gpt_oss", swiglu_limit=L) with alpha = 1.702, the weights and the FC1 bias as
+# zero-copy [E, 2, I, H] / [E, H, I] / [E, 2, I] views (the bias enters before the routing weight, as in MoK).
+
+GPT_OSS = ACTIVATIONS["gpt_oss"]  # g * sigmoid(alpha g) * (u + beta): alpha = 1.702, beta = 1 (docs/semantics.md)
+
+
+def _plus_const(n):
+    """n = a + c (c a number) -> (a, c), else None."""
+    if (is_fn(n, operator.add, torch.add) or is_method(n, "add", "__add__", "__radd__")) and len(n.args) == 2:
+        a, c = n.args
+        if isinstance(a, (int, float)) and isinstance(c, fx.Node):
+            a, c = c, a
+        if isinstance(a, fx.Node) and isinstance(c, (int, float)) and not isinstance(c, bool) and \
+                n.kwargs.get("alpha", 1) == 1:
+            return a, c
+    return None
+
+
+def _is_gpt_oss_gate(h) -> bool:
+    """Whether the down GEMM input looks like GPT-OSS's gate `(up + beta) * glu` (checked in gpt_oss_body)."""
+    h = strip_noop_casts(h)
+    return isinstance(h, fx.Node) and _is_mul(h) and len(h.args) == 2 and \
+        any(isinstance(a, fx.Node) and _plus_const(a) is not None for a in h.args)
+
+
+def _is_sigmoid(n) -> bool:
+    return is_fn(n, torch.sigmoid, F.sigmoid) or is_method(n, "sigmoid")
+
+
+def _scaled_by_const(n, src):
+    """n = src * c (either order, c a number) -> c, else None."""
+    if not _is_mul(n) or len(n.args) != 2:
+        return None
+    a, b = n.args
+    if a is src and isinstance(b, (int, float)) and not isinstance(b, bool):
+        return b
+    if b is src and isinstance(a, (int, float)) and not isinstance(a, bool):
+        return a
+    return None
+
+
+def _interleaved_half(n, first: int):
+    """n = t[..., first::2] -> t, else None."""
+    if not (is_fn(n, operator.getitem) and isinstance(n.args[1], tuple) and len(n.args[1]) == 2):
+        return None
+    ell, sl = n.args[1]
+    if ell is not Ellipsis or not isinstance(sl, slice) or sl.step != 2 or (sl.start or 0) != first or \
+            sl.stop is not None:
+        return None
+    return n.args[0]
+
+
+def bias_add(gemm: fx.Node, rows: int, nodes: set):
+    """The in-place `gemm.add_(bias[ids])` right after a grouped GEMM -> (bias [E, rows], ids), or (None, None)."""
+    adds = [u for u in gemm.users if is_method(u, "add_") and u.args[0] is gemm]
+    if not adds:
+        return None, None
+    add = adds[0]
+    if len(adds) > 1 or len(add.args) != 2 or add.kwargs:
+        raise Reject(f"{gemm.name}: more than one in-place add on the grouped GEMM output")
+    g = add.args[1]
+    if not (is_fn(g, operator.getitem) and isinstance(g.args[1], fx.Node) and len(shape(g.args[0]) or ()) == 2):
+        raise Reject(f"{add.name}: the GEMM output's in-place add is not a per-expert bias bias[ids]")
+    bias, ids = g.args
+    if not same(shape(bias)[1], rows):
+        raise Reject(f"{add.name}: bias {bias.name} has shape {shape(bias)}, {rows} columns expected")
+    pos = _positions(gemm.graph)
+    if any(pos[u] < pos[add] for u in gemm.users if u is not add):
+        raise Reject(f"{gemm.name}: read before its bias {add.name} is added")
+    nodes.update((add, g))
+    return bias, ids
+
+
+def gpt_oss_body(h, nodes: set):
+    """h = (up + 1) * (gate * sigmoid(gate * 1.702)), gate/up the interleaved halves of one tensor (clamped as
+    swiglu_limit's form or not at all) -> (swiglu_limit, that tensor, stripped of no-op casts)."""
+    h0 = strip_noop_casts(h)
+    chain(h, h0, nodes)
+    a, b = h0.args
+    up_beta, glu = (a, b) if isinstance(a, fx.Node) and _plus_const(a) is not None else (b, a)
+    up_c, beta = _plus_const(up_beta)
+    if beta != GPT_OSS.beta:
+        raise Reject(f"{h0.name}: GPT-OSS-style gate with (up + {beta}); MoK's \"gpt_oss\" activation has "
+                     f"(up + {GPT_OSS.beta:g})")
+    if not (isinstance(glu, fx.Node) and _is_mul(glu) and len(glu.args) == 2):
+        raise Reject(f"{h0.name}: (up + 1) does not multiply gate * sigmoid(alpha * gate)")
+    ga, gb = glu.args
+    sig, gate_c = (ga, gb) if _is_sigmoid(ga) else (gb, ga)
+    if not _is_sigmoid(sig) or not isinstance(gate_c, fx.Node):
+        raise Reject(f"{glu.name}: (up + 1) does not multiply gate * sigmoid(alpha * gate)")
+    alpha = _scaled_by_const(sig.args[0], gate_c)
+    if alpha is None:
+        raise Reject(f"{sig.name}: the sigmoid does not read alpha * gate with a constant alpha")
+    if alpha != GPT_OSS.alpha:
+        raise Reject(f"{sig.name}: GPT-OSS-style gate with alpha = {alpha}; MoK's \"gpt_oss\" activation has "
+                     f"alpha = {GPT_OSS.alpha}")
+    nodes.update((h0, up_beta, glu, sig, sig.args[0]))
+    gate, up, limit = gate_c, up_c, None
+    cg, cu = _clamp_bounds(gate_c), _clamp_bounds(up_c)
+    if cg is not None or cu is not None:
+        if cg is None or cu is None or cg[1] is not None or not isinstance(cg[2], (int, float)) or \
+                not isinstance(cu[1], (int, float)) or cu[2] != cg[2] or cu[1] != -cg[2]:
+            raise Reject(f"{h0.name}: clamp is not MoK's swiglu_limit form (gate.clamp(max=L), up.clamp(-L, L))")
+        limit = float(cg[2])
+        nodes.update((gate_c, up_c))
+        gate, up = cg[0], cu[0]
+    src_g, src_u = _interleaved_half(gate, 0), _interleaved_half(up, 1)
+    if src_g is None or src_u is None or src_g is not src_u:
+        if _interleaved_half(gate, 1) is not None and _interleaved_half(up, 0) is _interleaved_half(gate, 1):
+            raise Reject(f"{h0.name}: gate/up interleaved halves swapped (gate = [..., 1::2])")
+        raise Reject(f"{h0.name}: GPT-OSS-style gate whose gate/up are not the interleaved halves [..., ::2] / "
+                     "[..., 1::2] of one GEMM output")
+    nodes.update((gate, up))
+    src = strip_noop_casts(src_g)
+    chain(src_g, src, nodes)
+    return limit, src
+
+
+def gpt_oss_core(offs, gemms: list, nodes: set) -> GroupedCore:
+    """GPT-OSS's grouped experts (the block comment above) -> the GroupedCore with activation "gpt_oss"."""
+    g1, g2 = gemms
+    a2, w2, _ = gemm_parts(g2)
+    a1, w1, _ = gemm_parts(g1)
+    limit, src = gpt_oss_body(a2, nodes)
+    mf = masked_fill_parts(src, inplace=False)
+    if mf is not None and strip_noop_casts(mf[0]) is g1:
+        raise Reject(f"{src.name}: expert-parallel sentinel masks on GPT-OSS experts (with biases) are not matched yet")
+    if src is not g1:
+        raise Reject(f"the GPT-OSS gate input {src.name} is not the first grouped GEMM {g1.name}")
+    for g, w in ((g1, w1), (g2, w2)):
+        if transposed_last2(w) is not None:
+            raise Reject(f"{g.name}: GPT-OSS-style gate with [E, out, in] weights {w.name}; MoK matches GPT-OSS's "
+                         "[E, in, out] layout (is_transposed=True) there")
+        if len(shape(w) or ()) != 3:
+            raise Reject(f"{g.name}: weight {getattr(w, 'name', w)} is not 3-D")
+    num_experts, H, two_i = shape(w1)
+    b1, ids1 = bias_add(g1, two_i, nodes)
+    b2, ids2 = bias_add(g2, H, nodes)
+    x, idx, perm, te, ids, sort, xs = routed_input(a1, offs, num_experts, nodes)
+    if (b1 is None) != (b2 is None):
+        raise Reject(f"{g1.name}: GPT-OSS experts with only one of the two biases")
+    for bi in (ids1, ids2):
+        if bi is not None and not (bi is ids or (sort is not None and getitem_of(bi, 0) is sort)):
+            raise Reject(f"{bi.name}: the biases are gathered with other ids than the sorted expert ids")
+    if masked_fill_user(xs, inplace=True) is not None or masked_fill_user(g2, inplace=False) is not None or \
+            any(is_method(u, "clamp_", "clip_") for u in getattr(ids, "users", ())):
+        raise Reject("expert-parallel sentinel masks on GPT-OSS experts (with biases) are not matched")
+    T, Hx = shape(x)
+    if dtype(x) not in FLOAT_DTYPES:
+        raise Reject(f"x has dtype {dtype(x)}")
+    I = two_i // 2 if isinstance(two_i, int) else None
+    if not same(Hx, H) or I is None or 2 * I != two_i:
+        raise Reject(f"gate_up weight {w1.name} has shape {shape(w1)}, expected [E, H={Hx}, 2I]")
+    if not same_shape(shape(w2), (num_experts, I, H)):
+        raise Reject(f"down weight {w2.name} has shape {shape(w2)}, expected [E={num_experts}, I={I}, H={H}]")
+    for t, want in ((b1, (num_experts, two_i)), (b2, (num_experts, H))):
+        if t is not None and not same_shape(shape(t), want):
+            raise Reject(f"bias {t.name} has shape {shape(t)}, expected {list(want)}")
+    for t in (w1, w2, b1, b2):
+        if t is not None and dtype(t) != dtype(x):
+            raise Reject(f"{t.name} has dtype {dtype(t)}, x has {dtype(x)}")
     uses_fallback = any(is_fn(g, *_hf_fallback_targets()) for g in gemms)
-    return GroupedCore(x, idx, perm, te, gate_up, down, limit, y_N, uses_fallback, nodes, ids_map)
+    return GroupedCore(x, idx, perm, te, w1, w2, limit, g2, uses_fallback, nodes, None, "gpt_oss", b1, b2)
 
 
 def unsqueezed_column(n):

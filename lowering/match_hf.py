@@ -21,8 +21,11 @@ grouped_mm adds `mask = (ids_g >= E).unsqueeze(-1)`, `ids_g.clamp_(max=E-1)`, `x
 routes); batched_mm clamps `ids = ids.clamp(0, E-1)` before the gathers (MoK gets the clamped ids) and, in
 5.23, zeroes `sample_weights` at `ids >= E` (those become -1 routes too).
 
-Biases (`out.add_(bias)`), `is_transposed=True` weights, other activations, custom `_apply_gate` and any
-other mask or clamp differ from these graphs and are rejected with a reason.
+GPT-OSS's experts (`is_transposed=True`, `has_bias=True`, its own `_apply_gate`) are matched too, with
+activation "gpt_oss" and the biases: grouped_mm in `_experts.gpt_oss_core`, batched_mm in
+`_match_batched_gpt_oss` (below). Other biases (`out.add_(bias)` on a SwiGLU block), `is_transposed=True`
+weights with SwiGLU, other activations, other custom `_apply_gate` and any other mask or clamp differ from these
+graphs and are rejected with a reason.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from ._experts import (GroupedCore, MoEMatch, _clamp_bounds, check_routing_shapes, check_weights, chunk_halves,
-                       masked_fill_parts, router_weights_of, scaled_by, swiglu)
+from .._checks import FLOAT_DTYPES
+from ._experts import (GroupedCore, MoEMatch, _clamp_bounds, _is_gpt_oss_gate, bias_add, check_routing_shapes,
+                       check_weights, chunk_halves, gpt_oss_body, masked_fill_parts, router_weights_of, scaled_by,
+                       swiglu)
 from ._fx import (Reject, arg, dtype, flat_source, is_fn, is_method, same, same_shape, shape, strip_noop_casts)
 
 
@@ -93,8 +98,11 @@ def combine_grouped(core: GroupedCore) -> MoEMatch:
                 s = _sum_over_k(r, T, K, H, nodes)
                 out = _output_in_x_dtype(s, core.x, nodes)
                 name = "hf_grouped_mm_fallback" if core.uses_fallback else "hf_grouped_mm"
+                if core.activation == "gpt_oss":
+                    name = name.replace("hf_", "hf_gpt_oss_")
                 return MoEMatch(name, out, core.x, rw, core.top_experts, core.gate_up, core.down,
-                                core.swiglu_limit, None, nodes, ids_map=core.ids_map)
+                                core.swiglu_limit, None, nodes, ids_map=core.ids_map, activation=core.activation,
+                                gate_up_bias=core.gate_up_bias, down_bias=core.down_bias)
         raise Reject(f"{m.name}: the weighted outputs are not un-permuted with y[inverse(perm)]")
     raise Reject(f"{core.y_N.name}: the down GEMM output is not scaled by the sorted routing weights")
 
@@ -156,9 +164,73 @@ def _squeezed(bmm_node, nodes: set):
     raise Reject(f"{bmm_node.name}: the bmm output is not squeezed to [N, out]")
 
 
+def _squeezed_dim1(n, what: str, nodes: set):
+    """n = bmm(...).squeeze(1) -> the bmm node."""
+    if not ((is_method(n, "squeeze") or is_fn(n, torch.squeeze)) and arg(n, 1, "dim") in (1, -2)):
+        raise Reject(f"{getattr(n, 'name', n)}: {what} is not a bmm output squeezed to [N, out]")
+    b = n.args[0]
+    if not (is_fn(b, torch.bmm, torch.matmul) or is_method(b, "bmm")):
+        raise Reject(f"{n.name}: {what} is not a bmm")
+    nodes.update((n, b))
+    return b
+
+
+def _match_batched_gpt_oss(b2: fx.Node, nodes: set):
+    """GPT-OSS's experts in the batched_mm backend ([E, in, out] weights, `is_transposed=True`):
+
+        out = bmm(xr.unsqueeze(1), gate_up_proj[ids]).squeeze(1); out.add_(gate_up_proj_bias[ids])
+        h = GPT-OSS's gate of out (interleaved halves, _experts.gpt_oss_body)
+        y = bmm(h.unsqueeze(1), down_proj[ids]).squeeze(1); y.add_(down_proj_bias[ids])
+
+    -> (x, K, ids, gate_up [E, H, 2I], down [E, I, H], limit, y, gate_up_bias, down_bias)."""
+    a, b = b2.args[:2]
+    down, ids = _gathered_weight(b)
+    y = None
+    for u in b2.users:
+        if (is_method(u, "squeeze") or is_fn(u, torch.squeeze)) and arg(u, 1, "dim") in (1, -2):
+            y = u
+    if y is None:
+        raise Reject(f"{b2.name}: the down bmm output is not squeezed to [N, H]")
+    nodes.update((a, b, y))
+    limit, src = gpt_oss_body(a.args[0], nodes)
+    b1 = _squeezed_dim1(src, "the GPT-OSS gate input", nodes)
+    gw = _gathered_weight(b1.args[1])
+    if gw is None or gw[1] is not ids:
+        raise Reject(f"{b1.name}: the gate_up bmm does not gather its weight with the same expert ids")
+    gate_up = gw[0]
+    xcol = b1.args[0]
+    if not (is_method(xcol, "unsqueeze") and arg(xcol, 1, "dim") == 1):
+        raise Reject(f"{b1.name}: the gate_up bmm operand is not x.unsqueeze(1)")
+    xr = strip_noop_casts(xcol.args[0])
+    if not (is_method(xr, "repeat_interleave") and arg(xr, 2, "dim") == 0):
+        raise Reject(f"{xcol.name}: the expert input is not x.repeat_interleave(K, dim=0)")
+    nodes.update((b1.args[1], xcol, xr))
+    E, H, two_i = shape(gate_up) if len(shape(gate_up) or ()) == 3 else (None, None, None)
+    if E is None or not isinstance(two_i, int) or two_i % 2 or \
+            not same_shape(shape(down), (E, two_i // 2, H)):
+        raise Reject(f"GPT-OSS weights {gate_up.name} {shape(gate_up)} / {down.name} {shape(down)} are not "
+                     "[E, H, 2I] / [E, I, H]")
+    bg, ids_g = bias_add(src, two_i, nodes)
+    bd, ids_d = bias_add(y, H, nodes)
+    if (bg is None) != (bd is None):
+        raise Reject(f"{b1.name}: GPT-OSS experts with only one of the two biases")
+    if any(i is not None and i is not ids for i in (ids_g, ids_d)):
+        raise Reject("the biases are gathered with other ids than the weights")
+    for t in (gate_up, down, bg, bd):
+        if t is not None and dtype(t) != dtype(xr.args[0]):
+            raise Reject(f"{t.name} has dtype {dtype(t)}, x has {dtype(xr.args[0])}")
+    return xr.args[0], arg(xr, 1, "repeats"), ids, gate_up, down, limit, y, bg, bd
+
+
 def match_batched(b2: fx.Node) -> MoEMatch:
     nodes: set = {b2}
     a, b = b2.args[:2]
+    variant = {}
+    if _gathered_weight(a) is None and (is_method(a, "unsqueeze") or is_fn(a, torch.unsqueeze)) and \
+            _is_gpt_oss_gate(a.args[0]):
+        x, k, ids, gate_up, down, limit, y, bg, bd = _match_batched_gpt_oss(b2, nodes)
+        variant = dict(activation="gpt_oss", gate_up_bias=bg, down_bias=bd)
+        return _batched_combine(b2, nodes, x, k, ids, gate_up, down, limit, y, variant)
     if _gathered_weight(a) is None:
         raise Reject(f"{b2.name}: bmm(h.unsqueeze(1), W[ids]) reads [E, in, out] (transposed) weights; "
                      "MoK takes [E, out, in]")
@@ -188,6 +260,12 @@ def match_batched(b2: fx.Node) -> MoEMatch:
         raise Reject(f"{xcol.name}: the expert input is not x.repeat_interleave(K, dim=0)")
     x, k = xr.args[0], arg(xr, 1, "repeats")
     nodes.update((b1.args[0], xcol, xr))
+    y = _squeezed(b2, nodes)
+    return _batched_combine(b2, nodes, x, k, ids, gate_up, down, limit, y, {})
+
+
+def _batched_combine(b2, nodes: set, x, k, ids, gate_up, down, limit, y, variant: dict) -> MoEMatch:
+    """The batched_mm tail: the ids (clamped under expert parallelism), y * sw.unsqueeze(-1), sum over K."""
     num_experts = shape(down)[0]
     flat_ids, ids_map = ids, None
     cl = _clamp_bounds(ids)
@@ -201,8 +279,11 @@ def match_batched(b2: fx.Node) -> MoEMatch:
         raise Reject(f"{ids.name}: expert ids are not top_experts.reshape(-1)")
     nodes.update((ids, flat_ids))
     check_routing_shapes(x, te, k, num_experts)
-    check_weights(x, gate_up, down, num_experts)
-    y = _squeezed(b2, nodes)
+    if variant:  # GPT-OSS's [E, H, 2I] / [E, I, H] weights, checked in _match_batched_gpt_oss
+        if dtype(x) not in FLOAT_DTYPES:
+            raise Reject(f"x has dtype {dtype(x)}")
+    else:
+        check_weights(x, gate_up, down, num_experts)
     T, H = shape(x)
     K = shape(te)[1]
     for m in y.users:
@@ -216,5 +297,6 @@ def match_batched(b2: fx.Node) -> MoEMatch:
         nodes.update((m, *[a for a in m.args if isinstance(a, fx.Node) and a is not y]))
         s = _sum_over_k(m, T, K, H, nodes)
         out = _output_in_x_dtype(s, x, nodes)
-        return MoEMatch("hf_batched_mm", out, x, rw, te, gate_up, down, limit, None, nodes, ids_map=ids_map)
+        name = "hf_gpt_oss_batched_mm" if variant else "hf_batched_mm"
+        return MoEMatch(name, out, x, rw, te, gate_up, down, limit, None, nodes, ids_map=ids_map, **variant)
     raise Reject(f"{y.name}: the down bmm output is not scaled by the routing weights")

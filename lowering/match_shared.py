@@ -96,6 +96,8 @@ def _shared_branch(s, x, nodes: set):
 
 def fuse(m: MoEMatch):
     """Extend `m` with the shared expert added to its output, if there is one. Returns a reject reason or None."""
+    if m.activation != "swiglu":  # mok::moe applies the activation to the shared expert too: leave it outside
+        return None
     outs = [m.output] + [u for u in m.output.users if strip_noop_casts(u) is m.output]
     # the routed output may be viewed back to [B, S, H] before the shared expert is added (GLM4-MoE)
     views = [u for o in outs for u in o.users if is_method(u, "view", "reshape") and len(shape(u) or ()) >= 2

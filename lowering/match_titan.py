@@ -70,6 +70,7 @@ def combine(core: GroupedCore) -> MoEMatch:
                     raise Reject(f"{sc.name}: outputs are added into {sc.args[0].name}, not into zeros")
                 nodes.update((sc, sc.args[0]))
                 return MoEMatch("titan_grouped_mm", sc, core.x, rw, core.top_experts, core.gate_up, core.down,
-                                core.swiglu_limit, None, nodes)
+                                core.swiglu_limit, None, nodes, activation=core.activation,
+                                gate_up_bias=core.gate_up_bias, down_bias=core.down_bias)
             raise Reject(f"{m.name}: the weighted outputs are not scatter-added back to their tokens")
     raise Reject(f"{core.y_N.name}: the down GEMM output is not scaled by the sorted routing weights")

@@ -128,7 +128,7 @@ def _cat(graph: fx.Graph, parts, dim: int) -> fx.Node:
 
 
 def _inputs(m: MoEMatch) -> list:
-    ins = [m.x, m.router_weights, m.top_experts, m.down]
+    ins = [m.x, m.router_weights, m.top_experts, m.down, *(b for b in (m.gate_up_bias, m.down_bias) if b is not None)]
     ins += list(m.gate_up) if isinstance(m.gate_up, tuple) else [m.gate_up]
     if m.shared is not None:
         ins += [w for w in m.shared if w is not None]
@@ -172,17 +172,34 @@ def _mapped_ids(graph: fx.Graph, m: MoEMatch) -> fx.Node:
     return out
 
 
+def _gpt_oss_views(graph: fx.Graph, m: MoEMatch):
+    """GPT-OSS's checkpoint layout as mok::moe takes it, zero-copy: the interleaved [E, H, 2I] FC1 as
+    [E, 2, I, H], the [E, I, H] FC2 as [E, H, I], the interleaved [E, 2I] FC1 bias as [E, 2, I]
+    (docs/semantics.md); gradients flow back through the views to the parameters."""
+    gate_up = _method(graph, "permute", _method(graph, "unflatten", m.gate_up, -1, (-1, 2)), 0, 3, 2, 1)
+    down = _method(graph, "transpose", m.down, 1, 2)
+    b1 = None
+    if m.gate_up_bias is not None:
+        b1 = _method(graph, "transpose", _method(graph, "unflatten", m.gate_up_bias, -1, (-1, 2)), 1, 2)
+    return gate_up, down, b1
+
+
 def _replace(graph: fx.Graph, m: MoEMatch) -> fx.Node:
     with graph.inserting_before(m.output):
         top_experts = _mapped_ids(graph, m)
         gate_up = _cat(graph, m.gate_up, 1) if isinstance(m.gate_up, tuple) else m.gate_up
+        down, variant = m.down, {}
+        if m.activation == "gpt_oss":
+            gate_up, down, b1 = _gpt_oss_views(graph, m)
+            variant = {"activation": m.activation, "gate_up_bias": b1, "down_bias": m.down_bias}
         sgu = sd = sog = None
         if m.shared is not None:
             wsg, wsu, sd, sog = m.shared
             sgu = _cat(graph, (wsg, wsu), 0)
         new = graph.call_function(
             torch.ops.mok.moe.default,
-            (m.x, m.router_weights, top_experts, gate_up, m.down, sgu, sd, sog, m.swiglu_limit),
+            (m.x, m.router_weights, top_experts, gate_up, down, sgu, sd, sog, m.swiglu_limit),
+            variant,
         )
         if m.out_view is not None:  # back to the shape of the replaced node, with the view's own arguments
             new.meta["example_value"] = m.out_view.args[0].meta.get("example_value")

@@ -44,6 +44,11 @@ def build(name: str, impl: str, dtype: torch.dtype, seed: int = 0, **overrides):
                                          moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
                                          n_group=1, topk_group=1, head_dim=16, **overrides))
         cls, n = tf.Glm4MoeForCausalLM, cfg.num_hidden_layers - 1  # layer 0 is dense
+    elif name == "gpt_oss":  # experts with biases, interleaved gate/up and [E, in, out] weights (activation "gpt_oss")
+        cfg = tf.GptOssConfig(**_common(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16, head_dim=16,
+                                        layer_types=["full_attention"], sliding_window=8,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **overrides))
+        cls, n = tf.GptOssForCausalLM, cfg.num_hidden_layers
     else:
         raise ValueError(name)
     model = cls._from_config(cfg, experts_implementation=impl, dtype=dtype)
@@ -53,7 +58,7 @@ def build(name: str, impl: str, dtype: torch.dtype, seed: int = 0, **overrides):
     return model, n
 
 
-MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
+MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")  # gpt_oss: its own tests (test_patterns_graphs.py)
 
 
 def loss_and_grads(model, ids, dy_seed: int = 1):

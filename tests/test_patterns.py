@@ -61,3 +61,18 @@ def test_model_bf16(name, impl):
     assert rel_err(out, ref32) <= 2 * rel_err(ref, ref32) + 1e-3
     for k in gref32:
         assert rel_err(g[k], gref32[k]) <= 2 * rel_err(gref[k], gref32[k]) + 1e-3, k
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_gpt_oss_model_fp32(impl):
+    """A whole tiny GPT-OSS (attention sinks, router bias, experts with biases and GPT-OSS's gate): its one
+    experts block becomes mok::moe(activation="gpt_oss"); logits and every gradient within 1e-4 of eager.
+    (bf16 and the rewritten graph itself: test_patterns_graphs.py, test_gpt_oss_block_becomes_one_gpt_oss_moe.)"""
+    model, n_blocks = build("gpt_oss", impl, torch.float32)
+    ids = torch.randint(0, VOCAB, SEQ)
+    ref, gref = loss_and_grads(model, ids)
+    out, g = loss_and_grads(_compiled(model), ids)
+    assert counters["mok_inductor"]["moe_replaced"] == n_blocks == 1
+    assert rel_err(out, ref) <= 1e-4
+    for k in gref:
+        assert rel_err(g[k], gref[k]) <= 1e-4, k

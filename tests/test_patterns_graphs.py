@@ -9,6 +9,7 @@ the activation and `_apply_gate` make the near misses.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import re
 
@@ -739,3 +740,170 @@ def test_glm4_moe_ungated_shared_expert_is_fused():
     (moe,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.moe.default]
     assert moe.args[5] is not None and moe.args[6] is not None and moe.args[7] is None  # shared, no gate
     torch.testing.assert_close(out, block(x), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPT-OSS's experts (transformers' GptOssExperts: biases, interleaved gate/up, [E, in, out] weights, its own
+# `_apply_gate`): one mok::moe with activation "gpt_oss" and the biases, as zero-copy views of its parameters
+
+
+def _gpt_oss_block(impl, dtype, alpha=None):
+    """The MoE block (router + experts) of a tiny GptOssForCausalLM; `alpha` overrides the experts' gate alpha."""
+    from _pattern_models import build
+
+    model, _ = build("gpt_oss", impl, dtype)
+    block = model.model.layers[0].mlp
+    if alpha is not None:
+        block.experts.alpha = alpha
+    return block
+
+
+def _aot_eager_capture(got: dict):
+    """A backend: the pass on Dynamo's graph (kept in got["gm"], its records in got["records"]), then
+    AOTAutograd (aot_eager) runs the rewritten graph, forward and backward."""
+
+    def backend(gm, example_inputs):
+        got["records"] = patterns.rewrite(gm.graph)
+        gm.recompile()
+        got["gm"] = gm
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    counters["mok_inductor"].clear()
+    return backend
+
+
+def _block_grads(block, x, dy):
+    """(output, gradients of <out, dy> w.r.t. x and every parameter, by name)."""
+    x = x.detach().requires_grad_()
+    out = block(x)
+    out = out[0] if isinstance(out, tuple) else out  # GptOssMLP returns (output, router scores)
+    params = {k.replace("_orig_mod.", ""): p for k, p in block.named_parameters()}
+    grads = torch.autograd.grad(out, [x, *params.values()], dy)
+    return out.detach(), dict(zip(["x", *params], grads))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_gpt_oss_block_becomes_one_gpt_oss_moe(impl, dtype):
+    """One mok::moe(activation="gpt_oss", swiglu_limit=7, both biases), none of the experts' GEMMs left; output
+    and every gradient (x, the router's weight and bias, the four expert parameters) equal eager: fp32 within
+    1e-4 of eager fp32; bf16 within 1e-2 of an fp32 eager copy, or at most 2x eager bf16's own error (+1e-3) where
+    that is larger (the router bias's gradient: per token the top-K softmax gradients sum to zero, so its sum
+    over tokens cancels, and eager bf16 itself is ~1e-2 off there)."""
+    block = _gpt_oss_block(impl, dtype)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 32, generator=g).to(dtype)  # [B, S, H]: T = 10 tokens, H = 32, E = 4, K = 2, I = 16
+    dy = torch.randn(2, 5, 32, generator=g).to(dtype)
+    gold = copy.deepcopy(block).float()
+    ref32, gref32 = _block_grads(gold, x.float(), dy.float())
+    ref, gref = _block_grads(block, x, dy)
+    got = {}
+    out, grads = _block_grads(torch.compile(block, backend=_aot_eager_capture(got), fullgraph=True), x, dy)
+    gm, records = got["gm"], got["records"]
+    assert counters["mok_inductor"]["moe_replaced"] == 1, [str(r) for r in records]
+    name = f"hf_gpt_oss_{impl}" + ("_fallback" if impl == "grouped_mm" and dtype == torch.float32 else "")
+    assert [r.formulation for r in records if r.replaced] == [name], [str(r) for r in records]
+    moe = [n for n in gm.graph.nodes if n.target is torch.ops.mok.moe.default]
+    assert len(moe) == 1
+    assert moe[0].kwargs["activation"] == "gpt_oss" and moe[0].args[8] == 7.0  # swiglu_limit = the config's limit
+    assert moe[0].kwargs["gate_up_bias"] is not None and moe[0].kwargs["down_bias"] is not None
+    assert "bmm" not in gm.code and "grouped_mm" not in gm.code and "sigmoid" not in gm.code
+    def tol(eager, gold):
+        return 1e-4 if dtype == torch.float32 else max(1e-2, 2 * rel_err(eager, gold) + 1e-3)
+
+    assert rel_err(out, ref32) <= tol(ref, ref32)
+    for k in gref32:
+        assert rel_err(grads[k], gref32[k]) <= tol(gref[k], gref32[k]), k
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_gpt_oss_block_with_another_alpha_is_left_alone(impl, monkeypatch):
+    """GPT-OSS's gate with alpha = 1.5 is not MoK's "gpt_oss" activation (alpha = 1.702): left alone, bit-equal
+    to eager, the reason logged."""
+    block = _gpt_oss_block(impl, torch.bfloat16, alpha=1.5)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ref = block(x)[0]
+    with pattern_log(monkeypatch) as messages:
+        gm, records, out = rewritten(block, x)
+    assert counters["mok_inductor"]["moe_replaced"] == 0 and not any(r.replaced for r in records)
+    reason = 'alpha = 1.5; MoK\'s "gpt_oss" activation has alpha = 1.702'
+    assert any(reason in r.detail for r in records), [str(r) for r in records]
+    assert any(reason in m for m in messages), messages
+    assert "mok.moe" not in gm.code
+    torch.testing.assert_close(out[0], ref, rtol=0, atol=0)
+
+
+def test_gpt_oss_sentinel_masks_are_left_alone(monkeypatch):
+    """transformers' expert-parallel sentinel masks (`_is_expert_parallel`) around GPT-OSS's biased GEMMs are not
+    matched yet: left alone, bit-equal to eager, the reason logged."""
+    experts = _gpt_oss_block("grouped_mm", torch.bfloat16).experts
+    experts._is_expert_parallel = True
+    _, idx, w = routing_inputs(torch.bfloat16)  # T = 7 tokens, E = 4 (as the tiny GPT-OSS), K = 2
+    x = torch.randn(T, 32, generator=torch.Generator().manual_seed(3)).bfloat16()  # the tiny GPT-OSS's H = 32
+    ref = experts(x, idx, w)
+    with pattern_log(monkeypatch) as messages:
+        gm, records, out = rewritten(experts, x, idx, w)
+    reason = "expert-parallel sentinel masks on GPT-OSS experts"
+    assert counters["mok_inductor"]["moe_replaced"] == 0
+    assert any(reason in r.detail for r in records), [str(r) for r in records]
+    assert any(reason in m for m in messages), messages
+    assert "mok.moe" not in gm.code
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def _gpt_oss_like_experts(impl, gate_slice, up_slice, beta):
+    """An experts module laid out as GptOssExperts ([E, H, 2I] / [E, I, H] weights, biases) whose gate reads
+    gate_up[..., gate_slice] and adds `beta` to up: the near misses of GPT-OSS's gate."""
+
+    class Experts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            self.num_experts, self.alpha, self.limit = E, 1.702, 7.0
+            self.gate_up_proj = nn.Parameter(0.3 * torch.randn(E, H, 2 * I, generator=g))
+            self.gate_up_proj_bias = nn.Parameter(0.3 * torch.randn(E, 2 * I, generator=g))
+            self.down_proj = nn.Parameter(0.3 * torch.randn(E, I, H, generator=g))
+            self.down_proj_bias = nn.Parameter(0.3 * torch.randn(E, H, generator=g))
+
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up[..., gate_slice], gate_up[..., up_slice]
+            gate = gate.clamp(min=None, max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return (up + beta) * (gate * torch.sigmoid(gate * self.alpha))
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):  # replaced by the decorator
+            raise NotImplementedError
+
+    Experts = use_experts_implementation(Experts, is_concatenated=False, is_transposed=True, has_bias=True)
+    return Experts(_Config(impl)).bfloat16()
+
+
+GPT_OSS_NEAR_MISSES = {
+    # name: ((gate slice, up slice, beta), expected reason fragment); "canonical" is GPT-OSS's own gate
+    "canonical": ((slice(None, None, 2), slice(1, None, 2), 1), None),
+    "beta": ((slice(None, None, 2), slice(1, None, 2), 2), "(up + 2); MoK's \"gpt_oss\" activation has (up + 1)"),
+    "swapped": ((slice(1, None, 2), slice(None, None, 2), 1), "interleaved halves swapped"),
+}
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("case", sorted(GPT_OSS_NEAR_MISSES))
+def test_gpt_oss_gate_near_misses(case, impl, monkeypatch):
+    """GPT-OSS's gate written by hand in a GptOssExperts-like module: the canonical one is replaced (and equals
+    eager); (up + 2) and swapped interleaved halves are left alone, bit-equal to eager, the reason logged."""
+    (gs, us, beta), reason = GPT_OSS_NEAR_MISSES[case]
+    experts = _gpt_oss_like_experts(impl, gs, us, beta)
+    x, idx, w = routing_inputs(torch.bfloat16)
+    ref = experts(x, idx, w)
+    with pattern_log(monkeypatch) as messages:
+        gm, records, out = rewritten(experts, x, idx, w)
+    if reason is None:
+        assert counters["mok_inductor"]["moe_replaced"] == 1, [str(r) for r in records]
+        assert rel_err(out, ref) <= 1e-2
+        return
+    assert counters["mok_inductor"]["moe_replaced"] == 0
+    assert any(reason in r.detail for r in records), [str(r) for r in records]
+    assert any(reason in m for m in messages), messages
+    assert "mok.moe" not in gm.code
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)

@@ -1,7 +1,8 @@
 """Real Inductor compiles (about 20 s each on two CPU cores, so only a few): backend="mok" on a bf16
-grouped_mm Qwen3-MoE block, `mok_inductor.enable()` on an fp32 Mixtral block (transformers::grouped_mm_fallback),
-and the compile-cache keying that `enable()` installs (same sources and options -> FX-graph and AOTAutograd
-cache hits; a changed source file or changed options -> misses)."""
+grouped_mm Qwen3-MoE block, `mok_inductor.enable()` on an fp32 Mixtral block (transformers::grouped_mm_fallback)
+and on an fp32 GPT-OSS block (activation "gpt_oss", biases), and the compile-cache keying that `enable()`
+installs (same sources and options -> FX-graph and AOTAutograd cache hits; a changed source file or changed
+options -> misses)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,41 @@ def test_enable_switch_fp32_fallback_training(tmp_path, monkeypatch):
     assert rel_err(out, ref) <= 1e-4
     for a, b in zip(grads, gref):
         assert rel_err(a, b) <= 1e-4
+
+
+def test_enable_switch_gpt_oss_fp32_training(tmp_path, monkeypatch):
+    """`mok_inductor.enable()` and a plain Inductor compile of a GPT-OSS MoE block (grouped_mm backend, fp32:
+    transformers::grouped_mm_fallback): one mok::moe(activation="gpt_oss") whose forward and backward are MoK's
+    ops in the output code, nothing of the experts left; output and every gradient within 1e-4 of eager."""
+    import transformers  # noqa: F401  (pinned test dependency)
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))  # cold: the pass must run
+    block = _block("gpt_oss", "grouped_mm", torch.float32)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 5, 32, generator=g)
+    dy = torch.randn(2, 5, 32, generator=g)
+
+    ref, gref = _gpt_oss_step(block, x, dy)
+    torch._dynamo.reset()
+    counters["mok_inductor"].clear()
+    with mok_inductor.enabled():
+        (out, grads), codes = run_and_get_code(_gpt_oss_step, torch.compile(block, fullgraph=True), x, dy)
+    assert counters["mok_inductor"]["moe_replaced"] == 1
+    joined = "\n".join(codes)
+    assert "torch.ops.mok.moe_fwd.default" in joined and "torch.ops.mok.moe_bwd.default" in joined
+    assert "grouped_mm_fallback" not in joined and "histc" not in joined
+    assert rel_err(out, ref) <= 1e-4
+    for a, b in zip(grads, gref):
+        assert rel_err(a, b) <= 1e-4
+
+
+def _gpt_oss_step(block, x, dy):
+    """`_block_step` for GptOssMLP, whose forward returns (output, router scores)."""
+    x = x.detach().requires_grad_()
+    out = block(x)[0]
+    params = [p for _, p in sorted(block.named_parameters())]
+    grads = torch.autograd.grad(out, [x, *params], dy)
+    return out.detach(), grads
 
 
 # ---------------------------------------------------------------------------------------------------
