@@ -756,7 +756,8 @@ def _under_functorch_autodiff() -> bool:
     """Whether a torch.func grad/vjp/jvp transform is active, innermost or under a vmap inside it. Autograd
     Functions must then be applied from Python: applied from inside a dispatcher kernel, they would not
     see the transform."""
-    if torch.compiler.is_compiling():
+    # (the cheap check first: every eager call asks, and decode calls are host-bound)
+    if not torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
         return False
     stack = torch._C._functorch.get_interpreter_stack()
     autodiff = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
@@ -777,7 +778,7 @@ def call_moe(*args):
 def _moe_kernel(*args):
     """mok::moe's CompositeImplicitAutograd kernel: the composite body, except under torch.func.grad/vjp/jvp,
     where an op's kernel cannot apply the autograd Function (`call_moe` applies it from Python)."""
-    if torch._C._are_functorch_transforms_active() and _under_functorch_autodiff():
+    if _under_functorch_autodiff():
         raise NotImplementedError(
             "torch.ops.mok.moe: under torch.func.grad/vjp/jvp (and the transforms built on them) call "
             "mok_inductor.moe, which applies the op's autograd from Python; the op called directly cannot be "
