@@ -997,7 +997,8 @@ def test_prepare_stores_plans_that_compiled_code_reads(monkeypatch):
 # Mixtral, OLMoE), a gated shared expert around the experts (Qwen2-MoE), ungated shared experts and a grouped
 # router (DeepSeek-V3), and the first family whose clamped SwiGLU maps onto swiglu_limit
 _HAVE = {info.model_type for info in _DISCOVERED}
-_CUDA_FAMILIES = [t for t in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3") if t in _HAVE]
+_CUDA_FAMILIES = [t for t in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
+                  if t in _HAVE]
 _CUDA_FAMILIES += [t for t in ("deepseek_v4", "hy_v4") if t in _HAVE][:1]
 
 
