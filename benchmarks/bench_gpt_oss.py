@@ -5,6 +5,7 @@ with the "mok" experts backend (eager and under torch.compile) against the same 
 without biases at the same shape (bench_moe.py's mok and grouped_mm_compiled) so the two ratios sit side by side.
 
     python benchmarks/bench_gpt_oss.py --out DIR [--tokens 8192] [--rounds 3] [--iters 10]
+    python benchmarks/bench_gpt_oss.py --check     # CPU smoke run at a tiny shape: the checks, no timing
 
 Every contender's output and gradients are checked against the module's own eager loop (transformers' reference
 formulation) before timing. fwd+bwd: the gradients of x, the routing weights and the four parameters. The
@@ -31,9 +32,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_moe import SHAPES, routing_tensors, timed  # noqa: E402
 
 
-def experts_module(T, H, I, E, K, seed=0):
-    """A GptOssExperts of the gpt-oss config at (H, I, E, K) with random weights and biases (bf16, CUDA) and
-    routing inputs for T tokens."""
+def experts_module(T, H, I, E, K, seed=0, device="cuda"):
+    """A GptOssExperts of the gpt-oss config at (H, I, E, K) with random weights and biases (bf16) and routing
+    inputs for T tokens."""
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
@@ -45,10 +46,10 @@ def experts_module(T, H, I, E, K, seed=0):
         m.gate_up_proj_bias.copy_(torch.randn_like(m.gate_up_proj_bias) * 0.1)
         m.down_proj.copy_(torch.randn_like(m.down_proj) * I ** -0.5)
         m.down_proj_bias.copy_(torch.randn_like(m.down_proj_bias) * 0.1)
-    m = m.to("cuda", torch.bfloat16)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(T, H, generator=gen, device="cuda", dtype=torch.bfloat16)
-    rw, te = routing_tensors(T, E, K, "balanced", gen, "cuda")
+    m = m.to(device, torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, H, generator=gen, device=device, dtype=torch.bfloat16)
+    rw, te = routing_tensors(T, E, K, "balanced", gen, device)
     return m, x, te, rw.to(torch.bfloat16)
 
 
@@ -119,11 +120,17 @@ def check(module, fs, x, te, rw, dy, log):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", default="out/gpt-oss")
+    p.add_argument("--check", action="store_true", help="CPU smoke run: a tiny shape, the checks only")
     p.add_argument("--tokens", type=int, default=SHAPES["gpt-oss-20b"][0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     a = p.parse_args()
+
+    if a.check:
+        module, x, te, rw = experts_module(16, 64, 32, 4, 2, device="cpu")
+        check(module, contenders(module), x, te, rw, torch.randn_like(x), print)
+        return
     os.makedirs(a.out, exist_ok=True)
     log_f = open(os.path.join(a.out, "gpt_oss.log"), "w")
 
