@@ -120,20 +120,20 @@ def moe(
         from . import distributed as _distributed
 
         if _distributed.group_size(group) > 1:
-            if variant:
-                raise ValueError(f"activation={act.name!r}/gate_up_bias/down_bias: not supported with expert "
-                                 "parallelism (group= of more than one rank) yet")
             if mx:
                 raise TypeError("gate_up_proj/down_proj: MXFP8 routed weights are not supported with expert "
                                 "parallelism (group= of more than one rank) yet; pass bf16 weights")
             autocast = _ops.autocast_dtype(x)
             if autocast is not None:  # the autocast policy of mok::moe (ops.autocast_cast), which this path bypasses
-                x, _, _, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate = \
-                    _ops.autocast_cast((x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj,
-                                        shared_down_proj, shared_output_gate), autocast)
+                # (mok::moe's argument positions: the biases follow the MXFP8 arguments and the activation)
+                cast = _ops.autocast_cast((x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj,
+                                           shared_down_proj, shared_output_gate) + (None,) * 10
+                                          + (gate_up_bias, down_bias), autocast)
+                x, _, _, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate = cast[:8]
+                gate_up_bias, down_bias = cast[18:]
             y = _distributed.moe(x.reshape(-1, H), router_weights.reshape(-1, K), top_experts.reshape(-1, K),
                                  gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate,
-                                 swiglu_limit, group=group)
+                                 swiglu_limit, act, gate_up_bias, down_bias, group=group)
             return y.view(x.shape)
     args = (x.reshape(-1, H), router_weights.reshape(-1, K), top_experts.reshape(-1, K))
     tail = (shared_gate_up_proj, shared_down_proj, shared_output_gate, swiglu_limit)

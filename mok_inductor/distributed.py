@@ -2,7 +2,8 @@
 
 Every rank of an EP group passes its own tokens `x [T, H]` (T may differ between ranks, and may be
 0), global expert ids `top_experts [T, K]` in `[-1, E)` and the weights of its `E_local = E / W`
-local experts; rank r (its rank in the group) owns experts `[r*E_local, (r+1)*E_local)`.
+local experts (and, for GPT-OSS's experts, their biases); rank r (its rank in the group) owns experts
+`[r*E_local, (r+1)*E_local)`.
 
 Data flow of one layer on rank r (W ranks; S rows sent, R rows received):
 
@@ -15,16 +16,19 @@ Data flow of one layer on rank r (W ranks; S rows sent, R rows received):
         local schedule of the received ids (torch.ops.mok.schedule, on the device)
     forward:
         x[token_S], router_weights masked to the row's rank  --all_to_all-->  x_R [R, H], rw_R [R, K]
-        y_R = the megakernel on (x_R, rw_R, local ids, local weights)  (combine over the local k routes)
+        y_R = the megakernel on (x_R, rw_R, local ids, local weights)  (combine over the local k routes; a
+              local down bias joins each route's output before its routing weight, as on one device)
         y_R --all_to_all back--> y_S [S, H]
         y[t] = shared(x)[t] + sum over t's destination ranks, ascending, of y_S[pair (d, t)]   (fp32)
     backward (no host sync: the split sizes are the forward's):
-        dy[token_S] --all_to_all--> megakernel backward (local weight gradients, dx_R, d rw_R)
+        dy[token_S] --all_to_all--> megakernel backward (local weight and bias gradients, dx_R, d rw_R)
         --all_to_all back--> dx[t] = dx_shared[t] + sum over ranks, ascending; d rw[t, k] read back.
 
 The shared expert runs locally on each rank's own tokens (it is replicated, not dispatched), with
-the same megakernel (a call with no routed route). Every sum has a fixed order (ascending rank), so
-results are bitwise reproducible run to run.
+the same megakernel (a call with no routed route) and the same gated activation as the routed experts
+(as on one device; routed biases with a shared expert are refused there and here). Every sum has a
+fixed order (ascending rank; a local expert's bias gradient sums its received rows in schedule order),
+so results are bitwise reproducible run to run.
 
 Collectives pair across ranks in call order: every rank of the group must call each MoE layer, and
 its backward, the same number of times in the same order (also with T = 0 tokens), and the ranks
@@ -47,7 +51,8 @@ import torch.distributed as dist
 
 from . import _checks, ops
 from . import options as _options
-from .types import GradBuffers, RoutedOperands, Schedule, shared_saved_dtype, split_gate_up
+from .types import (SWIGLU, Activation, GradBuffers, RoutedOperands, Schedule, activation as _activation,
+                    shared_saved_dtype, split_gate_up)
 
 __all__ = ["EPPlan", "EPForwardState", "group_size", "plan", "forward", "backward", "moe"]
 
@@ -247,8 +252,11 @@ def _shared_only_call(x: torch.Tensor):
 def forward(p: EPPlan, x: torch.Tensor, router_weights: torch.Tensor, w_gate, w_up, w_down,
             s_gate: Optional[torch.Tensor] = None, s_up: Optional[torch.Tensor] = None,
             s_down: Optional[torch.Tensor] = None, s_out_gate: Optional[torch.Tensor] = None,
-            swiglu_limit: Optional[float] = None):
-    """y [T, H] (x.dtype) and the EPForwardState for `backward`. Collective (three all_to_alls)."""
+            swiglu_limit: Optional[float] = None, act: Activation = SWIGLU,
+            gate_up_bias: Optional[torch.Tensor] = None, down_bias: Optional[torch.Tensor] = None):
+    """y [T, H] (x.dtype) and the EPForwardState for `backward`. Collective (three all_to_alls). `act`: the
+    gated activation of the routed and the shared experts; `gate_up_bias` [E_local, 2, I] and `down_bias`
+    [E_local, H]: the local experts' optional biases, applied where the experts run (`ops.forward`)."""
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     x_SH = x[p.token_S]
     rw_f = router_weights.to(torch.promote_types(router_weights.dtype, torch.float32))
@@ -256,13 +264,13 @@ def forward(p: EPPlan, x: torch.Tensor, router_weights: torch.Tensor, w_gate, w_
     x_RH = _all_to_all(x_SH, p.send_splits, p.recv_splits, p.group)
     rw_RK = _all_to_all(rw_SK, p.send_splits, p.recv_splits, p.group)
     res = ops.forward(x_RH, rw_RK, p.top_experts_RK, p.schedule_R, RoutedOperands.of_weights(w_gate, w_up, w_down),
-                      swiglu_limit=swiglu_limit)
+                      swiglu_limit=swiglu_limit, act=act, gate_up_bias=gate_up_bias, down_bias=down_bias)
     y_SH = _all_to_all(res.y_TH, p.recv_splits, p.send_splits, p.group, pad=True)
 
     T, H = x.shape
     if s_gate is not None:
         zeros_T1, none_T1, sched, dummy = _shared_only_call(x)
-        sres = ops.forward(x, zeros_T1, none_T1, sched, dummy, s_gate, s_up, s_down, s_out_gate, swiglu_limit)
+        sres = ops.forward(x, zeros_T1, none_T1, sched, dummy, s_gate, s_up, s_down, s_out_gate, swiglu_limit, act)
         acc = sres.y_TH.to(acc_dtype)  # the shared expert first, then the ranks' partial sums, ascending
         gu_shared = sres.gu_shared_T2Is
     else:
@@ -274,28 +282,39 @@ def forward(p: EPPlan, x: torch.Tensor, router_weights: torch.Tensor, w_gate, w_
 
 def backward(p: EPPlan, state: EPForwardState, dy: torch.Tensor, x: torch.Tensor, router_weights: torch.Tensor,
              w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None, s_out_gate=None,
-             swiglu_limit: Optional[float] = None, *, grads: GradBuffers, accumulate: bool = False):
+             swiglu_limit: Optional[float] = None, act: Activation = SWIGLU,
+             gate_up_bias: Optional[torch.Tensor] = None, down_bias: Optional[torch.Tensor] = None, *,
+             grads: GradBuffers, accumulate: bool = False):
     """(dx [T, H] x.dtype, d router_weights [T, K] float32). The local experts' weight gradients and
     the shared expert's go into `grads` (written, or ADDED when `accumulate`), as in
-    `ops.backward`. Collective (three all_to_alls), no host synchronisation."""
+    `ops.backward`; with the biases of `forward` (same `act`), theirs into `grads.d_gate_up_bias`
+    [E_local, 2, I] and `grads.d_down_bias` [E_local, H], which must then be given. Collective (three
+    all_to_alls), no host synchronisation."""
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     T, H = x.shape
     dy = dy.to(x.dtype)
     dy_RH = _all_to_all(dy[p.token_S], p.send_splits, p.recv_splits, p.group)
-    routed = GradBuffers(grads.d_gate, grads.d_up, grads.d_down, d_gate_up=grads.d_gate_up)
+    # (ops.backward would allocate a missing bias gradient where the caller never sees it)
+    assert (gate_up_bias is None or grads.d_gate_up_bias is not None) and \
+        (down_bias is None or grads.d_down_bias is not None), "the biases' gradient buffers must be given"
+    routed = GradBuffers(grads.d_gate, grads.d_up, grads.d_down, d_gate_up=grads.d_gate_up,
+                         d_gate_up_bias=grads.d_gate_up_bias if gate_up_bias is not None else None,
+                         d_down_bias=grads.d_down_bias if down_bias is not None else None)
     res = ops.backward(dy_RH, state.x_RH, state.rw_RK, p.top_experts_RK, p.schedule_R,
                        RoutedOperands.of_weights(w_gate, w_up, w_down), state.gu_N2I, swiglu_limit=swiglu_limit,
-                       grads=routed, accumulate=accumulate)
+                       act=act, gate_up_bias=gate_up_bias, down_bias=down_bias, grads=routed, accumulate=accumulate)
     dx_SH = _all_to_all(res.dx_TH, p.recv_splits, p.send_splits, p.group, pad=True)
     drw_SK = _all_to_all(res.d_router_weights_TK.to(state.rw_RK.dtype), p.recv_splits, p.send_splits, p.group, pad=True)
 
     if s_gate is not None:
         zeros_T1, none_T1, sched, dummy = _shared_only_call(x)
-        # the placeholder's gradients are zeros (accumulated into, never read)
-        shared = GradBuffers.allocate(grads._replace(d_gate=None, d_up=None, d_down=None, d_gate_up=None),
+        # the placeholder's gradients are zeros (accumulated into, never read); no bias buffer, or the
+        # placeholder's empty expert would zero local expert 0's bias gradient
+        shared = GradBuffers.allocate(grads._replace(d_gate=None, d_up=None, d_down=None, d_gate_up=None,
+                                                     d_gate_up_bias=None, d_down_bias=None),
                                       dummy.gate.data, dummy.up.data, dummy.down.data, zero=True)
         sres = ops.backward(dy, x, zeros_T1, none_T1, sched, dummy, x.new_zeros(T, 2 * _DUMMY_I), s_gate, s_up,
-                            s_down, s_out_gate, state.gu_shared_T2Is, swiglu_limit, grads=shared,
+                            s_down, s_out_gate, state.gu_shared_T2Is, swiglu_limit, act, grads=shared,
                             accumulate=accumulate)
         acc = sres.dx_TH.to(acc_dtype)
     else:
@@ -311,43 +330,53 @@ def backward(p: EPPlan, state: EPForwardState, dy: torch.Tensor, x: torch.Tensor
 
 
 class _EPMoE(torch.autograd.Function):
-    """forward(x, rw, gate_up [El, 2I, H], down [El, H, I], shared_gate_up, shared_down, shared_gate,
-    plan, swiglu_limit) -> y; its backward is the EP backward (collective)."""
+    """forward(x, rw, gate_up [El, 2I, H] (or [El, 2, I, H]), down [El, H, I], shared_gate_up, shared_down,
+    shared_gate, gate_up_bias [El, 2I] (or [El, 2, I]), down_bias [El, H], plan, swiglu_limit, act) -> y; its
+    backward is the EP backward (collective)."""
 
     @staticmethod
-    def forward(ctx, x, rw, gate_up, down, sgu, sd, sog, p, limit):
+    def forward(ctx, x, rw, gate_up, down, sgu, sd, sog, gub, db, p, limit, act):
         w_gate, w_up = split_gate_up(gate_up)
         s_gate, s_up = split_gate_up(sgu)
-        y, state = forward(p, x, rw, w_gate, w_up, down, s_gate, s_up, sd, sog, limit)
-        ctx.save_for_backward(x, rw, gate_up, down, sgu, sd, sog)
-        ctx.plan, ctx.state, ctx.limit = p, state, limit
+        y, state = forward(p, x, rw, w_gate, w_up, down, s_gate, s_up, sd, sog, limit, act, ops.bias_E2I(gub), db)
+        ctx.save_for_backward(x, rw, gate_up, down, sgu, sd, sog, gub, db)
+        ctx.plan, ctx.state, ctx.limit, ctx.act = p, state, limit, act
         ctx.options = _options.current()  # the backward runs as its forward did (a per-call `options=` included)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        x, rw, gate_up, down, sgu, sd, sog = ctx.saved_tensors
+        x, rw, gate_up, down, sgu, sd, sog, gub, db = ctx.saved_tensors
         w_gate, w_up = split_gate_up(gate_up)
         s_gate, s_up = split_gate_up(sgu)
-        grads = GradBuffers.allocate(None, None, None, down, None, None, sd, sog, gate_up=gate_up, s_gate_up=sgu)
+        # every gradient in its input's layout (strides), as mok::moe_bwd allocates them: the gradient of a
+        # strided view (GPT-OSS's checkpoint layout) reaches its parameter without a copy
+        grads = GradBuffers.allocate(None, None, None, down, None, None, sd, sog, gate_up=gate_up, s_gate_up=sgu,
+                                     preserve_layout=True)
+        d_gub = None if gub is None else torch.empty_like(gub, memory_format=torch.preserve_format)
+        d_db = None if db is None else torch.empty_like(db, memory_format=torch.preserve_format)
+        grads = grads._replace(d_gate_up_bias=ops.bias_E2I(d_gub), d_down_bias=d_db)
         with _options.override(ctx.options):
             dx, drw = backward(ctx.plan, ctx.state, dy, x, rw, w_gate, w_up, down, s_gate, s_up, sd, sog, ctx.limit,
-                               grads=grads, accumulate=False)
+                               ctx.act, ops.bias_E2I(gub), db, grads=grads, accumulate=False)
         ctx.plan = ctx.state = None
         return dx, drw.to(rw.dtype), grads.d_gate_up, grads.d_down, grads.d_s_gate_up, grads.d_s_down, \
-            grads.d_s_out_gate, None, None
+            grads.d_s_out_gate, d_gub, d_db, None, None, None
 
 
 @torch.compiler.disable
 def moe(x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj=None, shared_down_proj=None,
-        shared_output_gate=None, swiglu_limit=None, *, group) -> torch.Tensor:
-    """`mok_inductor.moe` over an EP group, on flattened arguments (x [T, H]); gate_up_proj/down_proj
-    hold this rank's E_local experts. Runs eagerly (torch.compile graph-breaks around it: the plan
-    synchronises with the host)."""
+        shared_output_gate=None, swiglu_limit=None, activation=None, gate_up_bias=None, down_bias=None, *,
+        group) -> torch.Tensor:
+    """`mok_inductor.moe` over an EP group, on flattened arguments (x [T, H]); gate_up_proj/down_proj (and
+    gate_up_bias [E_local, 2I] or [E_local, 2, I], down_bias [E_local, H]) hold this rank's E_local experts.
+    Runs eagerly (torch.compile graph-breaks around it: the plan synchronises with the host)."""
     _checks.check_moe_args(x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_proj,
                            shared_down_proj, shared_output_gate, swiglu_limit)
+    _checks.check_variant(x, gate_up_proj, down_proj, shared_gate_up_proj, gate_up_bias, down_bias)
+    act = _activation(activation)
     limit = None if swiglu_limit is None else float(swiglu_limit)
     p = plan(top_experts, gate_up_proj.shape[0], group, hidden_size=x.shape[1], dtype=x.dtype)
     return _EPMoE.apply(x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj,
-                        shared_output_gate, p, limit)
+                        shared_output_gate, gate_up_bias, down_bias, p, limit, act)

@@ -8,8 +8,11 @@ computing all experts over all ranks' tokens in one process: the output, d x and
 rows of this rank, the local experts' slice of the weight gradients, and the shared expert's
 gradients summed over the ranks (a data-parallel all-reduce). Cases: balanced random routing, every
 token to rank 0's experts, a rank with T = 0, `-1` routes (and a token with none), the shared expert
-with its output gate, swiglu_limit, bf16, K = 1; the functional ABI with a group (fresh gradients
-and main_grads accumulation, dense and split layouts); errors raised on every rank; determinism.
+with its output gate, swiglu_limit, bf16, K = 1; GPT-OSS's experts (its activation, both routed
+biases, an expert no route reaches; the reference and the Triton kernels; its checkpoint layout's
+views; autocast), also against the one-device call holding every expert; the functional ABI with a group
+(fresh gradients and main_grads accumulation, dense and split layouts); errors raised on every rank;
+determinism.
 
 Shapes: T in [0, 16] per rank, H=32, I=16, Is=24, E=8, K=2 (K=1 once). Tolerances: docs/semantics.md, "The
 contract" (`_helpers.TOLERANCE`).
@@ -36,6 +39,8 @@ from _helpers import (  # noqa: E402
     TOLERANCE, MoeCase, assert_close_to_oracle, gloo_threads, make_case, moe_with_grads, oracle_with_grads,
     random_like, rel_err, routing,
 )
+from oracle import oracle_moe  # noqa: E402
+from test_gpt_oss import _hf_layout, _inputs as gpt_oss_inputs  # noqa: E402
 
 H, I, IS, E = 32, 16, 24, 8
 SHARED_NAMES = ("shared_gate_up_proj", "shared_down_proj", "shared_output_gate")
@@ -236,7 +241,156 @@ def case_errors_on_every_rank(rank, world, seed):
                                         "parallelism"):
         mok_inductor.moe(mine.x, mine.router_weights, mine.top_experts, mx_gate_up, mine.down_proj,
                          group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="^down_bias: routed biases are not supported with a shared expert"):
+        mok_inductor.moe(mine.x, mine.router_weights, mine.top_experts, mine.gate_up_proj, mine.down_proj,
+                         shared_gate_up_proj=mine.shared_gate_up_proj, shared_down_proj=mine.shared_down_proj,
+                         activation="gpt_oss", down_bias=torch.zeros(p["El"], H), group=dist.group.WORLD)
     case_balanced(rank, world, seed + 1)  # the group still works
+
+
+# ---------------------------------------------------------------------------------------------- GPT-OSS's experts
+
+
+PER_EXPERT = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias")  # each rank passes its experts' rows
+EMPTY_EXPERT = 5  # no route reaches it (rank 1's of 2, rank 2's of 4): zero weight and bias gradients there
+
+
+def _gpt_oss_problem(world, seed, *, T=None, dtype=torch.float32, activation="gpt_oss", limit=1.0, shared=False):
+    """The global problem with GPT-OSS-style experts, identical on every rank: test_gpt_oss's inputs (biases of
+    O(0.5), so a limit of 1 clips g and u) over all ranks' tokens and all E experts, 30% of the routes -1, each
+    rank's first token with none, expert EMPTY_EXPERT with none. `shared`: a shared expert with its output gate
+    in place of the biases (the two do not combine; the activation applies to it too)."""
+    g = torch.Generator().manual_seed(seed)
+    T = T if T is not None else [int(t) for t in torch.randint(4, 9, (world,), generator=g)]
+    inp = gpt_oss_inputs(T=sum(T), H=H, I=I, E=E, K=2, dtype=dtype, seed=seed + 1, drop=0.3)
+    te = inp["top_experts"]
+    te[te == EMPTY_EXPERT] = -1
+    te[[sum(T[:r]) for r in range(world) if T[r]]] = -1
+    if shared:
+        del inp["gate_up_bias"], inp["down_bias"]
+
+        def randn(*shape):
+            return (torch.randn(*shape, generator=g, dtype=torch.float64) * shape[-1] ** -0.5).to(dtype)
+
+        inp.update(shared_gate_up_proj=randn(2 * IS, H), shared_down_proj=randn(H, IS), shared_output_gate=randn(1, H))
+    return dict(inp=inp, dy=random_like(inp["x"], seed + 2), T=T, El=E // world, activation=activation,
+                limit=limit)
+
+
+def _gpt_oss_moe(p, rows, loc, *, group=None, hf=False):
+    """(y, {name: gradient}) of mok_inductor.moe on the tokens `rows` and the experts `loc` of problem `p`
+    (fresh leaves; the backward of <y, dy[rows]>). `hf`: the routed weights and the FC1 bias passed as views
+    of GPT-OSS's checkpoint tensors (`_hf_layout`), whose gradients come back in that layout, each checked to
+    arrive in its parameter's strides (before AccumulateGrad, which would copy one of another layout)."""
+    inp = p["inp"]
+    leaves = {n: (t[loc] if n in PER_EXPERT else t if n in SHARED_NAMES else t[rows]).detach().clone()
+              for n, t in inp.items() if n != "top_experts"}
+    if hf:
+        leaves["gate_up_proj"], leaves["gate_up_bias"], leaves["down_proj"] = _hf_layout(leaves)
+    for t in leaves.values():
+        t.requires_grad_(True)
+    call = dict(leaves)
+    arriving = {}
+    if hf:
+        El = leaves["down_bias"].shape[0]
+        call.update(gate_up_proj=leaves["gate_up_proj"].view(El, H, I, 2).permute(0, 3, 2, 1),
+                    gate_up_bias=leaves["gate_up_bias"].view(El, I, 2).transpose(1, 2),
+                    down_proj=leaves["down_proj"].transpose(1, 2))
+        for n in ("gate_up_proj", "gate_up_bias", "down_proj"):
+            leaves[n].register_hook(lambda g, n=n: arriving.__setitem__(n, g.stride() == leaves[n].stride()))
+    y = mok_inductor.moe(call.pop("x"), call.pop("router_weights"), inp["top_experts"][rows],
+                         call.pop("gate_up_proj"), call.pop("down_proj"), swiglu_limit=p["limit"],
+                         activation=p["activation"], group=group, **call)
+    y.backward(p["dy"][rows])
+    if hf:
+        assert arriving == dict.fromkeys(("gate_up_proj", "gate_up_bias", "down_proj"), True), arriving
+    return y.detach(), {n: t.grad for n, t in leaves.items()}
+
+
+def _gpt_oss_oracle(p):
+    """(y, {name: gradient}) of the float64 oracle over all ranks' tokens and all experts."""
+    inp = p["inp"]
+    leaves = {n: t.detach().double().requires_grad_(True) for n, t in inp.items() if n != "top_experts"}
+    y = oracle_moe(leaves["x"], leaves["router_weights"], inp["top_experts"], leaves["gate_up_proj"],
+                   leaves["down_proj"], *(leaves.get(n) for n in SHARED_NAMES), swiglu_limit=p["limit"],
+                   activation=p["activation"], gate_up_bias=leaves.get("gate_up_bias"),
+                   down_bias=leaves.get("down_bias"))
+    y.backward(p["dy"].double())
+    return y.detach(), {n: t.grad for n, t in leaves.items()}
+
+
+def _check_gpt_oss_case(rank, world, seed, *, backend="reference", hf=False, repeat=False, **kw):
+    """This rank's EP output and gradients (shared ones summed over the ranks) against the float64 oracle at
+    the contract's bound, and against the one-device call holding every expert on all ranks' tokens (the same
+    backend; 1e-6 in float32, where the two differ only in the order of their sums: the combine over ranks,
+    the bias gradients' row sums, the shared expert's sum over ranks); the expert no route reaches gets
+    exactly zero gradients; `repeat`: a second EP run is bitwise identical."""
+    p = _gpt_oss_problem(world, seed, **kw)
+    rows, loc = _rows(p, rank), _local(p, rank)
+    with mok_inductor.options.override(backend=backend):
+        y, grads = _gpt_oss_moe(p, rows, loc, group=dist.group.WORLD, hf=hf)
+        if repeat:
+            y2, grads2 = _gpt_oss_moe(p, rows, loc, group=dist.group.WORLD, hf=hf)
+            assert torch.equal(y, y2), "two EP runs differ"
+            for n in grads:
+                assert torch.equal(grads[n], grads2[n]), f"two EP runs differ in d {n}"
+        y_one, g_one = _gpt_oss_moe(p, slice(None), slice(None), hf=hf)
+    y_ref, g_ref = _gpt_oss_oracle(p)
+    if hf:  # the oracle's gradients in the checkpoint layout, as the EP call returns them
+        g_ref["gate_up_proj"], g_ref["gate_up_bias"], g_ref["down_proj"] = _hf_layout(g_ref)
+    dt = p["inp"]["x"].dtype
+    one_tol = 1e-6 if dt == torch.float32 else TOLERANCE[dt]
+    for n, got, ref, one in [("y", y, y_ref, y_one)] + [(n, grads[n], g_ref[n], g_one[n]) for n in grads]:
+        assert got.dtype == (torch.float32 if n == "router_weights" else dt), n
+        if n in SHARED_NAMES:  # each rank's shared gradient covers its own tokens; data parallelism sums them
+            got = _sum_over_ranks(got)
+        else:
+            ref, one = (ref[loc], one[loc]) if n in PER_EXPERT else (ref[rows], one[rows])
+        assert_close_to_oracle(f"{'' if n == 'y' else 'd '}{n}", got, ref, dt)
+        err = rel_err(got, one)
+        assert err <= one_tol, f"d {n}: relative error {err:.3e} vs the one-device call exceeds {one_tol:.0e}"
+    if loc.start <= EMPTY_EXPERT < loc.stop:
+        for n in PER_EXPERT:
+            if n in grads:
+                assert not grads[n][EMPTY_EXPERT - loc.start].any(), f"d {n}: nonzero for an expert with no route"
+
+
+def case_gpt_oss(rank, world, seed):
+    _check_gpt_oss_case(rank, world, seed, repeat=True)
+
+
+def case_gpt_oss_bf16_hf_views(rank, world, seed):
+    _check_gpt_oss_case(rank, world, seed, dtype=torch.bfloat16, hf=True)
+
+
+def case_swiglu_biases_empty_rank(rank, world, seed):
+    # SwiGLU with both biases (the variant's biases do not depend on its activation); rank 1 has no token
+    _check_gpt_oss_case(rank, world, seed, activation="swiglu", limit=0.8, T=[6, 0] + [5, 3][:world - 2])
+
+
+def case_gpt_oss_shared_expert(rank, world, seed):
+    # no biases: the activation applies to the shared expert too, as on one device
+    _check_gpt_oss_case(rank, world, seed, shared=True)
+
+
+def case_gpt_oss_autocast(rank, world, seed):
+    """Under torch.autocast the EP call casts x, the weights and the biases as mok::moe does: the result and the
+    gradients equal the call on bf16 inputs, the gradients coming back in float32 through the casts."""
+    p = _gpt_oss_problem(world, seed)
+    rows, loc = _rows(p, rank), _local(p, rank)
+    bf16 = dict(p, inp={n: t.bfloat16() if n not in ("top_experts", "router_weights") else t
+                        for n, t in p["inp"].items()}, dy=p["dy"].bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, grads = _gpt_oss_moe(dict(p, dy=bf16["dy"]), rows, loc, group=dist.group.WORLD)
+    y_cast, g_cast = _gpt_oss_moe(bf16, rows, loc, group=dist.group.WORLD)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_cast)
+    for n, g in grads.items():
+        assert g.dtype == torch.float32 and torch.equal(g, g_cast[n].float()), n
+
+
+def case_gpt_oss_triton(rank, world, seed):
+    # the Triton kernels (under the interpreter on CPU): T < a tile on each rank
+    _check_gpt_oss_case(rank, world, seed, backend="triton", T=[5, 3] + [4, 2][:world - 2])
 
 
 # ---------------------------------------------------------------------------------------------- the functional ABI
@@ -445,9 +599,36 @@ def case_transformers_shard_experts(rank, world, seed):
     model.load_state_dict(ref.state_dict())
     sharded = hf.shard_experts(model, dist.group.WORLD)
     assert len(sharded) == 2 * cfg.num_hidden_layers
+    _check_sharded(model, ref, sharded, cfg.num_experts // world, cfg.vocab_size, rank, world, seed)
+
+
+def case_transformers_shard_gpt_oss(rank, world, seed):
+    """The same for a tiny GPT-OSS (activation "gpt_oss", biases, interleaved gate/up in its checkpoint layout):
+    shard_experts keeps each rank's rows of the weights and of both biases, and the sharded model equals the
+    unsharded eager one in logits and every gradient (the biases' included)."""
+    from _pattern_models import VOCAB, build
+    from mok_inductor.integrations import transformers as hf
+
+    hf.register()
+    ref, _ = build("gpt_oss", "eager", torch.float32, seed=seed)
+    model, _ = build("gpt_oss", "mok", torch.float32, seed=seed)
+    torch.manual_seed(seed)  # identical random weights (biases and router included) on every rank
+    with torch.no_grad():
+        for prm in ref.parameters():
+            prm.normal_(0.0, 0.3)
+    model.load_state_dict(ref.state_dict())
+    sharded = hf.shard_experts(model, dist.group.WORLD)
+    assert sorted(n.rsplit(".", 1)[1] for n in sharded) == ["down_proj", "down_proj_bias", "gate_up_proj",
+                                                            "gate_up_proj_bias"], sharded
+    _check_sharded(model, ref, sharded, 4 // world, VOCAB, rank, world, seed)  # (4 experts)
+
+
+def _check_sharded(model, ref, sharded, El, vocab, rank, world, seed):
+    """Rank `rank`'s logits and gradients of the sharded `model` against the unsharded `ref` run on every rank's
+    sequences (sharded parameters: this rank's rows of ref's gradient; replicated ones: summed over the ranks)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (world, 2, 7), generator=g)  # rank r's batch: ids[r]
-    proj = torch.randn(world, 2, 7, 64, generator=g)
+    ids = torch.randint(0, vocab, (world, 2, 7), generator=g)  # rank r's batch: ids[r]
+    proj = torch.randn(world, 2, 7, vocab, generator=g)
 
     def check(name, out, want):
         err, tol = rel_err(out, want), TOLERANCE[torch.float32]
@@ -456,10 +637,9 @@ def case_transformers_shard_experts(rank, world, seed):
     logits = model(input_ids=ids[rank]).logits
     (logits * proj[rank]).sum().backward()
     logits_ref = ref(input_ids=ids.reshape(world * 2, 7)).logits
-    (logits_ref * proj.reshape(world * 2, 7, 64)).sum().backward()
+    (logits_ref * proj.reshape(world * 2, 7, vocab)).sum().backward()
     check("transformers logits", logits, logits_ref[2 * rank:2 * rank + 2])
     ref_params = dict(ref.named_parameters())
-    El = cfg.num_experts // world
     for name, prm in model.named_parameters():
         want = ref_params[name].grad
         if name in sharded:
@@ -492,13 +672,14 @@ def case_ep_code_path_on_one_rank(rank, world, seed):
 SUITES = {
     "api2": [case_balanced, case_all_to_rank0, case_empty_rank, case_minus_one_routes, case_no_shared_k1, case_bf16,
              case_all_tokens_empty, case_matches_one_device_and_is_deterministic, case_errors_on_every_rank,
-             case_functional_dense, case_functional_main_grads, case_functional_split,
-             case_workspace_does_not_keep_its_group],
+             case_gpt_oss, case_gpt_oss_bf16_hf_views, case_swiglu_biases_empty_rank, case_gpt_oss_shared_expert,
+             case_gpt_oss_autocast, case_gpt_oss_triton, case_functional_dense, case_functional_main_grads,
+             case_functional_split, case_workspace_does_not_keep_its_group],
     "api4": [case_balanced_limit, case_all_to_rank0, case_empty_rank, case_minus_one_routes, case_bf16,
-             case_matches_one_device_and_is_deterministic, case_errors_on_every_rank, case_functional_main_grads,
-             case_functional_split],
+             case_matches_one_device_and_is_deterministic, case_errors_on_every_rank, case_gpt_oss,
+             case_swiglu_biases_empty_rank, case_functional_main_grads, case_functional_split],
     "one_rank": [case_ep_code_path_on_one_rank],
-    "integrations2": [case_megatron_ep, case_transformers_shard_experts],
+    "integrations2": [case_megatron_ep, case_transformers_shard_experts, case_transformers_shard_gpt_oss],
 }
 
 

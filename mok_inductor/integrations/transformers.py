@@ -521,7 +521,8 @@ def shard_experts(model: torch.nn.Module, group) -> list:
     """Expert parallelism for a "mok" model (docs/distributed.md): keep only this rank's experts.
 
     For every experts module of `model` (E experts, E divisible by the group's size W), rank r keeps
-    experts [r*E/W, (r+1)*E/W) of gate_up_proj / down_proj as new Parameters and records `group`; the
+    experts [r*E/W, (r+1)*E/W) of gate_up_proj / down_proj (and their biases, GPT-OSS's) as new Parameters
+    and records `group`; the
     "mok" experts function then sends each token to the ranks owning its experts
     (`mok_inductor.moe(..., group=group)`). Every rank runs the model on its own tokens. Call it on
     every rank, on identical models (same weights), before building the optimizer. Returns the names
@@ -537,14 +538,14 @@ def shard_experts(model: torch.nn.Module, group) -> list:
         plan = experts_plan(module)
         if not plan.supported:
             raise ValueError(f"model.{mname}: MoK cannot run these experts ({plan.reason}), so they cannot be sharded")
-        if plan.activation != "swiglu" or getattr(module, "has_bias", False):
-            raise ValueError(f"model.{mname}: MoK's expert parallelism does not take activation={plan.activation!r} "
-                             "or expert biases (GPT-OSS's) yet, so these experts cannot be sharded")
         E = module.gate_up_proj.shape[0]
         if E % W != 0:
             raise ValueError(f"model.{mname}: {E} experts do not split over {W} ranks")
         el = E // W
-        for pname in ("gate_up_proj", "down_proj"):
+        # the experts' biases (GPT-OSS) are per expert like the weights: sharded the same way
+        pnames = ("gate_up_proj", "down_proj") + (("gate_up_proj_bias", "down_proj_bias")
+                                                  if getattr(module, "has_bias", False) else ())
+        for pname in pnames:
             old = getattr(module, pname)
             new = torch.nn.Parameter(old.detach()[r * el:(r + 1) * el].clone(), requires_grad=old.requires_grad)
             setattr(module, pname, new)
