@@ -688,8 +688,8 @@ def _record_tiles(monkeypatch) -> list:
 
 
 def _one_mx_config(monkeypatch, block_m, block_k):
-    """Both fp16 K-loop families (gate/up, grouped rows) on one tile config: BLOCK_N 32, 2 warps, 3 stages."""
-    _force_tile(monkeypatch, configs.Tile(block_m, 32, block_k, 2, 3), _f16_kernels())
+    """Both fp16 K-loop families (gate/up, grouped rows) on one tile config: BLOCK_N 128, 2 warps, 3 stages."""
+    _force_tile(monkeypatch, configs.Tile(block_m, 128, block_k, 2, 3), _f16_kernels())
 
 
 def _spread_problem(seed, *, t, h, i, e, k):
