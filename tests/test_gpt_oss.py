@@ -406,3 +406,95 @@ def test_cuda_kernels_against_oracle(case):
     bad = {n: f"{rel_err(grads[n].cpu(), g_ref[n]):.2e}" for n in NAMES
            if not rel_err(grads[n].cpu(), g_ref[n]) <= tol}
     assert not bad, bad
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_interleaved_weight_read_whole(tma, monkeypatch):
+    """GPT-OSS's checkpoint layout through the Triton kernels (the interpreter on CPU): the gate/up GEMM loads
+    gate and up as one tile of the interleaved weight (INTERLEAVED, through TMA descriptors at tma_min_rows 0),
+    the backward writes dgu interleaved and runs the data gradient and the weight gradient on the whole weight
+    ([E, H, 2I] and [E, 2I, H], unit stride along 2I); the output and every gradient equal the oracle's.
+    H = 64 gives two whole K steps of the interpreter's BLOCK_K 32 (the TMA loop runs), I = 16."""
+    from mok_inductor import kernels, ops
+    from mok_inductor.kernels import bwd_act, grouped_gemm
+
+    if not kernels.AVAILABLE:
+        pytest.fail("the Triton kernels are not available (no CUDA and no TRITON_INTERPRET=1)")
+    inp = _inputs(T=9, H=64, I=16, E=3, K=2, dtype=torch.bfloat16, seed=41 + tma)
+    dy = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64).bfloat16()
+    seen = {"INTERLEAVED": [], "TMA": [], "interleave": [], "dx_weight_strides": []}
+    real_launch, real_bwd_act, real_rows = kernels.common.launch, bwd_act.bwd_act, grouped_gemm.grouped_rows
+
+    def launch(k, *a, **kw):
+        if "INTERLEAVED" in kw:
+            seen["INTERLEAVED"].append(kw["INTERLEAVED"])
+            seen["TMA"].append(kw["TMA"])
+        return real_launch(k, *a, **kw)
+
+    def spy_bwd_act(*a, **kw):
+        seen["interleave"].append(kw.get("interleave"))
+        return real_bwd_act(*a, **kw)
+
+    def spy_rows(a, w1, *rest, **kw):
+        if kw.get("w2") is None and w1.data.shape[-1] == 2 * 16:  # the data gradient's [E, H, 2I] operand
+            seen["dx_weight_strides"].append(w1.data.stride())
+        return real_rows(a, w1, *rest, **kw)
+
+    monkeypatch.setattr(kernels.common, "launch", launch)
+    monkeypatch.setattr(bwd_act, "bwd_act", spy_bwd_act)
+    monkeypatch.setattr(grouped_gemm, "grouped_rows", spy_rows)
+    w_hf, b_hf, d_hf = (t.detach().requires_grad_(True) for t in _hf_layout(inp))
+    x = inp["x"].clone().requires_grad_(True)
+    rw = inp["router_weights"].clone().requires_grad_(True)
+    db = inp["down_bias"].clone().requires_grad_(True)
+    E, H, two_i = w_hf.shape
+    I = two_i // 2
+    with mok_inductor.options.override(backend="triton", tma_min_rows=0 if tma else 1 << 30):
+        assert ops.use_triton(x)
+        y = mok_inductor.moe(x, rw, inp["top_experts"], w_hf.view(E, H, I, 2).permute(0, 3, 2, 1),
+                             d_hf.transpose(1, 2), swiglu_limit=1.0, activation="gpt_oss",
+                             gate_up_bias=b_hf.view(E, I, 2).transpose(1, 2), down_bias=db)
+        y.backward(dy)
+    assert seen["INTERLEAVED"] == [True] and seen["TMA"] == [tma], seen
+    assert seen["interleave"] == [True] and seen["dx_weight_strides"] == [(H * two_i, two_i, 1)], seen
+    y_ref, g_ref = _oracle_with_grads(inp, "gpt_oss", 1.0, (True, True), dy)
+    g_ref = dict(g_ref)
+    g_ref["gate_up_proj"], g_ref["gate_up_bias"], g_ref["down_proj"] = _hf_layout(
+        {"gate_up_proj": g_ref["gate_up_proj"], "gate_up_bias": g_ref["gate_up_bias"], "down_proj": g_ref["down_proj"]})
+    got = {"x": x.grad, "router_weights": rw.grad, "gate_up_proj": w_hf.grad, "down_proj": d_hf.grad,
+           "gate_up_bias": b_hf.grad, "down_bias": db.grad}
+    tol = TOLERANCE[torch.bfloat16]
+    assert rel_err(y, y_ref) <= tol, rel_err(y, y_ref)
+    bad = {n: f"{rel_err(got[n], g_ref[n]):.2e}" for n in NAMES if not rel_err(got[n], g_ref[n]) <= tol}
+    assert not bad, bad
+
+
+def test_interleaved_weight_into_separate_gradient_buffers():
+    """Interleaved gate/up weights with weight-gradient destinations of another layout (separate [E, I, H]
+    buffers, as a caller of the functional backward may give): the interleaved dgu is put back in [dg | du]
+    order for them, and they equal the gradients the contiguous weights give."""
+    from mok_inductor import kernels, ops
+    from mok_inductor.types import GradBuffers, RoutedOperands, Schedule, activation, split_gate_up
+
+    if not kernels.AVAILABLE:
+        pytest.fail("the Triton kernels are not available (no CUDA and no TRITON_INTERPRET=1)")
+    inp = _inputs(T=7, H=16, I=8, E=3, K=2, dtype=torch.float32, seed=43)
+    w_hf, _, _ = _hf_layout(inp)
+    E, H, two_i = w_hf.shape
+    I = two_i // 2
+    x, rw, te = inp["x"], inp["router_weights"], inp["top_experts"]
+    sched = Schedule(*torch.ops.mok.schedule(te.int(), E))
+    act = activation("gpt_oss")
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    results = []
+    with mok_inductor.options.override(backend="triton"):
+        for fc1 in (inp["gate_up_proj"], w_hf.view(E, H, I, 2).permute(0, 3, 2, 1)):
+            gate, up = split_gate_up(fc1)
+            operands = RoutedOperands.of_weights(gate, up, inp["down_proj"])
+            fwd = ops.forward(x, rw, te, sched, operands, swiglu_limit=1.0, act=act)
+            grads = GradBuffers(torch.full((E, I, H), float("nan")), torch.full((E, I, H), float("nan")),
+                                torch.full((E, H, I), float("nan")))
+            bwd = ops.backward(dy, x, rw, te, sched, operands, fwd.gu_N2I, swiglu_limit=1.0, act=act, grads=grads)
+            results.append((fwd.y_TH, bwd.dx_TH, grads.d_gate, grads.d_up, grads.d_down))
+    for a, b in zip(*results):
+        assert rel_err(a, b) <= 1e-6, rel_err(a, b)

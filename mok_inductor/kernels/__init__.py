@@ -200,11 +200,17 @@ def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, 
     biases' gradient destinations ([E, 2, I], [E, H]; None: no bias), sums over each expert's rows. Returns
     d scale [routes] float32 (without the down bias's share <dy_t, b_e>)."""
     n_rows = x_TH.shape[0] if single else None
+    # gate and up interleaved in one weight (GPT-OSS's layout): dgu's columns alternate dg and du, and the data
+    # and weight gradients read dgu and that weight as one operand along its contiguous dim (each half alone is a
+    # stride-2 view no load order coalesces)
+    both_t = operands.interleaved(gate_t, up_t, 2)  # [E, H, 2I]
     dgu, dscale, hs = bwd_act.bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, single=single,
-                                      act=act)
+                                      act=act, interleave=both_t is not None)
     d_gub, d_db = d_biases
-    if d_gub is not None:  # sum over e's rows of [dg | du] (as rounded for the weight gradient's GEMM)
-        bias_grad.bias_grad(d_gub, dgu, routes_N, offsets_E1, accumulate=accumulate)
+    if d_gub is not None:  # sum over e's rows of dgu (as rounded for the weight gradient's GEMM)
+        # (interleaved: dgu's column 2i + h is [E, 2, I]'s (h, i), so the sums go to its [E, I, 2] view)
+        bias_grad.bias_grad(d_gub.transpose(1, 2) if both_t is not None else d_gub, dgu, routes_N, offsets_E1,
+                            accumulate=accumulate)
     if d_db is not None:  # sum over e's routes of rw * dy at the route's token
         bias_grad.bias_grad(d_db, dy_TH, routes_N, offsets_E1, topk=topk, scale_N=scale, accumulate=accumulate)
     d_gate, d_up, d_down = d_weights
@@ -216,8 +222,19 @@ def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, 
     # (a 4-D [E, 2, I, H] buffer's halves are not [2I, H] rows in order: the two views then)
     four_d = isinstance(d_gate_up, torch.Tensor) and d_gate_up.dim() == 4
     pair = (d_gate_up,) if d_gate_up is not None and not four_d else (d_gate, d_up)
-    wgrad.wgrad_into(pair, dgu, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
-    grouped_gemm.grouped_rows(dgu, gate_t, dx_out, routes_N, offsets_E1, w2=up_t, scatter=scatter, single=single)
+    if both_t is None:
+        wgrad.wgrad_into(pair, dgu, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
+        grouped_gemm.grouped_rows(dgu, gate_t, dx_out, routes_N, offsets_E1, w2=up_t, scatter=scatter, single=single)
+        return dscale
+    d_both = None if d_gate is None or d_up is None else operands.interleaved(d_gate, d_up, 1)  # [E, 2I, H]
+    if d_both is not None:  # dgu^T @ x is the interleaved weight's gradient, rows in order
+        wgrad.wgrad_into((d_both,), dgu, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
+    elif d_gate is not None or d_up is not None:  # destinations of another layout: [dg | du] for them
+        M, two_i = dgu.shape
+        dgu_cat = dgu.view(M, two_i // 2, 2).transpose(1, 2).reshape(M, two_i)
+        wgrad.wgrad_into(pair, dgu_cat, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
+    grouped_gemm.grouped_rows(dgu, Operand(both_t, None), dx_out, routes_N, offsets_E1, scatter=scatter,
+                              single=single)
     return dscale
 
 

@@ -62,7 +62,7 @@ def _bwd_act_body(
     wd_ptr, d_e, d_n, d_k, ds_ptr, ds_e, ds_n, ds_k,  # down^T read as [E, I, H] (MX_D: column-wise MXFP8)
     gu_ptr, stride_gm, stride_gn,  # gu [M, 2I] saved (sorted rows, any float dtype): g in [0, I), u in [I, 2I)
     scale_ptr,  # float32 router weight per route [T*K] (SINGLE: per token [T]) (HAS_SCALE)
-    dgu_ptr, stride_om, stride_on,  # dgu [M, 2I] out: dg in [0, I), du in [I, 2I)
+    dgu_ptr, stride_om, stride_on, up_off,  # dgu [M, 2I] out: dg at column c, du at c + up_off (elements)
     dscale_ptr, stride_sp,  # float32 [P, T*K] out: partial <dy @ down, h> of I-tile p at the route
     hs_ptr,  # [M, I] out (the activation dtype): (scale *) h, rounded: the down weight-gradient's operand
     dh_ptr,  # float32 [M, I] out (STORE_ACC: the accumulator only, no epilogue)
@@ -115,8 +115,8 @@ def _bwd_act_body(
         tl.store(dh_ptr + rows64 * I + cols[None, :], acc, mask=omask)
         return
     part = _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr,
-                            dgu_ptr, stride_om, stride_on, hs_ptr, I, limit, alpha, beta, HAS_SCALE, HAS_LIMIT,
-                            DOT_PREC)
+                            dgu_ptr, stride_om, stride_on, up_off, hs_ptr, I, limit, alpha, beta, HAS_SCALE,
+                            HAS_LIMIT, DOT_PREC)
     tl.store(dscale_ptr + pid_n * stride_sp + route, part, mask=rmask)
 
 
@@ -131,7 +131,7 @@ BWD_GEMM = register(Family("bwd_gemm", _bwd_act_body, _BWD_GEMM_CONFIGS, fields=
 
 @triton.jit
 def _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr, dgu_ptr,
-                     stride_om, stride_on, hs_ptr, I, limit, alpha, beta, HAS_SCALE: tl.constexpr,
+                     stride_om, stride_on, up_off, hs_ptr, I, limit, alpha, beta, HAS_SCALE: tl.constexpr,
                      HAS_LIMIT: tl.constexpr, DOT_PREC: tl.constexpr):
     """The gated activation's backward (h = g' sigmoid(alpha g') (u' + beta); the SwiGLU is alpha 1, beta 0)
     of one [rows, cols] tile of acc = dy @ down[e] (float32): writes dg, du and (scale *) h; returns the tile's
@@ -159,14 +159,14 @@ def _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, 
         du = tl.where((u > limit) | (u < -limit), 0.0, du)
     o_ptrs = dgu_ptr + rows64 * stride_om + cols[None, :] * stride_on
     tl.store(o_ptrs, to_out(dg, dgu_ptr, DOT_PREC), mask=omask)
-    tl.store(o_ptrs + I * stride_on, to_out(du, dgu_ptr, DOT_PREC), mask=omask)
+    tl.store(o_ptrs + up_off, to_out(du, dgu_ptr, DOT_PREC), mask=omask)
     return part
 
 
 @triton.jit(do_not_specialize=["M"])
 def _swiglu_bwd_kernel(
     dh_ptr,  # float32 [M, I]: dy @ down[e] per sorted row (from _bwd_act_kernel with STORE_ACC)
-    routes_ptr, offsets_ptr, gu_ptr, stride_gm, stride_gn, scale_ptr, dgu_ptr, stride_om, stride_on,
+    routes_ptr, offsets_ptr, gu_ptr, stride_gm, stride_gn, scale_ptr, dgu_ptr, stride_om, stride_on, up_off,
     dscale_ptr, hs_ptr, M, E, I, limit, alpha, beta,
     SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -190,8 +190,8 @@ def _swiglu_bwd_kernel(
         omask = rmask[:, None] & (cols < I)[None, :]
         acc = tl.load(dh_ptr + rows64 * I + cols[None, :], mask=omask, other=0.0)
         total += _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr,
-                                  dgu_ptr, stride_om, stride_on, hs_ptr, I, limit, alpha, beta, HAS_SCALE, HAS_LIMIT,
-                                  DOT_PREC)
+                                  dgu_ptr, stride_om, stride_on, up_off, hs_ptr, I, limit, alpha, beta, HAS_SCALE,
+                                  HAS_LIMIT, DOT_PREC)
     tl.store(dscale_ptr + route, total, mask=rmask)
 
 
@@ -201,10 +201,13 @@ def _swiglu_bwd_kernel(
 
 
 def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, single=False, two_pass=None,
-            act=None):
+            act=None, interleave=False):
     """-> (dgu [M, 2I] dy.dtype, dscale [routes] float32 = <dy @ down[e], h> per route, hs [M, I] = scale * h
     in dy.dtype (h without a scale)). act: the gated activation (`types.Activation`; None: the SwiGLU). down_t: the down weight's transpose as a `types.Operand` read as
-    [E, I, H]; gu: the forward's saved [g | u]. two_pass: None picks by rows per expert (shapes only)."""
+    [E, I, H]; gu: the forward's saved [g | u]. two_pass: None picks by rows per expert (shapes only).
+    interleave: dgu's columns alternate dg and du (dg_i at 2i, du_i at 2i + 1) instead of [dg | du]: the layout
+    of an interleaved gate/up weight (`operands.interleaved`), whose data gradient and weight gradient then read
+    dgu as one operand along that weight's contiguous dim."""
     M = gu_M2I.shape[0]
     I = gu_M2I.shape[1] // 2
     E, _, H = down_t.data.shape
@@ -226,11 +229,12 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
     lim = 0.0 if limit is None else float(limit)
     ab = (1.0, 0.0) if act is None else (act.alpha, act.beta)
     tma = tma_weights((down_t,)) if tma_eligible(dy_TH, M, E) else None
+    out_cols = (2, 1) if interleave else (dgu.stride(1), I * dgu.stride(1))  # (column stride, du's offset)
     common.launch(
         BWD_GEMM if two_pass else BWD_ACT, grid,
         dy_TH, dy_TH.stride(0), dy_TH.stride(1), routes_N, offsets_E1, *w_args(down_t),
         gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1), scale_arg,
-        dgu, dgu.stride(0), dgu.stride(1), dscale_P, dscale_P.stride(0), hs, dh,
+        dgu, dgu.stride(0), *out_cols, dscale_P, dscale_P.stride(0), hs, dh,
         *((None, 1) if tma is None else (tma[0][0], tma[1])),
         M, H, I, E, topk, lim, *ab, MX_D=down_t.quantized, STORE_ACC=two_pass,
         TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
@@ -242,7 +246,7 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
         common.launch(
             _swiglu_bwd_kernel, (common.cdiv(M, bm),),
             dh, routes_N, offsets_E1, gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1), scale_arg,
-            dgu, dgu.stride(0), dgu.stride(1), dscale_P, hs, M, E, I, lim, *ab,
+            dgu, dgu.stride(0), *out_cols, dscale_P, hs, M, E, I, lim, *ab,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=8, **flags,
         )
     return dgu, dscale_P[0] if P == 1 else dscale_P.sum(0), hs  # fixed-order reduction over the I-tiles

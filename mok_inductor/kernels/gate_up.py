@@ -18,12 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..types import clip_bounds
+from ..types import Operand, clip_bounds
 from . import common
 from .common import GROUP_M, _tile_ids, _tile_rows, cfg, mma, row_tiles_worst, swiglu, to_out
 from .configs import Family, dtype_name, register
 from .mx_loop import (_MX_F16_CONFIGS, MX_F16_SMALL_GATE_UP, _gate_up_mx_block, act_step_t, group_scales, mx_group, mx_one, mx_rows, mx_step_t, mx_trans, scale_step, step_scales, use_mx_loop, w_block_scales)
-from .operands import tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile, w_tma_tile
+from .operands import (interleaved, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile,
+                       w_tma_tile)
 
 
 # the last: decode (a few rows per expert, the weights streamed)
@@ -41,9 +42,12 @@ def _gate_up_tile(
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr,
     W_TABLE: tl.constexpr, MX_LOOP: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The K loop and epilogue of one tile of expert `group`'s rows [row_start, row_end).
+    INTERLEAVED: gate and up are one [E, 2I, H] weight (wg_ptr) whose rows alternate gate and up
+    (`operands.interleaved`): each K step loads one [BLOCK_K, 2 BLOCK_N] tile of it, along its contiguous
+    dim, and the accumulator's columns split into g and u after the loop.
     MX_LOOP (`MxLoop`, not DEQUANTIZE): MXFP8 gate and up on the fp16 tensor cores by 32-blocks (`mx_dot`),
     BLOCK_K // 32 scale blocks per K step; x the fp16 rows of `row_f16`, xr_ptr their float32 scales.
     TMA: the weight tiles of the whole K steps through descriptors (`w_tma_tile`), the tail step and the
@@ -105,6 +109,23 @@ def _gate_up_tile(
         r_s = tl.load(xr_ptr + tok, mask=rmask, other=1.0)[:, None]  # x's row scales
         acc_g *= r_s
         acc_u *= r_s
+    elif INTERLEAVED:
+        cols2 = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        cmask2 = cols2 < 2 * I
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        k_start = 0
+        if TMA:
+            k_start = H - H % BLOCK_K
+            for k0 in range(0, k_start, BLOCK_K):
+                a = tl.load(a_row + (k0 + ks)[None, :] * stride_xh, mask=rmask[:, None], other=0.0)
+                acc = mma(a, w_tma_tile(g_desc, group * w_rows, pid_n * 2 * BLOCK_N, k0, W_KMAJOR), acc, DOT_PREC)
+        for k0 in range(k_start, H, BLOCK_K):
+            kk = k0 + ks
+            kmask = kk < H
+            a = tl.load(a_row + kk[None, :] * stride_xh, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = w_tile(wg, gs, kk, cols2, kmask, cmask2, g_n, g_k, gs_n, gs_k, x_ptr, False, DOT_PREC)
+            acc = mma(a, b, acc, DOT_PREC)
+        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     else:
         k_start = 0
         if TMA:
@@ -156,8 +177,9 @@ def _gate_up_kernel(
     HAS_BIAS: tl.constexpr,
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr,
-    MX_LOOP: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, GROUPS_POW2: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MX_LOOP: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, INTERLEAVED: tl.constexpr,
+    GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 (the epilogue would compute in fp64): float32 scalars
     limit = tl.cast(limit, tl.float32)
@@ -185,8 +207,8 @@ def _gate_up_kernel(
     _gate_up_tile(x_ptr, stride_xt, stride_xh, xr_ptr, routes_ptr, wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k,
                   wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k, gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm,
                   stride_hi, g_desc, u_desc, w_rows, H, I, E, TOPK, limit, above, below, group, row_start, row_end,
-                  pid_n, bias_ptr, b_e, b_c, b_i, alpha, beta, HAS_BIAS, SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT, KEEP_CLIP, DOT_PREC, W_TABLE, MX_LOOP, TMA,
-                  W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
+                  pid_n, bias_ptr, b_e, b_c, b_i, alpha, beta, HAS_BIAS, SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT,
+                  KEEP_CLIP, DOT_PREC, W_TABLE, MX_LOOP, TMA, W_KMAJOR, INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # one jitted body (its name is the one Inductor's code and profiles show), tuned as two families: the MXFP8 fp16
@@ -216,6 +238,9 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         return row_tiles_worst(M, E, meta["BLOCK_M"], single) * common.cdiv(I, meta["BLOCK_N"])
 
     mx_loop = use_mx_loop(x_TH.dtype, M, E, gate, up)
+    both = None if mx_loop else interleaved(gate, up, 1)  # [E, 2I, H] (GPT-OSS's layout)
+    if both is not None:
+        gate = up = Operand(both, None)
     tma = None if mx_loop or not tma_eligible(x_TH, M, E) else tma_weights((gate, up))
     h = h_out if h_out is not None else gu_out
     dtype = dtype_name(x_TH.dtype)
@@ -235,6 +260,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         SINGLE=single, MX_G=gate.quantized, MX_U=up.quantized, WRITE_H=h_out is not None,
         HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip, DOT_PREC=common.dot_precision(x_TH.dtype),
         MX_LOOP=int(mx_loop), TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
+        INTERLEAVED=both is not None,
         GROUPS_POW2=common.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(gate, up), rows=M,
         problem=(dtype, H, I, E, int(mx_loop)) if mx_loop else (dtype, H, I, E, tma is not None),
     )

@@ -239,6 +239,7 @@ def tma_pre_hook(a_names: tuple, w_names: tuple):
     def hook(nargs):
         if nargs["TMA"]:
             bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+            bn *= 2 if nargs.get("INTERLEAVED") else 1  # (a tile of both halves: `interleaved`)
             for a in a_names:
                 nargs[a].block_shape = [bm, bk]
             for w in w_names:
@@ -261,6 +262,27 @@ def row_desc(t: torch.Tensor):
     if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
         return None
     return host_desc(t)
+
+
+def interleaved(first, second, dim: int) -> Optional[torch.Tensor]:
+    """The one tensor whose `dim` (1 or 2) alternates `first` and `second` (element 2i of it is first's i,
+    2i+1 second's i), when the two are plain 3-D views laid out that way (GPT-OSS's checkpoint layout: gate
+    and up columns interleaved in one [E, H, 2I] weight), else None. Read whole, its interleaved dim is
+    contiguous where each half alone has a stride of 2, which no load order coalesces."""
+    a = getattr(first, "data", first)
+    b = getattr(second, "data", second)
+    if getattr(first, "quantized", False) or getattr(second, "quantized", False):
+        return None
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 3 or b.dim() != 3:
+        return None
+    if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype or a.stride(dim) != 2:
+        return None
+    # one storage, the second view one element after the first (storage offsets: traced tensors have no pointers)
+    if a.shape[dim] == 0 or not torch._C._is_alias_of(a, b) or b.storage_offset() != a.storage_offset() + 1:
+        return None
+    shape, stride = list(a.shape), list(a.stride())
+    shape[dim], stride[dim] = 2 * shape[dim], 1
+    return torch.as_strided(a, shape, stride)
 
 
 def tma_eligible(act: torch.Tensor, rows: int, groups: int) -> bool:
