@@ -99,7 +99,8 @@ def rel(a, b):
 
 def check(module, fs, x, te, rw, dy, log):
     """Each contender's output and gradients against the module's eager loop (in float32 from the same bf16
-    values); bf16 rounding puts these near 1e-2 at most."""
+    values). mok's must be within bf16's 2e-2; the baseline's are logged (its bias gradients, summed in bf16,
+    measured 3.4e-2 / 3.8e-2 on an H100)."""
     ref = with_backend(copy.deepcopy(module).float(), "eager")
     leaves = leaves_of(ref, x.float(), rw.float())
     y_ref = ref(leaves[0], te, leaves[1])
@@ -113,7 +114,7 @@ def check(module, fs, x, te, rw, dy, log):
         errs = {n: rel(a, b) for n, a, b in zip(names, (y, *g), (y_ref, *g_ref))}
         worst[c] = max(errs.values())
         log(f"check {c}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
-        if not worst[c] <= 2e-2:
+        if c.startswith("mok") and not worst[c] <= 2e-2:
             raise SystemExit(f"{c} disagrees with transformers' eager GptOssExperts: {errs}")
     return worst
 
