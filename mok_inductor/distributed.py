@@ -44,6 +44,7 @@ E_local local experts, S rows this rank sends (pairs (rank, token)), R rows it r
 
 from __future__ import annotations
 
+import struct
 from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -51,8 +52,8 @@ import torch.distributed as dist
 
 from . import _checks, ops
 from . import options as _options
-from .types import (SWIGLU, Activation, GradBuffers, RoutedOperands, Schedule, activation as _activation,
-                    shared_saved_dtype, split_gate_up)
+from .types import (ACTIVATIONS, SWIGLU, Activation, GradBuffers, RoutedOperands, Schedule,
+                    activation as _activation, shared_saved_dtype, split_gate_up)
 
 __all__ = ["EPPlan", "EPForwardState", "group_size", "plan", "forward", "backward", "moe"]
 
@@ -128,13 +129,15 @@ def _all_to_all(t: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequen
 
 
 def plan(top_experts: torch.Tensor, num_local_experts: int, group, *, hidden_size: int,
-         dtype: torch.dtype) -> EPPlan:
+         dtype: torch.dtype, variant: tuple = ()) -> EPPlan:
     """The EP schedule of `top_experts` [T, K] (global ids in [-1, W * num_local_experts)).
 
     Collective over `group`: exchanges the row counts (one host synchronisation) and the rows' local
     expert ids. Every rank checks, from the exchanged values, that all ranks agree on K, H,
-    E_local and the activation dtype, and that every rank's ids are in range; a violation anywhere
-    raises ValueError on every rank (no rank is left waiting in a collective)."""
+    E_local, the activation dtype and `variant` (what the experts compute: (activation name, swiglu_limit,
+    has gate_up_bias, has down_bias); () where the caller passes those to the forward itself), and that every
+    rank's ids are in range; a violation anywhere raises ValueError on every rank (no rank is left waiting in a
+    collective)."""
     W = dist.get_world_size(group)
     rank = dist.get_rank(group)
     El = int(num_local_experts)
@@ -158,6 +161,7 @@ def plan(top_experts: torch.Tensor, num_local_experts: int, group, *, hidden_siz
         torch.full((), K, dtype=torch.int64, device=dev), torch.full((), hidden_size, dtype=torch.int64, device=dev),
         torch.full((), El, dtype=torch.int64, device=dev), lo, hi,
         torch.full((), _DTYPE_CODES.get(dtype, 0), dtype=torch.int64, device=dev),
+        *(torch.full((), v, dtype=torch.int64, device=dev) for v in _variant_codes(variant)),
     ])
     send_meta = torch.cat([send_counts_W[:, None], meta[None, :].expand(W, -1)], 1).contiguous()
     recv_meta = torch.empty_like(send_meta)
@@ -201,23 +205,52 @@ def plan(top_experts: torch.Tensor, num_local_experts: int, group, *, hidden_siz
 
 def _check_exchanged(mine, received, rank: int, E: int) -> None:
     """Raise the same kind of error on every rank when any rank's arguments disagree or are out of range."""
-    _, K, H, El, lo, hi, code = mine
+    _, K, H, El, lo, hi, code, act, limit_bits = mine
     if lo < -1 or hi >= E:
         bad = lo if lo < -1 else hi
         raise ValueError(
             f"top_experts: expected global expert indices in [-1, {E}) (-1 means no route; E = {El} local experts "
             f"x {len(received)} ranks), found {bad}"
         )
-    for j, (_, Kj, Hj, Elj, loj, hij, codej) in enumerate(received):
+    for j, (_, Kj, Hj, Elj, loj, hij, codej, actj, limit_bitsj) in enumerate(received):
         if (Kj, Hj, Elj, codej) != (K, H, El, code):
             raise ValueError(
                 f"group: the ranks disagree on (topk, hidden size, local experts, x dtype): rank {rank} has "
                 f"({K}, {H}, {El}, {_dtype_name(code)}), rank {j} has ({Kj}, {Hj}, {Elj}, {_dtype_name(codej)})"
             )
+        if (actj, limit_bitsj) != (act, limit_bits):
+            raise ValueError(
+                f"group: the ranks disagree on what the experts compute (activation, swiglu_limit, routed biases): "
+                f"rank {rank} has {_variant_text(act, limit_bits)}, rank {j} has {_variant_text(actj, limit_bitsj)}"
+            )
         if loj < -1 or hij >= E:
             raise ValueError(
                 f"top_experts: rank {j} of the expert-parallel group passed expert indices outside [-1, {E})"
             )
+
+
+_NO_LIMIT = -1  # the exchanged swiglu_limit of a call without one (no float64's bits as int64 are -1: a NaN)
+
+
+def _variant_codes(variant: tuple) -> tuple:
+    """(activation and biases, swiglu_limit) as two int64s every rank can compare: index of the activation in
+    types.ACTIVATIONS (+1) * 4 + 2 * has gate_up_bias + has down_bias, and the limit's float64 bits; (0, -1)
+    for an empty variant."""
+    if not variant:
+        return 0, _NO_LIMIT
+    name, limit, has_b1, has_b2 = variant
+    names = sorted(ACTIVATIONS)
+    bits = _NO_LIMIT if limit is None else struct.unpack("<q", struct.pack("<d", float(limit)))[0]
+    return (names.index(name) + 1) * 4 + 2 * bool(has_b1) + bool(has_b2), bits
+
+
+def _variant_text(act: int, limit_bits: int) -> str:
+    if act == 0:
+        return "no stated variant"
+    limit = None if limit_bits == _NO_LIMIT else struct.unpack("<d", struct.pack("<q", limit_bits))[0]
+    name = sorted(ACTIVATIONS)[act // 4 - 1]
+    return (f"activation={name!r}, swiglu_limit={limit}, gate_up_bias {'given' if act & 2 else 'absent'}, "
+            f"down_bias {'given' if act & 1 else 'absent'}")
 
 
 def _dtype_name(code: int) -> str:
@@ -377,6 +410,7 @@ def moe(x, router_weights, top_experts, gate_up_proj, down_proj, shared_gate_up_
     _checks.check_variant(x, gate_up_proj, down_proj, shared_gate_up_proj, gate_up_bias, down_bias)
     act = _activation(activation)
     limit = None if swiglu_limit is None else float(swiglu_limit)
-    p = plan(top_experts, gate_up_proj.shape[0], group, hidden_size=x.shape[1], dtype=x.dtype)
+    p = plan(top_experts, gate_up_proj.shape[0], group, hidden_size=x.shape[1], dtype=x.dtype,
+             variant=(act.name, limit, gate_up_bias is not None, down_bias is not None))
     return _EPMoE.apply(x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj,
                         shared_output_gate, gate_up_bias, down_bias, p, limit, act)

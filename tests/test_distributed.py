@@ -210,7 +210,8 @@ def case_matches_one_device_and_is_deterministic(rank, world, seed):
 
 def case_errors_on_every_rank(rank, world, seed):
     """A bad expert id on one rank raises ValueError on every rank (nobody is left in a collective);
-    so does a rank holding a different number of local experts. The group stays usable."""
+    so does a rank holding a different number of local experts, or computing another activation, clamp or
+    set of biases. The group stays usable."""
     p = _problem(world, seed)
     mine, _ = _rank_case(p, rank)
     te = mine.top_experts.clone()
@@ -231,6 +232,13 @@ def case_errors_on_every_rank(rank, world, seed):
     with pytest.raises(ValueError, match="^group: the ranks disagree on"):
         mok_inductor.moe(mine.x, mine.router_weights, mine.top_experts.clamp(max=p["El"] - 1), gu, dn,
                          group=dist.group.WORLD)
+    # what the experts compute must agree too: the activation, the clamp, the biases' presence
+    for kw in (dict(activation="gpt_oss" if rank == 0 else "swiglu"), dict(swiglu_limit=7.0 if rank else 6.0),
+               dict(down_bias=torch.zeros(p["El"], H) if rank == world - 1 else None)):
+        with pytest.raises(ValueError, match="^group: the ranks disagree on what the experts compute") as info:
+            mok_inductor.moe(mine.x, mine.router_weights, mine.top_experts, mine.gate_up_proj, mine.down_proj,
+                             group=dist.group.WORLD, **kw)
+        assert "rank " in str(info.value) and "activation=" in str(info.value), str(info.value)
     with pytest.raises(ValueError, match="^top_experts: expected shape"):
         mok_inductor.moe(mine.x, mine.router_weights, mine.top_experts[:, :1], mine.gate_up_proj, mine.down_proj,
                          group=dist.group.WORLD)  # a local shape error: raised before any collective, on every rank
