@@ -222,19 +222,17 @@ def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, 
     # (a 4-D [E, 2, I, H] buffer's halves are not [2I, H] rows in order: the two views then)
     four_d = isinstance(d_gate_up, torch.Tensor) and d_gate_up.dim() == 4
     pair = (d_gate_up,) if d_gate_up is not None and not four_d else (d_gate, d_up)
-    if both_t is None:
-        wgrad.wgrad_into(pair, dgu, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
-        grouped_gemm.grouped_rows(dgu, gate_t, dx_out, routes_N, offsets_E1, w2=up_t, scatter=scatter, single=single)
-        return dscale
-    d_both = None if d_gate is None or d_up is None else operands.interleaved(d_gate, d_up, 1)  # [E, 2I, H]
-    if d_both is not None:  # dgu^T @ x is the interleaved weight's gradient, rows in order
-        wgrad.wgrad_into((d_both,), dgu, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
-    elif d_gate is not None or d_up is not None:  # destinations of another layout: [dg | du] for them
-        M, two_i = dgu.shape
-        dgu_cat = dgu.view(M, two_i // 2, 2).transpose(1, 2).reshape(M, two_i)
-        wgrad.wgrad_into(pair, dgu_cat, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
-    grouped_gemm.grouped_rows(dgu, Operand(both_t, None), dx_out, routes_N, offsets_E1, scatter=scatter,
-                              single=single)
+    wgrad_a, w1, w2 = dgu, gate_t, up_t
+    if both_t is not None:  # dgu interleaved; dx reads the whole [E, H, 2I] weight
+        w1, w2 = Operand(both_t, None), None
+        d_both = None if d_gate is None or d_up is None else operands.interleaved(d_gate, d_up, 1)  # [E, 2I, H]
+        if d_both is not None:  # dgu^T @ x is the interleaved weight's gradient, rows in order
+            pair = (d_both,)
+        elif d_gate is not None or d_up is not None:  # destinations of another layout: [dg | du] for them
+            M, two_i = dgu.shape
+            wgrad_a = dgu.view(M, two_i // 2, 2).transpose(1, 2).reshape(M, two_i)
+    wgrad.wgrad_into(pair, wgrad_a, x_TH, routes_N, offsets_E1, topk, a_gather=False, b_gather=True, **kw)
+    grouped_gemm.grouped_rows(dgu, w1, dx_out, routes_N, offsets_E1, w2=w2, scatter=scatter, single=single)
     return dscale
 
 
