@@ -191,16 +191,20 @@ def swiglu(h: fx.Node, nodes: set):
     act, up = (a, b) if silu_a else (b, a)
     gate = act.args[0]
     nodes.update((h, act))
-    limit = None
+    return _unclamped(gate, up, h.name, nodes)
+
+
+def _unclamped(gate, up, name: str, nodes: set):
+    """(gate, up, swiglu_limit) with MoK's clamp form (gate.clamp(max=L), up.clamp(-L, L)) taken off, its
+    clamp nodes added to `nodes`; (gate, up, None) where neither is clamped; Reject for any other clamp."""
     cg, cu = _clamp_bounds(gate), _clamp_bounds(up) if isinstance(up, fx.Node) else None
-    if cg is not None or cu is not None:
-        if cg is None or cu is None or cg[1] is not None or not isinstance(cg[2], (int, float)) or \
-                not isinstance(cu[1], (int, float)) or cu[2] != cg[2] or cu[1] != -cg[2]:
-            raise Reject(f"{h.name}: clamp is not MoK's swiglu_limit form (gate.clamp(max=L), up.clamp(-L, L))")
-        limit = float(cg[2])
-        nodes.update((gate, up))
-        gate, up = cg[0], cu[0]
-    return gate, up, limit
+    if cg is None and cu is None:
+        return gate, up, None
+    if cg is None or cu is None or cg[1] is not None or not isinstance(cg[2], (int, float)) or \
+            not isinstance(cu[1], (int, float)) or cu[2] != cg[2] or cu[1] != -cg[2]:
+        raise Reject(f"{name}: clamp is not MoK's swiglu_limit form (gate.clamp(max=L), up.clamp(-L, L))")
+    nodes.update((gate, up))
+    return cg[0], cu[0], float(cg[2])
 
 
 def chunk_halves(gate, up, nodes: set) -> fx.Node:
@@ -675,15 +679,7 @@ def gpt_oss_body(h, nodes: set):
         raise Reject(f"{sig.name}: GPT-OSS-style gate with alpha = {alpha}; MoK's \"gpt_oss\" activation has "
                      f"alpha = {GPT_OSS.alpha}")
     nodes.update((h0, up_beta, glu, sig, sig.args[0]))
-    gate, up, limit = gate_c, up_c, None
-    cg, cu = _clamp_bounds(gate_c), _clamp_bounds(up_c)
-    if cg is not None or cu is not None:
-        if cg is None or cu is None or cg[1] is not None or not isinstance(cg[2], (int, float)) or \
-                not isinstance(cu[1], (int, float)) or cu[2] != cg[2] or cu[1] != -cg[2]:
-            raise Reject(f"{h0.name}: clamp is not MoK's swiglu_limit form (gate.clamp(max=L), up.clamp(-L, L))")
-        limit = float(cg[2])
-        nodes.update((gate_c, up_c))
-        gate, up = cg[0], cu[0]
+    gate, up, limit = _unclamped(gate_c, up_c, h0.name, nodes)
     src_g, src_u = _interleaved_half(gate, 0), _interleaved_half(up, 1)
     if src_g is None or src_u is None or src_g is not src_u:
         if _interleaved_half(gate, 1) is not None and _interleaved_half(up, 0) is _interleaved_half(gate, 1):
