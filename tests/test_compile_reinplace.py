@@ -26,6 +26,7 @@ ALLOWED = {("_schedule_scatter_kernel", "te_ptr")}
 
 def _probe(variant: str) -> dict:
     shared, mx = variant in ("shared", "mxfp8", "mxfp8-decode"), variant.startswith("mxfp8")
+    hf = variant == "gpt-oss-hf"
     T, H, I = (8, 128, 128) if variant == "mxfp8-decode" else (globals()["T"], globals()["H"], globals()["I"])
     import copy
     import inspect
@@ -96,6 +97,13 @@ def _probe(variant: str) -> dict:
                                                  dqs, dqt, dqst, gu, d)
                 return (y, *torch.ops.mok.moe_bwd(dy, x, rw, te, s, o, slots, gq, dq, sgu, sd, sg, g, gs, 0.75, gqs,
                                                   gqt, gqst, dqs, dqt, dqst, True, True))
+            if hf:  # GPT-OSS's checkpoint layout: gu [E, H, 2I] with gate/up interleaved, down [E, I, H]
+                gu, d = gu.view(E, H, I, 2).permute(0, 3, 2, 1), d.transpose(1, 2)
+                b1, b2 = q[0].view(E, I, 2).transpose(1, 2), q[1]  # (the gate/up bias interleaved likewise)
+                y, g, gs = torch.ops.mok.moe_fwd(x, rw, te, s, o, slots, gu, d, None, None, None, 7.0, *([None] * 8),
+                                                 "gpt_oss", b1, b2)
+                return (y, *torch.ops.mok.moe_bwd(dy, x, rw, te, s, o, slots, gu, d, None, None, None, g, gs, 7.0,
+                                                  *([None] * 6), True, True, "gpt_oss", b1, b2))
             y, g, gs = torch.ops.mok.moe_fwd(x, rw, te, s, o, slots, gu, d, sgu, sd, sg, 0.75)
             return (y, *torch.ops.mok.moe_bwd(dy, x, rw, te, s, o, slots, gu, d, sgu, sd, sg, g, gs, 0.75))
 
@@ -103,8 +111,11 @@ def _probe(variant: str) -> dict:
     with mode:
         bf = dict(device=dev, dtype=torch.bfloat16)
         args = (torch.randn(T, H, **bf), torch.rand(T, K, device=dev), torch.randint(0, E, (T, K), device=dev,
-                dtype=torch.int32), torch.randn(E, 2 * I, H, **bf), torch.randn(E, H, I, **bf), torch.randn(T, H, **bf),
+                dtype=torch.int32), torch.randn(E, 2 * I, H, **bf) if not hf else torch.randn(E, H, 2 * I, **bf),
+                torch.randn(E, H, I, **bf) if not hf else torch.randn(E, I, H, **bf), torch.randn(T, H, **bf),
                 torch.randn(2 * IS, H, **bf), torch.randn(H, IS, **bf), torch.randn(1, H, **bf))
+        if hf:
+            args += (torch.randn(E, 2 * I, **bf), torch.randn(E, H, **bf))
         if mx:
             f8, u8 = dict(device=dev, dtype=torch.float8_e4m3fn), dict(device=dev, dtype=torch.uint8)
             args += tuple(torch.empty(*shape, **(u8 if scale else f8)) for shape, scale in (
@@ -149,9 +160,10 @@ def _run_probe(variant: str) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("variant", ["routed", "shared", "mxfp8"])
+@pytest.mark.parametrize("variant", ["routed", "shared", "mxfp8", "gpt-oss-hf"])
 def test_compiled_backward_writes_its_gradients_in_place(variant):
-    # routed experts alone; with the shared expert, its output gate and the clamp; MXFP8 routed weights
+    # routed experts alone; with the shared expert, its output gate and the clamp; MXFP8 routed weights; GPT-OSS
+    # in its checkpoint layout (gate/up interleaved: the backward writes the gradient as one interleaved buffer)
     got = _run_probe(variant)
     assert got["kernels"] >= 8, got  # the schedule, forward and backward launches were traced
     left = [tuple(c) for c in got["clones"] if tuple(c) not in ALLOWED]

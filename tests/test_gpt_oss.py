@@ -408,13 +408,15 @@ def test_cuda_kernels_against_oracle(case):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("tma", [False, True])
-def test_interleaved_weight_read_whole(tma, monkeypatch):
+@pytest.mark.parametrize("tma, two_pass", [(False, False), (True, False), (False, True)],
+                         ids=["pointers", "tma", "two_pass"])
+def test_interleaved_weight_read_whole(tma, two_pass, monkeypatch):
     """GPT-OSS's checkpoint layout through the Triton kernels (the interpreter on CPU): the gate/up GEMM loads
     gate and up as one tile of the interleaved weight (INTERLEAVED, through TMA descriptors at tma_min_rows 0),
     the backward writes dgu interleaved and runs the data gradient and the weight gradient on the whole weight
     ([E, H, 2I] and [E, 2I, H], unit stride along 2I); the output and every gradient equal the oracle's.
-    H = 64 gives two whole K steps of the interpreter's BLOCK_K 32 (the TMA loop runs), I = 16."""
+    H = 64 gives two whole K steps of the interpreter's BLOCK_K 32 (the TMA loop runs), I = 16. The SwiGLU
+    backward (fused in the GEMM's epilogue, or its second pass) stores dg and du as one interleaved tile."""
     from mok_inductor import kernels, ops
     from mok_inductor.kernels import bwd_act, grouped_gemm
 
@@ -422,13 +424,15 @@ def test_interleaved_weight_read_whole(tma, monkeypatch):
         pytest.fail("the Triton kernels are not available (no CUDA and no TRITON_INTERPRET=1)")
     inp = _inputs(T=9, H=64, I=16, E=3, K=2, dtype=torch.bfloat16, seed=41 + tma)
     dy = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64).bfloat16()
-    seen = {"INTERLEAVED": [], "TMA": [], "interleave": [], "dx_weight_strides": []}
+    seen = {"INTERLEAVED": [], "TMA": [], "interleave": [], "dx_weight_strides": [], "INTERLEAVE": []}
     real_launch, real_bwd_act, real_rows = kernels.common.launch, bwd_act.bwd_act, grouped_gemm.grouped_rows
 
     def launch(k, *a, **kw):
         if "INTERLEAVED" in kw:
             seen["INTERLEAVED"].append(kw["INTERLEAVED"])
             seen["TMA"].append(kw["TMA"])
+        if "INTERLEAVE" in kw:  # (the bwd_act launches: the GEMM, and the two-pass variant's second pass)
+            seen["INTERLEAVE"].append((kw.get("STORE_ACC", False), kw["INTERLEAVE"]))
         return real_launch(k, *a, **kw)
 
     def spy_bwd_act(*a, **kw):
@@ -449,7 +453,8 @@ def test_interleaved_weight_read_whole(tma, monkeypatch):
     db = inp["down_bias"].clone().requires_grad_(True)
     E, H, two_i = w_hf.shape
     I = two_i // 2
-    with mok_inductor.options.override(backend="triton", tma_min_rows=0 if tma else 1 << 30):
+    with mok_inductor.options.override(backend="triton", tma_min_rows=0 if tma else 1 << 30,
+                                       two_pass_min_rows=1 if two_pass else 1 << 30):
         assert ops.use_triton(x)
         y = mok_inductor.moe(x, rw, inp["top_experts"], w_hf.view(E, H, I, 2).permute(0, 3, 2, 1),
                              d_hf.transpose(1, 2), swiglu_limit=1.0, activation="gpt_oss",
@@ -457,6 +462,7 @@ def test_interleaved_weight_read_whole(tma, monkeypatch):
         y.backward(dy)
     assert seen["INTERLEAVED"] == [True] and seen["TMA"] == [tma], seen
     assert seen["interleave"] == [True] and seen["dx_weight_strides"] == [(H * two_i, two_i, 1)], seen
+    assert seen["INTERLEAVE"] == ([(True, True), (False, True)] if two_pass else [(False, True)]), seen
     y_ref, g_ref = _oracle_with_grads(inp, "gpt_oss", 1.0, (True, True), dy)
     g_ref = dict(g_ref)
     g_ref["gate_up_proj"], g_ref["gate_up_bias"], g_ref["down_proj"] = _hf_layout(

@@ -1071,7 +1071,7 @@ def test_cuda_eager_family(model_type, dtype, triton_only):
 
 
 @needs_cuda
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
 def test_cuda_compiled_fullgraph_forward_backward(kind, triton_only):
     """torch.compile(fullgraph=True) with Inductor of forward + loss and its backward, "mok", bf16 on CUDA: the
     output code launches our Triton kernels in the forward and in the backward, with no opaque

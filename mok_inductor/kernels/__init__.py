@@ -225,7 +225,10 @@ def expert_backward(x_TH, dy_TH, gate_t, up_t, down_t, gu_M2I, scale, routes_N, 
     wgrad_a, w1, w2 = dgu, gate_t, up_t
     if both_t is not None:  # dgu interleaved; dx reads the whole [E, H, 2I] weight
         w1, w2 = Operand(both_t, None), None
-        d_both = None if d_gate is None or d_up is None else operands.interleaved(d_gate, d_up, 1)  # [E, 2I, H]
+        # [E, 2I, H], from the 4-D buffer by view ops when there is one (compiled, the wgrad writes through it)
+        d_both = operands.interleaved_pair(d_gate_up, 1) if four_d else None
+        if d_both is None and d_gate is not None and d_up is not None:
+            d_both = operands.interleaved(d_gate, d_up, 1)
         if d_both is not None:  # dgu^T @ x is the interleaved weight's gradient, rows in order
             pair = (d_both,)
         elif d_gate is not None or d_up is not None:  # destinations of another layout: [dg | du] for them

@@ -62,7 +62,8 @@ def _bwd_act_body(
     wd_ptr, d_e, d_n, d_k, ds_ptr, ds_e, ds_n, ds_k,  # down^T read as [E, I, H] (MX_D: column-wise MXFP8)
     gu_ptr, stride_gm, stride_gn,  # gu [M, 2I] saved (sorted rows, any float dtype): g in [0, I), u in [I, 2I)
     scale_ptr,  # float32 router weight per route [T*K] (SINGLE: per token [T]) (HAS_SCALE)
-    dgu_ptr, stride_om, stride_on, up_off,  # dgu [M, 2I] out: dg at column c, du at c + up_off (elements)
+    dgu_ptr, stride_om, stride_on, up_off,  # dgu [M, 2I] out: dg at column c, du at c + up_off (elements);
+    # INTERLEAVE: dg at 2c, du at 2c + 1, dgu's columns contiguous
     dscale_ptr, stride_sp,  # float32 [P, T*K] out: partial <dy @ down, h> of I-tile p at the route
     hs_ptr,  # [M, I] out (the activation dtype): (scale *) h, rounded: the down weight-gradient's operand
     dh_ptr,  # float32 [M, I] out (STORE_ACC: the accumulator only, no epilogue)
@@ -70,7 +71,7 @@ def _bwd_act_body(
     M, H, I, E, TOPK, limit,
     alpha, beta,  # the gated activation g * sigmoid(alpha g) * (u + beta) (`types.Activation`)
     SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, MX_D: tl.constexpr, STORE_ACC: tl.constexpr,
-    DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
+    INTERLEAVE: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
     GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -114,9 +115,9 @@ def _bwd_act_body(
     if STORE_ACC:  # the two-pass variant: dy @ down in float32, the SwiGLU backward in _swiglu_bwd_kernel
         tl.store(dh_ptr + rows64 * I + cols[None, :], acc, mask=omask)
         return
-    part = _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr,
-                            dgu_ptr, stride_om, stride_on, up_off, hs_ptr, I, limit, alpha, beta, HAS_SCALE,
-                            HAS_LIMIT, DOT_PREC)
+    part = _swiglu_bwd_tile(acc, rows64, pid_n * BLOCK_N, omask, route, rmask, gu_ptr, stride_gm, stride_gn,
+                            scale_ptr, dgu_ptr, stride_om, stride_on, up_off, hs_ptr, I, limit, alpha, beta,
+                            HAS_SCALE, HAS_LIMIT, DOT_PREC, INTERLEAVE, BLOCK_N)
     tl.store(dscale_ptr + pid_n * stride_sp + route, part, mask=rmask)
 
 
@@ -130,12 +131,16 @@ BWD_GEMM = register(Family("bwd_gemm", _bwd_act_body, _BWD_GEMM_CONFIGS, fields=
 
 
 @triton.jit
-def _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr, dgu_ptr,
+def _swiglu_bwd_tile(acc, rows64, col0, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr, dgu_ptr,
                      stride_om, stride_on, up_off, hs_ptr, I, limit, alpha, beta, HAS_SCALE: tl.constexpr,
-                     HAS_LIMIT: tl.constexpr, DOT_PREC: tl.constexpr):
+                     HAS_LIMIT: tl.constexpr, DOT_PREC: tl.constexpr, INTERLEAVE: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
     """The gated activation's backward (h = g' sigmoid(alpha g') (u' + beta); the SwiGLU is alpha 1, beta 0)
-    of one [rows, cols] tile of acc = dy @ down[e] (float32): writes dg, du and (scale *) h; returns the tile's
-    share of d scale = <acc, h> per row (h in float32)."""
+    of one [rows, col0 + BLOCK_N) tile of acc = dy @ down[e] (float32): writes dg, du and (scale *) h; returns
+    the tile's share of d scale = <acc, h> per row (h in float32). INTERLEAVE: dg and du alternate in dgu's
+    columns, stored as one contiguous [rows, 2 BLOCK_N] tile (two stride-2 stores would write every sector
+    twice, element by element)."""
+    cols = col0 + tl.arange(0, BLOCK_N)
     g_ptrs = gu_ptr + rows64 * stride_gm + cols[None, :] * stride_gn
     g = tl.load(g_ptrs, mask=omask, other=0.0).to(tl.float32)
     u = tl.load(g_ptrs + I * stride_gn, mask=omask, other=0.0).to(tl.float32)
@@ -157,9 +162,15 @@ def _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, 
     if HAS_LIMIT:  # the clamp passes no gradient where it clipped (NaN is not clipped)
         dg = tl.where(g > limit, 0.0, dg)
         du = tl.where((u > limit) | (u < -limit), 0.0, du)
-    o_ptrs = dgu_ptr + rows64 * stride_om + cols[None, :] * stride_on
-    tl.store(o_ptrs, to_out(dg, dgu_ptr, DOT_PREC), mask=omask)
-    tl.store(o_ptrs + up_off, to_out(du, dgu_ptr, DOT_PREC), mask=omask)
+    if INTERLEAVE:
+        both = tl.reshape(tl.join(dg, du), [acc.shape[0], 2 * BLOCK_N])  # column 2c + h: dg (h = 0) or du of c
+        cols2 = 2 * col0 + tl.arange(0, 2 * BLOCK_N)
+        tl.store(dgu_ptr + rows64 * stride_om + cols2[None, :], to_out(both, dgu_ptr, DOT_PREC),
+                 mask=rmask[:, None] & (cols2 < 2 * I)[None, :])
+    else:
+        o_ptrs = dgu_ptr + rows64 * stride_om + cols[None, :] * stride_on
+        tl.store(o_ptrs, to_out(dg, dgu_ptr, DOT_PREC), mask=omask)
+        tl.store(o_ptrs + up_off, to_out(du, dgu_ptr, DOT_PREC), mask=omask)
     return part
 
 
@@ -169,7 +180,7 @@ def _swiglu_bwd_kernel(
     routes_ptr, offsets_ptr, gu_ptr, stride_gm, stride_gn, scale_ptr, dgu_ptr, stride_om, stride_on, up_off,
     dscale_ptr, hs_ptr, M, E, I, limit, alpha, beta,
     SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The second pass of the two-pass bwd_act: BLOCK_M rows, all of I in BLOCK_N steps (d scale summed
     in that fixed order; rows of the `-1` tail are skipped, their d scale stays 0)."""
@@ -189,9 +200,9 @@ def _swiglu_bwd_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         omask = rmask[:, None] & (cols < I)[None, :]
         acc = tl.load(dh_ptr + rows64 * I + cols[None, :], mask=omask, other=0.0)
-        total += _swiglu_bwd_tile(acc, rows64, cols, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr,
+        total += _swiglu_bwd_tile(acc, rows64, n0, omask, route, rmask, gu_ptr, stride_gm, stride_gn, scale_ptr,
                                   dgu_ptr, stride_om, stride_on, up_off, hs_ptr, I, limit, alpha, beta, HAS_SCALE,
-                                  HAS_LIMIT, DOT_PREC)
+                                  HAS_LIMIT, DOT_PREC, INTERLEAVE, BLOCK_N)
     tl.store(dscale_ptr + route, total, mask=rmask)
 
 
@@ -225,11 +236,11 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
     grid = lambda meta: (row_tiles_worst(M, E, meta["BLOCK_M"], single) * common.cdiv(I, meta["BLOCK_N"]),)
     scale_arg = scale if scale is not None else dscale_P
     flags = dict(SINGLE=single, HAS_SCALE=scale is not None, HAS_LIMIT=limit is not None,
-                 DOT_PREC=common.dot_precision(dtype))
+                 DOT_PREC=common.dot_precision(dtype), INTERLEAVE=interleave)
     lim = 0.0 if limit is None else float(limit)
     ab = (1.0, 0.0) if act is None else (act.alpha, act.beta)
     tma = tma_weights((down_t,)) if tma_eligible(dy_TH, M, E) else None
-    out_cols = (2, 1) if interleave else (dgu.stride(1), I * dgu.stride(1))  # (column stride, du's offset)
+    out_cols = (dgu.stride(1), I * dgu.stride(1))  # (column stride, du's offset; INTERLEAVE stores whole rows)
     common.launch(
         BWD_GEMM if two_pass else BWD_ACT, grid,
         dy_TH, dy_TH.stride(0), dy_TH.stride(1), routes_N, offsets_E1, *w_args(down_t),

@@ -286,6 +286,20 @@ def interleaved(first, second, dim: int) -> Optional[torch.Tensor]:
     return torch.as_strided(a, shape, stride)
 
 
+def interleaved_pair(pair, dim: int) -> Optional[torch.Tensor]:
+    """`interleaved(pair[:, 0], pair[:, 1], dim)` of a 4-D [E, 2, A, B] tensor, made by view ops (a permutation
+    and a merge of two dims), or None. A buffer a kernel writes must be reached this way under torch.compile:
+    functionalization takes a mutation through view ops but not through `as_strided`."""
+    if not isinstance(pair, torch.Tensor) or pair.dim() != 4 or pair.shape[1] != 2 or pair.shape[dim + 1] == 0:
+        return None
+    moved = pair.movedim(1, dim + 1)  # the halves' index right after their interleaved dim
+    if moved.stride(dim + 1) != 1 or moved.stride(dim) != 2:
+        return None
+    shape = list(moved.shape)
+    shape[dim:dim + 2] = [2 * shape[dim]]
+    return moved.view(shape)
+
+
 def tma_eligible(act: torch.Tensor, rows: int, groups: int) -> bool:
     """Whether a launch with activations `act` and `rows` rows over `groups` experts may use host TMA
     descriptors: `options.tma` on, an eager launch (also under the interpreter) of 16-bit activations, at least
