@@ -504,3 +504,24 @@ def test_interleaved_weight_into_separate_gradient_buffers():
             results.append((fwd.y_TH, bwd.dx_TH, grads.d_gate, grads.d_up, grads.d_down))
     for a, b in zip(*results):
         assert rel_err(a, b) <= 1e-6, rel_err(a, b)
+
+
+def test_interleaved_pair_is_a_view_of_the_4d_buffer():
+    """operands.interleaved_pair: the [E, 2I, H] view of a gradient buffer laid out as GPT-OSS's FC1 ([E, 2, I, H]
+    permuted from [E, H, I, 2]) is the same tensor `interleaved` builds from its halves, reached by view ops (a
+    write through it lands in the buffer's halves); a buffer of another layout gives None."""
+    from mok_inductor.kernels import operands
+
+    E, H, I = 3, 5, 4
+    base = torch.randn(E, H, I, 2, generator=torch.Generator().manual_seed(3))
+    pair = base.permute(0, 3, 2, 1)  # [E, 2, I, H], halves interleaved along I
+    got = operands.interleaved_pair(pair.transpose(2, 3), 2)  # halves [E, H, I] interleaved along their dim 2
+    want = operands.interleaved(pair[:, 0].transpose(1, 2), pair[:, 1].transpose(1, 2), 2)
+    assert got is not None and want is not None and got.shape == want.shape == (E, H, 2 * I)
+    assert got.stride() == want.stride() and torch.equal(got, want)
+    both = operands.interleaved_pair(pair, 1)  # halves [E, I, H] interleaved along I: [E, 2I, H]
+    assert both is not None and both.shape == (E, 2 * I, H) and both._base is not None
+    both.copy_(torch.arange(both.numel(), dtype=both.dtype).view(both.shape))
+    assert torch.equal(pair[:, 0], both[:, 0::2]) and torch.equal(pair[:, 1], both[:, 1::2])
+    assert operands.interleaved_pair(torch.randn(E, 2, I, H), 1) is None  # [gate | up] blocks, not interleaved
+    assert operands.interleaved_pair(torch.randn(E, 3, I, H), 1) is None
