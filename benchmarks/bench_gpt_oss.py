@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_moe import SHAPES, routing_tensors, timed  # noqa: E402
+from bench_moe import SHAPES, routing_tensors, tee_log, timed  # noqa: E402
 
 
 def experts_module(T, H, I, E, K, seed=0, device="cuda"):
@@ -132,12 +132,7 @@ def main():
         module, x, te, rw = experts_module(16, 64, 32, 4, 2, device="cpu")
         check(module, contenders(module), x, te, rw, torch.randn_like(x), print)
         return
-    os.makedirs(a.out, exist_ok=True)
-    log_f = open(os.path.join(a.out, "gpt_oss.log"), "w")
-
-    def log(s):
-        print(s, flush=True)
-        log_f.write(s + "\n")
+    log = tee_log(a.out, "gpt_oss.log", "w")
 
     _, H, I, E, K = SHAPES["gpt-oss-20b"]
     T = a.tokens

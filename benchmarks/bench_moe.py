@@ -469,6 +469,19 @@ def check(contenders):
         raise SystemExit(f"--check failed: {', '.join(bad)}")
 
 
+def tee_log(out_dir: str, name: str, mode: str = "a"):
+    """A `log(line)` that prints the line and appends it to out_dir/name (flushed, so a killed run keeps it)."""
+    os.makedirs(out_dir, exist_ok=True)
+    f = open(os.path.join(out_dir, name), mode)
+
+    def log(s):
+        print(s, flush=True)
+        f.write(s + "\n")
+        f.flush()
+
+    return log
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -492,13 +505,7 @@ def main():
         check(["mok", "mok_pointer_loads", "mok_compiled", "mok_mxfp8", "grouped_mm", "grouped_mm_compiled",
                "eager"])
         return
-    os.makedirs(args.out, exist_ok=True)
-    logf = open(os.path.join(args.out, "bench.log"), "a")
-
-    def log(s):
-        print(s, flush=True)
-        logf.write(s + "\n")
-        logf.flush()
+    log = tee_log(args.out, "bench.log")
 
     import triton
 

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 import mok_inductor  # noqa: E402
-from bench_moe import SHAPES, bench, fwd_bwd_step, grad_leaves, make_inputs  # noqa: E402
+from bench_moe import SHAPES, bench, fwd_bwd_step, grad_leaves, make_inputs, tee_log  # noqa: E402
 
 SWEEP_SHAPES = {**{n: s[1:] for n, s in SHAPES.items()}, "tiny": (64, 32, 8, 2)}  # name: (H, I, E, K)
 DEFAULT_TOKENS = "1,7,64,300,1000,4097,16384"
@@ -272,13 +272,7 @@ def main():
     unknown = sorted(set(shapes) - set(SWEEP_SHAPES)) + sorted(parts - set(PARTS))
     if unknown:
         raise SystemExit(f"unknown shape(s) or part(s): {', '.join(unknown)}")
-    os.makedirs(a.out, exist_ok=True)
-    logf = open(os.path.join(a.out, "sweep_tokens.log"), "a")
-
-    def log(s):
-        print(s, flush=True)
-        logf.write(s + "\n")
-        logf.flush()
+    log = tee_log(a.out, "sweep_tokens.log")
 
     from mok_inductor.kernels import configs
 
