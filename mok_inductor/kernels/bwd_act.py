@@ -215,7 +215,8 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
             act=None, interleave=False):
     """-> (dgu [M, 2I] dy.dtype, dscale [routes] float32 = <dy @ down[e], h> per route, hs [M, I] = scale * h
     in dy.dtype (h without a scale)). act: the gated activation (`types.Activation`; None: the SwiGLU).
-    down_t: the down weight's transpose as a `types.Operand` read as [E, I, H]; gu: the forward's saved [g | u]. two_pass: None picks by rows per expert (shapes only).
+    down_t: the down weight's transpose as a `types.Operand` read as [E, I, H]; gu: the forward's saved [g | u].
+    two_pass: None picks by rows per expert (shapes only).
     interleave: dgu's columns alternate dg and du (dg_i at 2i, du_i at 2i + 1) instead of [dg | du]: the layout
     of an interleaved gate/up weight (`operands.interleaved`), whose data gradient and weight gradient then read
     dgu as one operand along that weight's contiguous dim."""

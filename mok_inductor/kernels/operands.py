@@ -267,8 +267,9 @@ def row_desc(t: torch.Tensor):
 def interleaved(first, second, dim: int) -> Optional[torch.Tensor]:
     """The one tensor whose `dim` (1 or 2) alternates `first` and `second` (two tensors or two `Operand`s;
     element 2i of it is first's i, 2i+1 second's i), when the two are plain 3-D views laid out that way
-    (GPT-OSS's checkpoint layout: gate and up columns interleaved in one [E, H, 2I] weight), else None. Read whole, its interleaved dim is
-    contiguous where each half alone has a stride of 2, which no load order coalesces."""
+    (GPT-OSS's checkpoint layout: gate and up columns interleaved in one [E, H, 2I] weight), else None. Read
+    whole, its interleaved dim is contiguous where each half alone has a stride of 2, which no load order
+    coalesces."""
     if isinstance(first, Operand):  # (a weight operand: its plain data; MXFP8 data is never interleaved)
         if first.quantized or second.quantized:
             return None
