@@ -1124,9 +1124,12 @@ def test_cuda_compiled_fullgraph_forward_backward(kind, triton_only):
     params = dict(model.named_parameters())
     assert any(".experts." in n for n in grads32)
     floor = 1e-3 * max(float(g.norm()) for g in grads32.values())
+    bad = []  # every parameter out of tolerance, not only the first: where they sit says which kernel erred
     for n, g32 in grads32.items():
         assert params[n].grad is not None, n
         got = rel_err(params[n].grad, g32, floor)
         own = rel_err(ref_grads[n], g32, floor)
-        assert got <= 2 * own + 1e-3, (n, got, own)
+        if not got <= 2 * own + 1e-3:
+            bad.append((n, got, own))
+    assert not bad, bad
     torch._dynamo.reset()
