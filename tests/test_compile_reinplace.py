@@ -29,62 +29,16 @@ def _probe(variant: str) -> dict:
     hf = variant == "gpt-oss-hf"
     T, H, I = (8, 128, 128) if variant == "mxfp8-decode" else (globals()["T"], globals()["H"], globals()["I"])
     import copy
-    import inspect
 
-    import triton
+    import _sm90_standin
 
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        from triton.backends.compiler import GPUTarget
-
-        class _Sm90:
-            def get_current_target(self):
-                return GPUTarget("cuda", 90, 32)
-
-            def get_active_torch_device(self):
-                return torch.device("cuda")
-
-        triton.runtime.driver.set_active(_Sm90())
-        real = torch.cuda.is_available
-        torch.cuda.is_available = lambda: True  # (so mok_inductor.kernels imports as available)
-        import mok_inductor.kernels  # noqa: F401
-
-        torch.cuda.is_available = real
-        mok_inductor.options.set_default(backend="triton")  # the kernels, not the CPU reference, for CPU tensors
-        # (the tile-config lookup asks torch.cuda for the GPU's name: a stand-in one, sm_90 as told to Triton)
-        mok_inductor.kernels.configs._device_facts = lambda device: ("probe-sm90", "9.0")
-    import tempfile
-
-    import mok_inductor
-    import mok_inductor.kernels.configs as tile_configs
-
-    # no tile-config tables (an empty user folder, no shipped ones): the launches take their families' defaults,
-    # so the configs reported do not depend on the tables of the machine (table lookups: tests/test_configs.py)
-    mok_inductor.options.set_default(tables_dir=tempfile.mkdtemp(prefix="mok-probe-tables-"))
-    tile_configs.shipped_tables = lambda: []
+    _sm90_standin.install()  # (no tile-config tables: the configs reported do not depend on the machine's)
     from torch._functorch.aot_autograd import aot_export_module
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
-    from torch._inductor.fx_utils import FakeTensorUpdater
-    from torch._inductor.virtualized import V
-    from torch._library.simple_registry import singleton
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-    from mok_inductor import ops
-    from mok_inductor.lowering import decompose
-
-    decompose.install()  # what mok_inductor.enable() installs for compiled graphs
-    if not cuda:  # the ops decompose into their launches for CUDA tensors only: for these CPU stand-ins too
-        for name, fn in (("mok::schedule", ops.schedule_impl), ("mok::moe_fwd", ops.moe_fwd_impl),
-                         ("mok::moe_bwd", ops.moe_bwd_impl)):
-            def rule(mode, func, types, args, kwargs, fn=fn):
-                with mode:
-                    return fn(*args, **kwargs)
-
-            singleton.find(name).torch_dispatch_rules._data[FunctionalTensorMode] = rule
     hop = torch.ops.higher_order.triton_kernel_wrapper_functional
-    dev = "cuda" if cuda else "cpu"
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
 
     class Layer(torch.nn.Module):
         def forward(self, x, rw, te, gu, d, dy, sgu, sd, sg, *q):
@@ -124,10 +78,7 @@ def _probe(variant: str) -> dict:
         gm, _ = aot_export_module(Layer(), args, trace_joint=False)
     kernels = sum(1 for n in gm.graph.nodes if n.target is hop)
     gm = copy.deepcopy(gm)
-    with mode, V.set_fake_mode(mode):
-        # (torch 2.13's FakeTensorUpdater takes the GraphModule, 2.11's the Graph)
-        first = list(inspect.signature(FakeTensorUpdater.__init__).parameters)[1]
-        reinplace_inplaceable_ops(FakeTensorUpdater(gm.graph if first == "graph" else gm), gm.graph)
+    _sm90_standin.reinplace(gm, mode)
 
     def name(n):
         k = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
@@ -188,5 +139,6 @@ def test_compiled_mxfp8_decode_reads_scale_words_on_8_row_tiles():
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--probe"]:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.getcwd())
     print(json.dumps(_probe(sys.argv[2])))

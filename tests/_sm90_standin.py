@@ -1,0 +1,144 @@
+"""The CUDA compiled-graph path on a machine without a GPU, for tests that run in a subprocess without
+TRITON_INTERPRET (tests/conftest.py sets it for the test process itself).
+
+`install()` tells Triton it targets an sm_90 GPU, makes `mok_inductor.kernels` importable as available, and makes
+the mok ops decompose into their Triton launches for CPU tensors as they do for CUDA ones
+(`mok_inductor.lowering.decompose`): AOTAutograd then traces the same launches, with CPU tensors standing in for
+CUDA ones. `interpreted_launches()` runs such a traced graph: each launch goes to Triton's interpreter (the
+kernels' Python source, no compilation), so the graph's numbers can be checked on CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+
+import torch
+
+_OPS = ("schedule", "moe_fwd", "moe_bwd")
+
+
+def install(*, tables: bool = False) -> None:
+    """Stand-in sm_90 target and decomposition for CPU tensors. tables=False: no tile-config tables (an empty user
+    folder, no shipped ones), so launches take their families' defaults whatever tables the machine has."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    class _Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cuda")
+
+    if not torch.cuda.is_available():
+        triton.runtime.driver.set_active(_Sm90())
+        real = torch.cuda.is_available
+        torch.cuda.is_available = lambda: True  # (so mok_inductor.kernels imports as available)
+        import mok_inductor.kernels  # noqa: F401
+
+        torch.cuda.is_available = real
+        # (the tile-config lookup asks torch.cuda for the GPU's name: a stand-in one, sm_90 as told to Triton)
+        mok_inductor.kernels.configs._device_facts = lambda device: ("probe-sm90", "9.0")
+    import mok_inductor
+    import mok_inductor.kernels.configs as tile_configs
+    from mok_inductor import ops
+    from mok_inductor.lowering import decompose
+
+    mok_inductor.options.set_default(backend="triton")  # the kernels, not the CPU reference, for CPU tensors
+    if not tables:
+        mok_inductor.options.set_default(tables_dir=tempfile.mkdtemp(prefix="mok-probe-tables-"))
+        tile_configs.shipped_tables = lambda: []
+    decompose.install()  # what mok_inductor.enable() installs for compiled graphs
+    if not torch.cuda.is_available():  # the rule decomposes CUDA tensors' ops only: these CPU stand-ins' too
+        from torch._library.simple_registry import singleton
+        from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+        for name in _OPS:
+            def rule(mode, func, types, args, kwargs, fn=getattr(ops, f"{name}_impl")):
+                with mode:
+                    return fn(*args, **kwargs)
+
+            singleton.find(f"mok::{name}").torch_dispatch_rules._data[FunctionalTensorMode] = rule
+
+
+class _Interpreted:
+    """A traced launch's kernel (a JITFunction, or the one-config Autotuner `wrap_triton` makes of a launch with
+    num_warps/num_stages) as the interpreter runs it: the config's meta-parameters passed, the launch options
+    dropped."""
+
+    def __init__(self, kernel, interpreted):
+        from triton.runtime.autotuner import Autotuner
+
+        base = kernel.fn if isinstance(kernel, Autotuner) else kernel
+        self.fn = interpreted(base)
+        self.arg_names = base.arg_names
+        self.configs = getattr(kernel, "configs", [])
+        self.meta = dict(self.configs[0].kwargs) if isinstance(kernel, Autotuner) and self.configs else {}
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            for key in ("num_warps", "num_stages", "num_ctas", "maxnreg"):
+                kwargs.pop(key, None)
+            return self.fn[grid](*args, **kwargs, **self.meta)
+
+        return launch
+
+
+@contextlib.contextmanager
+def interpreted_launches():
+    """While a traced graph runs: its launches (`triton_kernel_wrapper_*` nodes) and the @triton.jit helpers
+    they call run in Triton's interpreter. Only while it runs: tracing reads the real JITFunctions."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    cache = {}
+
+    def interpreted(fn):
+        if fn not in cache:
+            cache[fn] = InterpretedFunction(fn.fn)
+        return cache[fn]
+
+    get_kernel, call = kernel_side_table.get_kernel, JITFunction.__call__
+    kernel_side_table.get_kernel = lambda idx: _Interpreted(get_kernel(idx), interpreted)
+    JITFunction.__call__ = lambda self, *a, **kw: interpreted(self)(*a, **kw)  # (a helper inside a kernel)
+    try:
+        yield
+    finally:
+        kernel_side_table.get_kernel, JITFunction.__call__ = get_kernel, call
+
+
+def reinplace(gm, fake_mode) -> None:
+    """Inductor's reinplacing pass on gm (functional launches back to in-place ones where it can)."""
+    import inspect
+
+    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
+    from torch._inductor.fx_utils import FakeTensorUpdater
+    from torch._inductor.virtualized import V
+
+    with fake_mode, V.set_fake_mode(fake_mode):
+        # (torch 2.13's FakeTensorUpdater takes the GraphModule, 2.11's the Graph)
+        first = list(inspect.signature(FakeTensorUpdater.__init__).parameters)[1]
+        reinplace_inplaceable_ops(FakeTensorUpdater(gm.graph if first == "graph" else gm), gm.graph)
+    gm.recompile()
+
+
+def inductor_like_backend(graphs: list):
+    """A torch.compile backend doing what Inductor does to our launches up to code generation (AOTAutograd with
+    its min-cut partitioner, the reinplacing pass), then running the graphs eagerly with `interpreted_launches`.
+    Each graph's code is appended to `graphs`."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._guards import detect_fake_mode
+
+    def compiler(gm, example_inputs):
+        reinplace(gm, detect_fake_mode(example_inputs))
+        graphs.append(gm.code)
+
+        def run(*args):
+            with interpreted_launches():
+                return gm(*args)
+
+        return run
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition)
