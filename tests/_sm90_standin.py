@@ -61,15 +61,28 @@ def install(*, tables: bool = False) -> None:
             singleton.find(f"mok::{name}").torch_dispatch_rules._data[FunctionalTensorMode] = rule
 
 
+# Launches seen by `interpreted_launches` that wrote a tensor also passed as another argument:
+# (kernel, written argument, the other argument). `common.launch` says why there must be none.
+ALIASED_WRITES: list = []
+
+
+def _changed(before: torch.Tensor, after: torch.Tensor) -> bool:
+    if after.is_floating_point():
+        return not torch.equal(before.nan_to_num(), after.nan_to_num())
+    return not torch.equal(before, after)
+
+
 class _Interpreted:
     """A traced launch's kernel (a JITFunction, or the one-config Autotuner `wrap_triton` makes of a launch with
     num_warps/num_stages) as the interpreter runs it: the config's meta-parameters passed, the launch options
-    dropped."""
+    dropped. Each launch records in ALIASED_WRITES the tensors it wrote that it was also given as another
+    argument."""
 
     def __init__(self, kernel, interpreted):
         from triton.runtime.autotuner import Autotuner
 
         base = kernel.fn if isinstance(kernel, Autotuner) else kernel
+        self.name = base.__name__
         self.fn = interpreted(base)
         self.arg_names = base.arg_names
         self.configs = getattr(kernel, "configs", [])
@@ -79,7 +92,15 @@ class _Interpreted:
         def launch(*args, **kwargs):
             for key in ("num_warps", "num_stages", "num_ctas", "maxnreg"):
                 kwargs.pop(key, None)
-            return self.fn[grid](*args, **kwargs, **self.meta)
+            named = {**dict(zip(self.arg_names, args)), **kwargs}
+            tensors = {k: v for k, v in named.items() if isinstance(v, torch.Tensor) and v.numel()}
+            before = {k: v.clone() for k, v in tensors.items()}
+            out = self.fn[grid](*args, **kwargs, **self.meta)
+            for k, v in tensors.items():
+                if _changed(before[k], v):
+                    ALIASED_WRITES.extend((self.name, k, other) for other, w in tensors.items()
+                                          if other != k and w.data_ptr() == v.data_ptr())
+            return out
 
         return launch
 

@@ -53,7 +53,7 @@ def _child(kind: str) -> dict:
         return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
     errors = {n: rel(params[n].grad, g) if params[n].grad is not None else None for n, g in ref.items()}
-    return dict(loss=rel(loss.detach(), ref_loss.detach()), grads=errors,
+    return dict(loss=rel(loss.detach(), ref_loss.detach()), grads=errors, aliased_writes=sorted(set(_sm90_standin.ALIASED_WRITES)),
                 launches=[g.count("triton_kernel_wrapper") for g in graphs],
                 opaque=[op for op in ("mok.moe_fwd", "mok.moe_bwd", "mok.schedule") if any(op in g for g in graphs)])
 
@@ -69,6 +69,9 @@ def test_compiled_cuda_graphs_compute_what_eager_does(kind):
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(got["launches"]) == 2 and min(got["launches"]) >= 4, got["launches"]  # forward and backward, traced
     assert got["opaque"] == [], f"ops left opaque: {got['opaque']}"
+    # a launch that writes a tensor it is also given as another argument: Inductor may clone the two apart and
+    # keep the unwritten clone (`mok_inductor.kernels.common.launch`)
+    assert got["aliased_writes"] == [], got["aliased_writes"]
     assert got["loss"] <= 1e-5, got["loss"]
     assert any(".experts." in n for n in got["grads"])
     bad = {n: e for n, e in got["grads"].items() if e is None or not e <= 1e-4}

@@ -233,9 +233,11 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
     hs = torch.empty(M, I, dtype=dtype, device=dev)
     if M == 0 or I == 0:
         return dgu, dscale_P.sum(0), hs
-    dh = torch.empty(M, I, dtype=torch.float32, device=dev) if two_pass else dscale_P
+    # pointer arguments the launch does not use (dh in one pass, scale without one) get a read-only input in
+    # their place, never an output (`common.launch`)
+    dh = torch.empty(M, I, dtype=torch.float32, device=dev) if two_pass else gu_M2I
     grid = lambda meta: (row_tiles_worst(M, E, meta["BLOCK_M"], single) * common.cdiv(I, meta["BLOCK_N"]),)
-    scale_arg = scale if scale is not None else dscale_P
+    scale_arg = scale if scale is not None else gu_M2I
     flags = dict(SINGLE=single, HAS_SCALE=scale is not None, HAS_LIMIT=limit is not None,
                  DOT_PREC=common.dot_precision(dtype), INTERLEAVE=interleave)
     lim = 0.0 if limit is None else float(limit)

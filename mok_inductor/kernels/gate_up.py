@@ -242,7 +242,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
     if both is not None:
         gate = up = Operand(both, None)
     tma = None if mx_loop or not tma_eligible(x_TH, M, E) else tma_weights((gate, up))
-    h = h_out if h_out is not None else gu_out
+    h = h_out if h_out is not None else x_TH  # (no h: a read-only input in its place, `common.launch`)
     dtype = dtype_name(x_TH.dtype)
     x_TH, xr, mx_loop = mx_rows(x_TH, mx_loop, gate, up)
     keep_clip = limit is not None and gu_out.dtype in (torch.bfloat16, torch.float16)

@@ -141,7 +141,8 @@ def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, accu
     split = dst2_EMN is not None
     if split:
         assert dst2_EMN.shape == dst_EMN.shape and dst2_EMN.dtype == dst_EMN.dtype and a.shape[1] == 2 * MD
-    d2 = dst2_EMN if split else dst_EMN
+    # (without dst2: a read-only input in its place, never read or written, and never dst, `common.launch`)
+    d2, d2_strides = (dst2_EMN, dst2_EMN.stride()) if split else (b, (0, 0, 0))
     M = n_rows if single else routes_N.numel()
     gather = (a_gather or b_gather) and not single
     if gather and tokens_N is None:
@@ -153,7 +154,7 @@ def wgrad(a, b, dst_EMN, routes_N, offsets_E1, topk, *, a_gather, b_gather, accu
     common.launch(
         WGRAD, grid,
         a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), idx, offsets_E1,
-        dst_EMN, dst_EMN.stride(0), dst_EMN.stride(1), dst_EMN.stride(2), d2, d2.stride(0), d2.stride(1), d2.stride(2),
+        dst_EMN, dst_EMN.stride(0), dst_EMN.stride(1), dst_EMN.stride(2), d2, *d2_strides,
         MD, ND, M, E,
         SINGLE=single, A_GATHER=a_gather, B_GATHER=b_gather, GATHER=gather, ACCUMULATE=accumulate, SPLIT=split,
         OFF32=off32, DOT_PREC=common.dot_precision(b.dtype), GROUP_M=GROUP_M,
