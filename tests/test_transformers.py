@@ -806,6 +806,16 @@ def _model_and_loss(kind):
     return model.train(), ex.make_loss_fn(model), ids
 
 
+def _eager_loss_and_grads(model, loss_fn, ids):
+    """The loss and every parameter's gradient of one eager HF step ("eager" experts), gradients then cleared."""
+    model.set_experts_implementation("eager")
+    loss = loss_fn(ids)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
 def _graph_capturing_backend(codes):
     """torch.compile backend: AOTAutograd (forward and backward graphs), run eagerly, code kept."""
     from torch._dynamo.backends.common import aot_autograd
@@ -832,11 +842,7 @@ def test_compiled_fullgraph_forward_backward(kind, backend):
 
     torch._dynamo.reset()
     model, loss_fn, ids = _model_and_loss(kind)
-    model.set_experts_implementation("eager")
-    ref_loss = loss_fn(ids)
-    ref_loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
+    ref_loss, ref_grads = _eager_loss_and_grads(model, loss_fn, ids)
 
     model.set_experts_implementation("mok")
     codes = []
@@ -1091,16 +1097,8 @@ def test_cuda_compiled_fullgraph_forward_backward(kind, triton_only):
     gold = copy.deepcopy(model).float()
     gold_loss_fn = _train_text_example().make_loss_fn(gold)
 
-    def eager_step(m, fn):
-        m.set_experts_implementation("eager")
-        m.zero_grad(set_to_none=True)
-        loss = fn(ids)
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-
-    loss32, grads32 = eager_step(gold, gold_loss_fn)
-    ref_loss, ref_grads = eager_step(model, loss_fn)
-    model.zero_grad(set_to_none=True)
+    loss32, grads32 = _eager_loss_and_grads(gold, gold_loss_fn, ids)
+    ref_loss, ref_grads = _eager_loss_and_grads(model, loss_fn, ids)
 
     model.set_experts_implementation("mok")
     compiled = torch.compile(loss_fn, fullgraph=True)
