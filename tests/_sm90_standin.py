@@ -10,6 +10,7 @@ kernels' Python source, no compilation), so the graph's numbers can be checked o
 from __future__ import annotations
 
 import contextlib
+import functools
 import tempfile
 
 import torch
@@ -17,9 +18,9 @@ import torch
 _OPS = ("schedule", "moe_fwd", "moe_bwd")
 
 
-def install(*, tables: bool = False) -> None:
-    """Stand-in sm_90 target and decomposition for CPU tensors. tables=False: no tile-config tables (an empty user
-    folder, no shipped ones), so launches take their families' defaults whatever tables the machine has."""
+def install() -> None:
+    """Stand-in sm_90 target and decomposition for CPU tensors. No tile-config tables (an empty user folder, no
+    shipped ones): launches take their families' defaults whatever tables the machine has."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -45,9 +46,8 @@ def install(*, tables: bool = False) -> None:
     from mok_inductor.lowering import decompose
 
     mok_inductor.options.set_default(backend="triton")  # the kernels, not the CPU reference, for CPU tensors
-    if not tables:
-        mok_inductor.options.set_default(tables_dir=tempfile.mkdtemp(prefix="mok-probe-tables-"))
-        tile_configs.shipped_tables = lambda: []
+    mok_inductor.options.set_default(tables_dir=tempfile.mkdtemp(prefix="mok-probe-tables-"))
+    tile_configs.shipped_tables = lambda: []
     decompose.install()  # what mok_inductor.enable() installs for compiled graphs
     if not torch.cuda.is_available():  # the rule decomposes CUDA tensors' ops only: these CPU stand-ins' too
         from torch._library.simple_registry import singleton
@@ -78,12 +78,12 @@ class _Interpreted:
     dropped. Each launch records in ALIASED_WRITES the tensors it wrote that it was also given as another
     argument."""
 
-    def __init__(self, kernel, interpreted):
+    def __init__(self, kernel):
         from triton.runtime.autotuner import Autotuner
 
         base = kernel.fn if isinstance(kernel, Autotuner) else kernel
         self.name = base.__name__
-        self.fn = interpreted(base)
+        self.fn = _interpreted(base)
         self.arg_names = base.arg_names
         self.configs = getattr(kernel, "configs", [])
         self.meta = dict(self.configs[0].kwargs) if isinstance(kernel, Autotuner) and self.configs else {}
@@ -105,24 +105,24 @@ class _Interpreted:
         return launch
 
 
+@functools.cache
+def _interpreted(fn):
+    """The interpreter's version of the @triton.jit function fn (made once per function)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(fn.fn)
+
+
 @contextlib.contextmanager
 def interpreted_launches():
     """While a traced graph runs: its launches (`triton_kernel_wrapper_*` nodes) and the @triton.jit helpers
     they call run in Triton's interpreter. Only while it runs: tracing reads the real JITFunctions."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    cache = {}
-
-    def interpreted(fn):
-        if fn not in cache:
-            cache[fn] = InterpretedFunction(fn.fn)
-        return cache[fn]
-
     get_kernel, call = kernel_side_table.get_kernel, JITFunction.__call__
-    kernel_side_table.get_kernel = lambda idx: _Interpreted(get_kernel(idx), interpreted)
-    JITFunction.__call__ = lambda self, *a, **kw: interpreted(self)(*a, **kw)  # (a helper inside a kernel)
+    kernel_side_table.get_kernel = lambda idx: _Interpreted(get_kernel(idx))
+    JITFunction.__call__ = lambda self, *a, **kw: _interpreted(self)(*a, **kw)  # (a helper inside a kernel)
     try:
         yield
     finally:
