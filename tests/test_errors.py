@@ -13,6 +13,7 @@ import sys
 import unittest
 
 import expecttest
+import pytest
 import torch
 
 import mok_inductor
@@ -503,7 +504,8 @@ class TestBadInput(expecttest.TestCase):
         self.assertEqual(_checks.expert_ids_message(5, -4),
                          "top_experts: expected expert indices in [-1, 5) (-1 means no route), found -4")
 
-    @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA GPU (the Triton schedule's device-side check)")
+    @pytest.mark.cuda  # a unittest skip is no pytest mark: named here so `pytest -m cuda` selects it
+    @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA (the Triton schedule's device-side check)")
     def test_bad_expert_id_on_the_gpu_names_the_argument(self):
         # a device-side assert ends the process's CUDA context, so the call runs in a child process; what the
         # user sees must name the argument and the valid range
