@@ -64,6 +64,11 @@ def install() -> None:
 # Launches seen by `interpreted_launches` that wrote a tensor also passed as another argument:
 # (kernel, written argument, the other argument). `common.launch` says why there must be none.
 ALIASED_WRITES: list = []
+# Per kernel: the arguments its launches were seen writing (`interpreted_launches`), and the ones torch's analysis
+# of the kernel's code (what Inductor's lowering asks, `access_analysis`) says it writes; the analysis' failures.
+OBSERVED_WRITES: dict = {}
+ANALYSED_WRITES: dict = {}
+ANALYSIS_FAILURES: list = []
 
 
 def _changed(before: torch.Tensor, after: torch.Tensor) -> bool:
@@ -98,6 +103,7 @@ class _Interpreted:
             out = self.fn[grid](*args, **kwargs, **self.meta)
             for k, v in tensors.items():
                 if _changed(before[k], v):
+                    OBSERVED_WRITES.setdefault(self.name, set()).add(k)
                     ALIASED_WRITES.extend((self.name, k, other) for other, w in tensors.items()
                                           if other != k and w.data_ptr() == v.data_ptr())
             return out
@@ -129,6 +135,37 @@ def interpreted_launches():
         kernel_side_table.get_kernel, JITFunction.__call__ = get_kernel, call
 
 
+def access_analysis(gm) -> None:
+    """torch's analysis of which arguments each launch of gm reads and writes, as Inductor's lowering asks it
+    (`ir.UserDefinedTritonKernel`: the constant arguments merged in, the first config's meta-parameters, symbolic
+    sizes as sympy expressions), into ANALYSED_WRITES; where it raises, ANALYSIS_FAILURES. A failure makes
+    Inductor take every argument as written. Must run before any launch is interpreted: the interpreter's
+    patches of triton.language break the code generation the analysis uses."""
+    import sympy
+    from torch._higher_order_ops.triton_kernel_wrap import generate_ttir, identify_accessed_tensors, kernel_side_table
+    from triton.runtime.autotuner import Autotuner
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or "triton_kernel_wrapper" not in str(node.target):
+            continue
+        kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+        name = (kernel.fn if isinstance(kernel, Autotuner) else kernel).__name__
+        args = dict(kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"]))
+        for k, v in node.kwargs["kwargs"].items():
+            val = v.meta.get("val") if isinstance(v, torch.fx.Node) else v
+            args[k] = sympy.Symbol(f"s_{k}", integer=True) if isinstance(val, torch.SymInt) else val
+        if isinstance(kernel, Autotuner) and kernel.configs:
+            args.update(kernel.configs[0].kwargs)
+        tma = node.kwargs.get("tma_descriptor_metadata", {})
+        try:
+            generate_ttir(kernel, dict(args), tma)  # (identify_accessed_tensors swallows its errors)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            ANALYSIS_FAILURES.append((name, f"{type(e).__name__}: {str(e)[-300:]}"))
+            continue
+        writes = identify_accessed_tensors(kernel, args, tma).read_writes.writes
+        ANALYSED_WRITES.setdefault(name, set()).update(d.name for d in writes)
+
+
 def reinplace(gm, fake_mode) -> None:
     """Inductor's reinplacing pass on gm (functional launches back to in-place ones where it can)."""
     import inspect
@@ -146,14 +183,16 @@ def reinplace(gm, fake_mode) -> None:
 
 def inductor_like_backend(graphs: list):
     """A torch.compile backend doing what Inductor does to our launches up to code generation (AOTAutograd with
-    its min-cut partitioner, the reinplacing pass), then running the graphs eagerly with `interpreted_launches`.
-    Each graph's code is appended to `graphs`."""
+    its min-cut partitioner, the reinplacing pass, the lowering's `access_analysis`), then running the graphs
+    eagerly with `interpreted_launches`. Each graph's code is appended to `graphs`. The backward graph is made
+    when the forward is (not at the first backward), so that it is analysed before any launch runs."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._guards import detect_fake_mode
 
     def compiler(gm, example_inputs):
         reinplace(gm, detect_fake_mode(example_inputs))
+        access_analysis(gm)
         graphs.append(gm.code)
 
         def run(*args):
@@ -162,4 +201,10 @@ def inductor_like_backend(graphs: list):
 
         return run
 
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition)
+    aot = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition)
+
+    def backend(gm, example_inputs):
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            return aot(gm, example_inputs)
+
+    return backend

@@ -49,7 +49,11 @@ def _child(kind: str) -> dict:
         return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
     errors = {n: rel(params[n].grad, g) if params[n].grad is not None else None for n, g in ref.items()}
+    unanalysed = {k: sorted(w - _sm90_standin.ANALYSED_WRITES.get(k, set()))
+                  for k, w in _sm90_standin.OBSERVED_WRITES.items()}
     return dict(loss=rel(loss.detach(), ref_loss), grads=errors, aliased_writes=sorted(set(_sm90_standin.ALIASED_WRITES)),
+                analysis_failures=_sm90_standin.ANALYSIS_FAILURES, unanalysed_writes={k: v for k, v in unanalysed.items() if v},
+                analysed=sorted(_sm90_standin.ANALYSED_WRITES),
                 launches=[g.count("triton_kernel_wrapper") for g in graphs],
                 opaque=[op for op in ("mok.moe_fwd", "mok.moe_bwd", "mok.schedule") if any(op in g for g in graphs)])
 
@@ -68,6 +72,11 @@ def test_compiled_cuda_graphs_compute_what_eager_does(kind):
     # a launch that writes a tensor it is also given as another argument: Inductor may clone the two apart and
     # keep the unwritten clone (`mok_inductor.kernels.common.launch`)
     assert got["aliased_writes"] == [], got["aliased_writes"]
+    # torch's analysis of each launch's code (Inductor's lowering asks it which arguments a kernel writes; where it
+    # fails, every argument counts as written) succeeds, and names every argument the launches were seen writing
+    assert got["analysis_failures"] == [], got["analysis_failures"]
+    assert got["unanalysed_writes"] == {}, got["unanalysed_writes"]
+    assert {"_gate_up_kernel", "_bwd_act_body", "_wgrad_body", "_combine_kernel"} <= set(got["analysed"]), got["analysed"]
     assert got["loss"] <= 1e-5, got["loss"]
     assert any(".experts." in n for n in got["grads"])
     bad = {n: e for n, e in got["grads"].items() if e is None or not e <= 1e-4}
