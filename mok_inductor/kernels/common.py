@@ -57,10 +57,10 @@ def launch(kernel, grid, *args, problem: tuple = (), rows=None, **kwargs) -> Non
     rows of `problem` (`_launch_tuned`); a plain kernel with the meta-parameters given.
 
     A tensor the kernel writes is passed once: a pointer argument the launch does not use gets a read-only input
-    in its place, never an output. Traced, the launch is a functional node, and torch's analysis of which
-    arguments a kernel writes gives up on these kernels (every tensor argument counts as written): Inductor may
-    then clone each argument apart, and the value a tensor passed twice has after the launch is one of its
-    clones, not necessarily the one the kernel wrote (tests/test_compile_traced.py checks the launches)."""
+    in its place, never an output. Traced, the launch is a functional node that clones the arguments torch's
+    analysis of the kernel's code says it writes (a superset: a pointer an address is computed from counts), so
+    a tensor passed twice may become two tensors, and the one read after the launch need not be the one the
+    kernel wrote (tests/test_compile_traced.py checks the launches and the analysis)."""
     if isinstance(kernel, configs.Family):
         _launch_tuned(kernel, grid, args, kwargs, problem, rows)
     elif not INTERPRET and traced(args):
