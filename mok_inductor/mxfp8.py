@@ -82,7 +82,8 @@ def quantize(weight: torch.Tensor, *, rowwise: bool = True, columnwise: bool = T
     column-wise (blocks along M). The blocked dims must be multiples of 32.
 
     `master`: the tensor that receives the weight gradient when the result is used in `mok_inductor.moe`;
-    by default `weight` itself when it requires grad, else None (pass `master=None` to drop it)."""
+    by default `weight` itself when it requires grad or carries a forward-mode tangent (torch.func.jvp), else
+    None (pass `master=None` to drop it)."""
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight: expected a torch.Tensor, got {type(weight).__name__}")
     if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -97,13 +98,14 @@ def quantize(weight: torch.Tensor, *, rowwise: bool = True, columnwise: bool = T
     if columnwise and m % BLOCK:
         raise ValueError(f"weight: the column-wise layout needs dim -2 (M) divisible by {BLOCK}, got shape {list(weight.shape)}")
     if master is _NO_MASTER:
-        master = weight if weight.requires_grad else None
+        master = weight if _carries_derivative(weight) else None
     data = scale = data_t = scale_t = None
-    with torch.no_grad():
+    with torch.no_grad():  # (and detached: no_grad does not stop a forward-mode tangent)
+        w = weight.detach()
         if rowwise:
-            data, scale = _quantize_lastdim(weight)
+            data, scale = _quantize_lastdim(w)
         if columnwise:
-            data_t, scale_t = _quantize_lastdim(weight.transpose(-2, -1))
+            data_t, scale_t = _quantize_lastdim(w.transpose(-2, -1))
             data_t = data_t.contiguous()
     return MXFP8Weight(data, scale, data_t, scale_t, weight.dtype, master)
 
@@ -373,8 +375,12 @@ class _StackedMasters(torch.autograd.Function):
     op never reads); backward hands each master its slice of the gradient."""
 
     @staticmethod
-    def forward(ctx, *masters):
+    def forward(*masters):
         return masters[0].new_empty(()).expand(len(masters), *masters[0].shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # (nothing to save; this form works under torch.func)
+        pass
 
     @staticmethod
     def backward(ctx, grad):
@@ -388,8 +394,16 @@ def is_quantized_arg(w) -> bool:
     return isinstance(w, (list, tuple)) and len(w) > 0 and all(isinstance(q, MXFP8Weight) for q in w)
 
 
+def _carries_derivative(t: torch.Tensor) -> bool:
+    """Whether a derivative flows from t: it requires grad (backward), or it has a forward-mode tangent
+    (torch.func.jvp, jacfwd, forward_ad dual tensors)."""
+    from torch.autograd.forward_ad import unpack_dual
+
+    return t.requires_grad or unpack_dual(t).tangent is not None
+
+
 def _live_master(m):
-    return m if isinstance(m, torch.Tensor) and m.requires_grad else None
+    return m if isinstance(m, torch.Tensor) and _carries_derivative(m) else None
 
 
 def op_args(name: str, w) -> tuple:
@@ -426,6 +440,9 @@ def op_args(name: str, w) -> tuple:
         return None if parts[0] is None else torch.stack(parts)
 
     master = None
-    if all(has) and any(q.master.requires_grad for q in w):
-        master = _StackedMasters.apply(*[q.master for q in w])
+    masters = [q.master for q in w] if all(has) else []
+    if any(m.requires_grad for m in masters):
+        master = _StackedMasters.apply(*masters)
+    elif any(_carries_derivative(m) for m in masters):  # forward mode only: the tangents need a real tensor
+        master = torch.stack(masters)
     return (stack("data"), stack("scale"), stack("data_t"), stack("scale_t"), master)

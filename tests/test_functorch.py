@@ -9,7 +9,8 @@
   a weight raises a ValueError naming it. vmap of grad gives per-sample gradients (each sample's autograd
   gradients); grad of vmap gives the flattened call's gradients.
 - Forward mode (torch.func.jvp, jacfwd, torch.autograd.forward_ad) matches the float64 oracle's jvp, and
-  jacfwd equals jacrev.
+  jacfwd equals jacrev. Through MXFP8 weights the derivatives are their masters' (straight-through), in both
+  modes.
 
 Shape legend: B vmapped batch, T tokens, H hidden, I routed intermediate, Is shared intermediate,
 E experts, K routes.
@@ -325,6 +326,61 @@ def test_jvp_matches_the_float64_oracle(device, dtype, which):
     with fwAD.dual_level():
         duals = [fwAD.make_dual(p, t) for p, t in zip(primals[first:], tangents[first:])]
         assert torch.equal(fwAD.unpack_dual(f(*duals)).tangent, y_dot)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("per_expert", [False, True], ids=["3d", "per_expert"])
+def test_jvp_in_the_masters_of_mxfp8_weights(device, per_expert):
+    # an MXFP8 weight's tangent is its master's (straight-through, as its gradient is): the jvp in the master
+    # weights of quantize(master) equals the float64 oracle's jvp at the dequantized weights with the masters'
+    # tangents (not a zero tangent); forward AD on dual masters gives the same
+    from mok_inductor import mxfp8
+
+    case = make_case(T=6, H=64, I=32, E=4, K=2, dtype=torch.bfloat16, device=device, limit=0.8, seed=91,
+                     requires_grad=False)
+    masters = (case.gate_up_proj, case.down_proj)
+    tangents = (random_like(masters[0], 92), random_like(masters[1], 93))
+
+    def quantized(w):
+        return [mxfp8.quantize(w[e]) for e in range(w.shape[0])] if per_expert else mxfp8.quantize(w)
+
+    def f(gate_up, down):
+        return mok_inductor.moe(case.x, case.router_weights, case.top_experts, quantized(gate_up), quantized(down),
+                                swiglu_limit=case.swiglu_limit)
+
+    def oracle(gate_up, down):
+        return oracle_moe(case.x.double(), case.router_weights.double(), case.top_experts, gate_up, down,
+                          swiglu_limit=case.swiglu_limit)
+
+    y, y_dot = torch.func.jvp(f, masters, tangents)
+    dequantized = tuple(mxfp8.dequantize(mxfp8.quantize(w)).double() for w in masters)
+    y_ref, y_dot_ref = torch.func.jvp(oracle, dequantized, tuple(t.double() for t in tangents))
+    assert rel_err(y, y_ref) <= TOLERANCE[torch.bfloat16], "y"
+    assert rel_err(y_dot, y_dot_ref) <= TOLERANCE[torch.bfloat16], "tangent"
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(m, t) for m, t in zip(masters, tangents)]
+        assert torch.equal(fwAD.unpack_dual(f(*duals)).tangent, y_dot)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_func_grad_through_per_expert_mxfp8_masters(device):
+    # torch.func.grad in the masters of per-expert MXFP8 weights (stacked for the op by an autograd.Function,
+    # which functorch runs only in its setup_context form) equals autograd's gradient
+    from mok_inductor import mxfp8
+
+    case = make_case(T=6, H=64, I=32, E=4, K=2, dtype=torch.bfloat16, device=device, seed=95, requires_grad=False)
+    dy = random_like(case.x, 96)
+
+    def loss(gate_up):
+        q = [mxfp8.quantize(gate_up[e]) for e in range(gate_up.shape[0])]
+        y = mok_inductor.moe(case.x, case.router_weights, case.top_experts, q, case.down_proj)
+        return (y.float() * dy.float()).sum()
+
+    got = torch.func.grad(loss)(case.gate_up_proj)
+    master = case.gate_up_proj.clone().requires_grad_(True)
+    loss(master).backward()
+    assert torch.equal(got, master.grad)
+    assert got.abs().sum() > 0
 
 
 def test_jacfwd_equals_jacrev_and_the_oracle():
