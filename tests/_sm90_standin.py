@@ -142,15 +142,20 @@ def access_analysis(gm) -> None:
     Inductor take every argument as written. Must run before any launch is interpreted: the interpreter's
     patches of triton.language break the code generation the analysis uses."""
     import sympy
-    from torch._higher_order_ops.triton_kernel_wrap import generate_ttir, identify_accessed_tensors, kernel_side_table
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
     from triton.runtime.autotuner import Autotuner
+
+    def written(kernel, args, tma):
+        if hasattr(wrap, "identify_accessed_tensors"):  # torch 2.13
+            return {d.name for d in wrap.identify_accessed_tensors(kernel, args, tma).read_writes.writes}
+        return set(wrap.identify_mutated_tensors(kernel, args, tma))  # torch 2.11, 2.12
 
     for node in gm.graph.nodes:
         if node.op != "call_function" or "triton_kernel_wrapper" not in str(node.target):
             continue
-        kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+        kernel = wrap.kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
         name = (kernel.fn if isinstance(kernel, Autotuner) else kernel).__name__
-        args = dict(kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"]))
+        args = dict(wrap.kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"]))
         for k, v in node.kwargs["kwargs"].items():
             val = v.meta.get("val") if isinstance(v, torch.fx.Node) else v
             args[k] = sympy.Symbol(f"s_{k}", integer=True) if isinstance(val, torch.SymInt) else val
@@ -158,12 +163,11 @@ def access_analysis(gm) -> None:
             args.update(kernel.configs[0].kwargs)
         tma = node.kwargs.get("tma_descriptor_metadata", {})
         try:
-            generate_ttir(kernel, dict(args), tma)  # (identify_accessed_tensors swallows its errors)
+            wrap.generate_ttir(kernel, dict(args), tma)  # (the analysis swallows its errors)
         except Exception as e:  # noqa: BLE001 - reported by the test
             ANALYSIS_FAILURES.append((name, f"{type(e).__name__}: {str(e)[-300:]}"))
             continue
-        writes = identify_accessed_tensors(kernel, args, tma).read_writes.writes
-        ANALYSED_WRITES.setdefault(name, set()).update(d.name for d in writes)
+        ANALYSED_WRITES.setdefault(name, set()).update(written(kernel, args, tma))
 
 
 def reinplace(gm, fake_mode) -> None:
