@@ -5,9 +5,11 @@ backward, profiled kernel by kernel with torch.profiler after a warm-up (compila
                                      [--options autotune=0,tma=0] [--iters 10] [--out DIR]
     python benchmarks/profile_moe.py --device cpu --shapes tiny     # CPU smoke run (the reference's ops)
 
-For each shape: a table of kernels (calls and device milliseconds per layer call, share of the device time),
+For each shape: a table of kernels (calls and device milliseconds per layer call, share of the device time,
+and for the GEMM kernels their rate: the FLOPs of the GEMMs that kernel runs in the call over its time),
 the device time summed over kernels, and the wall time per call (the difference is launch gaps and host
-time). `--options` sets `mok_inductor.options` fields for the run (see docs/api.md); `--compiled` profiles
+time). `--gemm-refs` adds the same GEMM stages run by `torch._grouped_mm` (CUTLASS; on rows already grouped
+by expert, balanced) and one dense `torch.mm` of the gate/up stage's FLOPs (the ceiling), in TFLOP/s. `--options` sets `mok_inductor.options` fields for the run (see docs/api.md); `--compiled` profiles
 `torch.compile(mok_inductor.moe)` after `mok_inductor.enable()`. Writes `profile.json` under --out.
 Only the public API is used, so kernel names are whatever the installed version launches.
 """
@@ -72,6 +74,73 @@ def layer_call(shape, mode, mxfp8, compiled, device):
     return call
 
 
+# The GEMMs each kernel family runs per layer call, in units of N*H*I multiply-adds x 2 (N = T*K routes):
+# forward gate/up [N, H] x [H, 2I] and down [N, I] x [I, H]; backward dh (fused with the SwiGLU backward),
+# dx [N, 2I] x [2I, H] (the same row kernel as down), the weight gradients of down and gate/up.
+GEMM_UNITS = {"fwd": {"_gate_up_kernel": 2, "_grouped_rows_kernel": 1},
+              "fwd+bwd": {"_gate_up_kernel": 2, "_grouped_rows_kernel": 3, "_bwd_act_body": 1, "_wgrad_body": 3}}
+
+
+def gemm_tflops(kernel: str, ms: float, shape, mode: str):
+    """The rate of a GEMM kernel family's row of the profile (None for other kernels)."""
+    T, H, I, E, K = shape
+    units = next((u for name, u in GEMM_UNITS[mode].items() if name in kernel), None)
+    return None if units is None or not ms else units * 2 * T * K * H * I / (ms * 1e9)
+
+
+def _time_ms(fn, device, reps=20):
+    """Median milliseconds of fn() (CUDA events on the GPU)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def gemm_refs(shape, mode, device, dtype=torch.bfloat16):
+    """The layer's GEMM stages as torch._grouped_mm runs them (rows grouped by expert, E equal groups) and one
+    dense torch.mm of the gate/up stage's FLOPs: {stage: (ms, TFLOP/s)}."""
+    T, H, I, E, K = shape
+    N = T * K
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*size):
+        return torch.randn(*size, generator=g, device=device, dtype=dtype)
+
+    xs, h, dys, dgu = rnd(N, H), rnd(N, I), rnd(N, H), rnd(N, 2 * I)
+    w_gu, w_d = rnd(E, 2 * I, H), rnd(E, H, I)
+    offs = (torch.arange(1, E + 1, device=device) * N // E).to(torch.int32)
+    mm = torch._grouped_mm
+    stages = {"gate/up": (lambda: mm(xs, w_gu.transpose(1, 2), offs=offs), 2),
+              "down": (lambda: mm(h, w_d.transpose(1, 2), offs=offs), 1)}
+    if mode == "fwd+bwd":
+        stages.update({"dh": (lambda: mm(dys, w_d, offs=offs), 1), "dx": (lambda: mm(dgu, w_gu, offs=offs), 2),
+                       "wgrad down": (lambda: mm(dys.t(), h, offs=offs), 1),
+                       "wgrad gate/up": (lambda: mm(dgu.t(), xs, offs=offs), 2)})
+    dense_b = rnd(H, 2 * I)
+    stages["dense mm (gate/up FLOPs)"] = (lambda: torch.mm(xs, dense_b), 2)
+    out = {}
+    for name, (fn, units) in stages.items():
+        try:
+            ms = _time_ms(fn, device)
+        except RuntimeError as e:  # a layout this torch's grouped_mm does not take: say so, time the rest
+            out[name] = (None, f"failed: {str(e).splitlines()[0][:120]}")
+            continue
+        out[name] = (ms, units * 2 * N * H * I / (ms * 1e9))
+    return out
+
+
 def profile(call, iters, device):
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(3):  # compile, autotune, warm caches
@@ -118,6 +187,8 @@ def main():
     p.add_argument("--options", default="", help="mok_inductor.options changes, e.g. autotune=0,tma=0")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--top", type=int, default=25, help="print this many kernels per shape")
+    p.add_argument("--gemm-refs", action="store_true",
+                   help="also time the GEMM stages with torch._grouped_mm and a dense torch.mm (TFLOP/s)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
@@ -131,12 +202,19 @@ def main():
     with mok_inductor.options.override(**changes):
         for name in a.shapes.split(","):
             res = profile(layer_call(shapes[name], a.mode, a.mxfp8, a.compiled, a.device), a.iters, a.device)
+            for r in res["kernels"]:
+                r["tflops"] = gemm_tflops(r["kernel"], r["ms"], shapes[name], a.mode)
+            if a.gemm_refs:
+                res["gemm_refs"] = gemm_refs(shapes[name], a.mode, a.device)
             out.append(dict(shape=name, **res))
             print(f"== {name} {shapes[name]} (T, H, I, E, K), {a.mode}: wall {res['wall_ms']:.3f} ms per call, "
                   f"kernels {res['kernel_ms']:.3f} ms")
-            print(f"| kernel | calls | ms | share |\n| --- | --- | --- | --- |")
+            print(f"| kernel | calls | ms | share | TFLOP/s |\n| --- | --- | --- | --- | --- |")
             for r in res["kernels"][:a.top]:
-                print(f"| {r['kernel'][:70]} | {r['calls']:g} | {r['ms']:.4f} | {r['share']:.1%} |")
+                rate = "" if r["tflops"] is None else f"{r['tflops']:.0f}"
+                print(f"| {r['kernel'][:70]} | {r['calls']:g} | {r['ms']:.4f} | {r['share']:.1%} | {rate} |")
+            for stage, (ms, rate) in res.get("gemm_refs", {}).items():
+                print(f"reference {stage}: " + (rate if ms is None else f"{ms:.4f} ms, {rate:.0f} TFLOP/s"))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "profile.json"), "w") as f:
         json.dump(dict(meta=meta, results=out), f, indent=1)

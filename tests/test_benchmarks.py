@@ -1,0 +1,35 @@
+"""benchmarks/profile_moe.py's GEMM accounting and its CPU smoke run (the figures themselves come from GPU runs)."""
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+
+import profile_moe  # noqa: E402
+
+
+def test_gemm_units_add_up_to_the_layer_flops():
+    # the kernel families' GEMMs: forward 6 N H I FLOPs (gate/up 4, down 2), backward 12 (dh 2, dx 4, weight
+    # gradients 6), as mok_inductor.kernels' docstring counts them
+    assert sum(profile_moe.GEMM_UNITS["fwd"].values()) * 2 == 6
+    assert sum(profile_moe.GEMM_UNITS["fwd+bwd"].values()) * 2 == 18
+    shape = (8, 64, 32, 4, 2)  # T, H, I, E, K: N = 16 routes
+    # the gate/up GEMM, 2 * 16 * 64 * 64 FLOPs in 1 ms
+    assert abs(profile_moe.gemm_tflops("_gate_up_kernel_0d1d", 1.0, shape, "fwd") - 2 * 16 * 64 * 64 / 1e9) < 1e-15
+    assert profile_moe.gemm_tflops("_combine_kernel", 1.0, shape, "fwd") is None
+    assert profile_moe.gemm_tflops("_wgrad_body", 1.0, shape, "fwd") is None  # no weight gradient in a forward
+
+
+def test_cpu_smoke_run_with_gemm_references(tmp_path):
+    run = subprocess.run([sys.executable, os.path.join(HERE, "..", "benchmarks", "profile_moe.py"), "--device", "cpu",
+                          "--shapes", "tiny", "--iters", "2", "--gemm-refs", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.load(open(tmp_path / "profile.json"))["results"][0]
+    assert set(res["gemm_refs"]) == {"gate/up", "down", "dh", "dx", "wgrad down", "wgrad gate/up",
+                                     "dense mm (gate/up FLOPs)"}
+    assert all(ms > 0 and rate > 0 for ms, rate in res["gemm_refs"].values())
+    assert res["kernels"] and all("tflops" in r for r in res["kernels"])
