@@ -136,11 +136,11 @@ def interpreted_launches():
 
 
 def access_analysis(gm) -> None:
-    """torch's analysis of which arguments each launch of gm reads and writes, as Inductor's lowering asks it
+    """torch's analysis of which arguments each launch of gm writes, asked as Inductor's lowering asks it
     (`ir.UserDefinedTritonKernel`: the constant arguments merged in, the first config's meta-parameters, symbolic
-    sizes as sympy expressions), into ANALYSED_WRITES; where it raises, ANALYSIS_FAILURES. A failure makes
-    Inductor take every argument as written. Must run before any launch is interpreted: the interpreter's
-    patches of triton.language break the code generation the analysis uses."""
+    sizes as sympy expressions; fake tensors where the lowering has its IR buffers), into ANALYSED_WRITES; where
+    it raises, ANALYSIS_FAILURES (Inductor then takes every argument as written). Must run before any launch is
+    interpreted: the interpreter's patches of triton.language break the code generation the analysis uses."""
     import sympy
     from torch._higher_order_ops import triton_kernel_wrap as wrap
     from triton.runtime.autotuner import Autotuner
