@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import mok_inductor  # noqa: E402
-from bench_moe import SHAPES, make_inputs  # noqa: E402
+from bench_moe import SHAPES, bench, make_inputs  # noqa: E402
 
 SMOKE_SHAPES = {"tiny": (64, 64, 32, 8, 2)}  # T, H, I, E, K
 
@@ -89,22 +89,15 @@ def gemm_tflops(kernel: str, ms: float, shape, mode: str):
 
 
 def _time_ms(fn, device, reps=20):
-    """Median milliseconds of fn() (CUDA events on the GPU)."""
-    for _ in range(3):
-        fn()
+    """Median milliseconds of fn(): bench_moe's timing on the GPU, a wall-clock loop on the CPU (smoke runs)."""
+    if device == "cuda":
+        return bench(fn)[0]
+    fn()
     times = []
     for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
 
 

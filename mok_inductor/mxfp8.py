@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+from torch.autograd.forward_ad import unpack_dual
 
 from .types import Operand, RoutedOperands, narrow_payload, split_gate_up, transposed_payload
 
@@ -397,8 +398,6 @@ def is_quantized_arg(w) -> bool:
 def _carries_derivative(t: torch.Tensor) -> bool:
     """Whether a derivative flows from t: it requires grad (backward), or it has a forward-mode tangent
     (torch.func.jvp, jacfwd, forward_ad dual tensors)."""
-    from torch.autograd.forward_ad import unpack_dual
-
     return t.requires_grad or unpack_dual(t).tangent is not None
 
 

@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _child(kind: str) -> dict:
     import _sm90_standin
+    from _helpers import rel_err
 
     _sm90_standin.install()
     import test_transformers as tt
@@ -44,14 +45,10 @@ def _child(kind: str) -> dict:
         loss = compiled(ids)
         loss.backward()
     params = dict(model.named_parameters())
-
-    def rel(a, b):
-        return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-    errors = {n: rel(params[n].grad, g) if params[n].grad is not None else None for n, g in ref.items()}
+    errors = {n: rel_err(params[n].grad, g) if params[n].grad is not None else None for n, g in ref.items()}
     unanalysed = {k: sorted(w - _sm90_standin.ANALYSED_WRITES.get(k, set()))
                   for k, w in _sm90_standin.OBSERVED_WRITES.items()}
-    return dict(loss=rel(loss.detach(), ref_loss), grads=errors, aliased_writes=sorted(set(_sm90_standin.ALIASED_WRITES)),
+    return dict(loss=rel_err(loss, ref_loss), grads=errors, aliased_writes=sorted(set(_sm90_standin.ALIASED_WRITES)),
                 analysis_failures=_sm90_standin.ANALYSIS_FAILURES, unanalysed_writes={k: v for k, v in unanalysed.items() if v},
                 analysed=sorted(_sm90_standin.ANALYSED_WRITES),
                 launches=[g.count("triton_kernel_wrapper") for g in graphs],
