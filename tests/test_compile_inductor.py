@@ -99,11 +99,40 @@ def triton_kernel_names():
     return names
 
 
+def _uses_tma(name, T, *, shared=True, dtype=torch.bfloat16, E=6, K=2):
+    """decompose's TMA rule for a call of make_inputs' sizes (the op's arguments only where the rule reads them)."""
+    from mok_inductor.lowering import decompose
+
+    args = [None] * 12
+    i = decompose._X[name]
+    args[i] = torch.empty(T, 64, dtype=dtype, device="meta")
+    args[i + 2] = torch.empty(T, K, dtype=torch.int32, device="meta")
+    args[i + 4] = torch.empty(E + 1, dtype=torch.int32, device="meta")
+    args[i + 8] = torch.empty(96, 64, dtype=dtype, device="meta") if shared else None
+    return decompose._eager_uses_tma(name, args)
+
+
+@pytest.mark.parametrize("name", ["moe_fwd", "moe_bwd"])
+def test_calls_that_eager_runs_through_tma_stay_opaque(name):
+    """Which static calls the compiled graph inlines (the CUDA tests below rely on it): with the default 128 rows
+    per expert, 100 tokens inline with or without the shared expert; 300 tokens with the shared expert (its 300
+    rows) stay opaque, without it (600 routed rows over 6 experts) they inline; float32 never uses TMA."""
+    assert mok_inductor.options.current().tma_min_rows == 128
+    assert not _uses_tma(name, 100) and not _uses_tma(name, 100, shared=False)
+    assert _uses_tma(name, 300) and not _uses_tma(name, 300, shared=False)
+    assert _uses_tma(name, 384, shared=False) and not _uses_tma(name, 383, shared=False)  # 6 x 128 routes
+    assert not _uses_tma(name, 300, dtype=torch.float32)
+    with mok_inductor.options.override(tma=False):
+        assert not _uses_tma(name, 300)
+
+
 @needs_cuda
 def test_cuda_triton_kernels_in_generated_code_no_fallback():
+    """A call eager runs without TMA (100 tokens: `test_calls_that_eager_runs_through_tma_stay_opaque`): its
+    launches are in Inductor's code."""
     torch._dynamo.reset()
-    inputs = make_inputs(T=300, dtype=torch.bfloat16, device="cuda")
-    dy = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    inputs = make_inputs(T=100, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(100, 64, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True)
     got, codes = run_and_get_code(lambda: fwd_bwd(compiled, inputs, dy))
     assert len(codes) >= 2, "expected a forward and a backward module"
@@ -125,16 +154,19 @@ def test_cuda_no_graph_break_and_no_recompile_across_T():
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
     code = ""
+    frames = None
     for T in (37, 129, 517):
         inputs = make_inputs(T=T, dtype=torch.bfloat16, device="cuda", seed=T)
         dy = torch.randn(T, 64, device="cuda", dtype=torch.bfloat16)
         if T == 37:  # (run_and_get_code resets dynamo first: the first call only, where the compile happens)
             got, codes = run_and_get_code(lambda: fwd_bwd(compiled, inputs, dy))
             code = "\n".join(codes)
+            # (the first trace may count twice: Dynamo restarts it once to specialise the float swiglu_limit)
+            frames = counter.frame_count
         else:
             got = fwd_bwd(compiled, inputs, dy)
         assert_same(got, fwd_bwd(layer, inputs, dy))
-    assert counter.frame_count == 1
+    assert counter.frame_count == frames, "a new token count compiled again"
     # a symbolic token count keeps the ops opaque (each call picks its row bucket's tile configs)
     assert "torch.ops.mok.moe_fwd" in code and "torch.ops.mok.moe_bwd" in code
 
