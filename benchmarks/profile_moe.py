@@ -9,9 +9,13 @@ For each shape: a table of kernels (calls and device milliseconds per layer call
 and for the GEMM kernels their rate: the FLOPs of the GEMMs that kernel runs in the call over its time),
 the device time summed over kernels, and the wall time per call (the difference is launch gaps and host
 time). `--gemm-refs` adds the same GEMM stages run by `torch._grouped_mm` (CUTLASS; on rows already grouped
-by expert, balanced) and one dense `torch.mm` of the gate/up stage's FLOPs (the ceiling), in TFLOP/s. `--options` sets `mok_inductor.options` fields for the run (see docs/api.md); `--compiled` profiles
-`torch.compile(mok_inductor.moe)` after `mok_inductor.enable()`. Writes `profile.json` under --out.
-Only the public API is used, so kernel names are whatever the installed version launches.
+by expert, balanced), one dense `torch.mm` of the gate/up stage's FLOPs (the ceiling) and, where the Triton
+kernels run, mok's own row GEMM kernel on the same plain gate/up problem (no gather, no SwiGLU: the GEMM core
+alone, beside the fused gate/up kernel of the profile), in TFLOP/s. `--options` sets `mok_inductor.options`
+fields for the run (see docs/api.md); `--compiled` profiles `torch.compile(mok_inductor.moe)` after
+`mok_inductor.enable()`. Writes `profile.json` under --out. The profile itself uses only the public API, so
+kernel names are whatever the installed version launches; the row-kernel reference calls
+`mok_inductor.kernels.grouped_gemm.grouped_rows`.
 """
 
 from __future__ import annotations
@@ -101,9 +105,13 @@ def _time_ms(fn, device, reps=20):
     return sorted(times)[len(times) // 2]
 
 
+ROW_KERNEL_STAGE = "gate/up, mok row kernel (no gather, no SwiGLU)"
+
+
 def gemm_refs(shape, mode, device, dtype=torch.bfloat16):
-    """The layer's GEMM stages as torch._grouped_mm runs them (rows grouped by expert, E equal groups) and one
-    dense torch.mm of the gate/up stage's FLOPs: {stage: (ms, TFLOP/s)}."""
+    """The layer's GEMM stages as torch._grouped_mm runs them (rows grouped by expert, E equal groups), one
+    dense torch.mm of the gate/up stage's FLOPs and, where the kernels run, mok's row GEMM kernel on the plain
+    gate/up problem: {stage: (ms, TFLOP/s)}."""
     T, H, I, E, K = shape
     N = T * K
     g = torch.Generator(device=device).manual_seed(0)
@@ -123,6 +131,22 @@ def gemm_refs(shape, mode, device, dtype=torch.bfloat16):
                        "wgrad gate/up": (lambda: mm(dgu.t(), xs, offs=offs), 2)})
     dense_b = rnd(H, 2 * I)
     stages["dense mm (gate/up FLOPs)"] = (lambda: torch.mm(xs, dense_b), 2)
+    if mok_inductor.ops.kernels_module() is not None:  # CUDA, or the interpreter on a CPU smoke run
+        from mok_inductor.kernels.grouped_gemm import grouped_rows
+        from mok_inductor.types import Operand
+
+        routes = torch.arange(N, device=device, dtype=torch.int32)
+        offsets = torch.cat([torch.zeros(1, device=device, dtype=torch.int32), offs])
+        gu = torch.full((N, 2 * I), float("nan"), device=device, dtype=dtype)
+
+        def rows():
+            return grouped_rows(xs, Operand(w_gu, None), gu, routes, offsets, scatter=False)
+
+        want = stages["gate/up"][0]().float()
+        err = ((rows().float() - want).norm() / want.norm()).item()
+        if not err <= 1e-2:  # (checked before it is timed, like every contender)
+            raise RuntimeError(f"{ROW_KERNEL_STAGE}: relative error {err:.3g} against torch._grouped_mm")
+        stages[ROW_KERNEL_STAGE] = (rows, 2)
     out = {}
     for name, (fn, units) in stages.items():
         try:
