@@ -1,6 +1,7 @@
 """scripts/gpu_checks.sh (the CUDA tests and the sanitizers, for a GPU machine): on a machine without one it
-stops with exit status 2 before doing anything, and the tests it hands to compute-sanitizer exist and have
-CUDA cases (a renamed test would otherwise leave the sanitizer runs checking nothing)."""
+stops with exit status 2 before doing anything, its file list is every test file with CUDA cases, and the tests
+it hands to compute-sanitizer exist and have CUDA cases (a renamed test would otherwise leave the sanitizer runs
+checking nothing)."""
 
 import os
 import re
@@ -14,10 +15,23 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_checks.sh")
 
 
-def _sanitized() -> list:
+def _array(name: str) -> list:
     text = open(SCRIPT).read()
-    block = re.search(r"SANITIZED=\((.*?)\)", text, re.S).group(1)
-    return block.split()
+    return re.search(name + r"=\((.*?)\)", text, re.S).group(1).split()
+
+
+def _sanitized() -> list:
+    return _array("SANITIZED")
+
+
+def test_tests_step_covers_every_file_with_cuda_cases():
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "cuda",
+                          "tests"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    files = {line.split("::")[0] for line in run.stdout.splitlines() if "::" in line}
+    order = _array("ORDER")
+    assert len(order) == len(set(order))
+    assert files and files == set(order), (sorted(files - set(order)), sorted(set(order) - files))
 
 
 def test_sanitized_tests_have_cuda_cases():
