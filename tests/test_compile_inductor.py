@@ -3,8 +3,9 @@ the decomposition into our Triton launches, the cache key and its torch 2.11 fix
 
 CPU (CI): the compiled forward and backward graphs call the CPU implementation (the mok:: ops appear in the
 generated code as calls) and equal eager bitwise.
-CUDA (skipped without CUDA): the Triton kernels of mok_inductor.kernels appear in Inductor's generated code (no
-opaque fallback), no graph break, no recompilation over three token counts (dynamic shapes: the ops stay
+CUDA (skipped without CUDA): at a size eager runs without TMA loads, the Triton kernels of mok_inductor.kernels
+appear in Inductor's generated code (no opaque fallback; larger calls stay opaque, a rule tested here on CPU),
+no graph break, no recompilation over three token counts (dynamic shapes: the ops stay
 opaque, their implementation picks each token count's tile configs at run time), CUDA-graph replay
 (mode="reduce-overhead") equals eager over 100 replays with fresh inputs in every dtype with the shared
 expert, stride-0 incoming gradients, and max-autotune.
