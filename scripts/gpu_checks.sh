@@ -6,6 +6,7 @@
 #   2. memcheck:   compute-sanitizer's memory checker over the kernels at small shapes (SANITIZED below)
 #   3. racecheck:  its shared-memory race checker over the same tests
 # STEPS=tests,memcheck,racecheck picks steps (default: all); FILES="tests/test_a.py ..." limits the tests step;
+# WHEELS=DIR installs the wheels in DIR first (without network: e.g. expecttest, which tests/test_errors.py needs);
 # logs go to ${OUT:-gpu-checks}/. Every test's result is logged as it finishes (pytest -v) and each sanitized test
 # runs in its own sanitizer process with its own summary line, so a run cut short still says what passed.
 # Exit status 0 only if every step passed (a sanitizer step fails on any error or hazard it reports).
@@ -18,6 +19,8 @@ steps=${STEPS:-tests,memcheck,racecheck}
 mkdir -p "$out"
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" 2>/dev/null ||
   { echo "gpu_checks: needs torch and a CUDA GPU (the python on PATH: $(command -v python))" >&2; exit 2; }
+if [[ -n ${WHEELS:-} ]]; then python -m pip install -q --no-deps "$WHEELS"/*.whl >"$out/pip-wheels.log" 2>&1 ||
+  echo "gpu_checks: installing the wheels of $WHEELS failed (log: $out/pip-wheels.log)" >&2; fi
 python -m pip install -q --no-deps --no-build-isolation -e . >"$out/pip.log" 2>&1 || export PYTHONPATH=$PWD
 
 # Every test file with CUDA cases (tests/test_gpu_checks.py checks that none is missing).
