@@ -21,7 +21,9 @@ python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" 2
   { echo "gpu_checks: needs torch and a CUDA GPU (the python on PATH: $(command -v python))" >&2; exit 2; }
 if [[ -n ${WHEELS:-} ]]; then python -m pip install -q --no-deps "$WHEELS"/*.whl >"$out/pip-wheels.log" 2>&1 ||
   echo "gpu_checks: installing the wheels of $WHEELS failed (log: $out/pip-wheels.log)" >&2; fi
-python -m pip install -q --no-deps --no-build-isolation -e . >"$out/pip.log" 2>&1 || export PYTHONPATH=$PWD
+# (installed, not put on PYTHONPATH: the repository's lowering/ folder is mok_inductor.lowering only once installed)
+python -m pip install -q --no-deps --no-build-isolation -e . >"$out/pip.log" 2>&1 ||
+  { echo "gpu_checks: pip install -e . failed (log: $out/pip.log)" >&2; exit 2; }
 
 # Every test file with CUDA cases (tests/test_gpu_checks.py checks that none is missing).
 ORDER=(
