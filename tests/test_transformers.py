@@ -667,8 +667,6 @@ def test_fallback_warning_names_the_callers_line_when_compiled():
     torch._dynamo.reset()
     hf._PLANS.clear()
     hf._WARNED.clear()
-    for m in model.modules():
-        m.__dict__.pop("_mok_experts_plan", None)
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -872,6 +870,34 @@ def test_compiled_fullgraph_forward_backward(kind, backend):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("kind", ["gpt_oss", "qwen3_moe"])
+def test_compiled_dynamic_first_call_survives_a_restarted_trace(kind):
+    """torch.compile(dynamic=True) of a model whose experts plans are first decided while Dynamo traces (no
+    prepare()): Dynamo restarts the analysis of the frame (here to specialise floats it had made symbolic, such
+    as GPT-OSS's limit), and the restarted trace must take the path of the first attempt. It did not when the
+    traced code took the plan stored by the first attempt (SpeculationLogDivergence). Loss and gradients equal
+    eager mok at two sequence lengths."""
+    model, loss_fn, ids = _model_and_loss(kind)
+    model.set_experts_implementation("mok")
+    hf._PLANS.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, backend="aot_eager", dynamic=True)
+    for length in (16, 24):
+        batch = ids[:, :length]
+        loss = compiled(batch)
+        loss.backward()
+        got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        want_loss = loss_fn(batch)
+        want_loss.backward()
+        assert rel_err(loss.detach(), want_loss.detach()) <= 1e-5
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                assert rel_err(got[n], p.grad) <= 1e-4, n
+        model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+
+
 def test_compiled_fallback_is_fullgraph_and_warns():
     """An unsupported experts module (Qwen3-MoE's with a GELU gate, as Gemma 4 has) under
     torch.compile(fullgraph=True) with "mok": the plan is made eagerly at trace time (one warning), the graph
@@ -974,8 +1000,8 @@ def test_generate_with_mok_matches_eager(device, family, request):
 
 
 def test_prepare_stores_plans_that_compiled_code_reads(monkeypatch):
-    """prepare() decides every experts module's plan eagerly; a traced call then reads it and never runs the
-    probe (torch 2.11 cannot fold experts_plan(module) while tracing)."""
+    """prepare() decides every experts module's plan eagerly; a traced call then gets it from the cache and never
+    runs the probe."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=2,
@@ -984,7 +1010,7 @@ def test_prepare_stores_plans_that_compiled_code_reads(monkeypatch):
     model = Qwen3MoeForCausalLM._from_config(cfg, experts_implementation="mok")
     assert hf.prepare(model) == 2
     experts = [m for m in model.modules() if hasattr(m, "down_proj") and hasattr(m, "has_bias")]
-    assert all(getattr(m, "_mok_experts_plan").supported for m in experts)
+    assert all(hf._PLANS[m][1].supported for m in experts)
 
     def no_probe(module):
         raise AssertionError("the plan was recomputed while tracing")

@@ -371,7 +371,6 @@ def experts_plan(module) -> ExpertsPlan:
         return cached[1]
     plan = _compute_plan(module)
     _PLANS[module] = (sig, plan)
-    object.__setattr__(module, _PLAN_ATTR, plan)  # what compiled code reads (see mok_experts_forward)
     if not plan.supported:
         key = (type(module).__qualname__, plan.reason, plan.fallback)
         if key not in _WARNED:
@@ -419,9 +418,6 @@ def _user_stacklevel() -> int:
     return level
 
 
-_PLAN_ATTR = "_mok_experts_plan"
-
-
 def _experts_plan_at_trace_time(module_id: int) -> ExpertsPlan:
     """experts_plan for Dynamo: marked `assume_constant_result` at registration, so Dynamo runs it at trace
     time and bakes the plan in. It takes `id(module)`, not the module: torch 2.11's Dynamo cannot fold the
@@ -431,9 +427,9 @@ def _experts_plan_at_trace_time(module_id: int) -> ExpertsPlan:
 
 
 def prepare(model: torch.nn.Module) -> int:
-    """Decide, eagerly, the plan of every experts module of `model` (returns how many). Compiled code
-    then reads the stored plan and never runs the probe while tracing. Optional: a compiled first call
-    decides the plan at trace time anyway (`_experts_plan_at_trace_time`)."""
+    """Decide, eagerly, the plan of every experts module of `model` (returns how many). A traced call then
+    gets the cached plan and never runs the probe while tracing. Optional: a compiled first call decides the
+    plan at trace time anyway (`_experts_plan_at_trace_time`)."""
     n = 0
     for module in model.modules():
         if hasattr(module, "down_proj") and hasattr(module, "has_bias"):
@@ -482,9 +478,10 @@ def mok_experts_forward(
     """transformers' experts function signature: hidden_states [T, H], top_k_index [T, K] expert ids,
     top_k_weights [T, K] routing weights -> [T, H] in hidden_states.dtype."""
     if torch.compiler.is_compiling():
-        plan = getattr(self, _PLAN_ATTR, None)
-        if plan is None:
-            plan = _experts_plan_at_trace_time(id(self))
+        # Always the folded call, never "the stored plan if any": Dynamo may restart a trace (a graph break, a
+        # float it made symbolic), and the first attempt's call stores the plan, so a branch on it would take
+        # another path in the restarted trace (SpeculationLogDivergence). A stored plan is what it returns.
+        plan = _experts_plan_at_trace_time(id(self))
     else:
         plan = experts_plan(self)
     group = getattr(self, _EP_GROUP_ATTR, None)
