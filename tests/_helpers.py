@@ -214,9 +214,10 @@ def check_against_oracle(case: MoeCase, *, dtype=None, seed=123, fn=None, check_
     """Forward and every gradient of `case` against the float64 oracle at the contract's tolerance
     of x's dtype (docs/semantics.md).
     Also checks output dtype/shape and that each gradient comes back in its input's dtype. vs_torch: names
-    of low-precision gradients whose bound is the contract's or twice the error of the plain PyTorch computation in
-    the same dtype (`lowp_torch_moe`), the larger: for tensors of a handful of dot products, where single
-    roundings of h (which docs/semantics.md allows) magnified by cancellation exceed 1e-2 in PyTorch's bf16 too."""
+    of outputs ("y" or a gradient's input name) whose bound is the contract's or twice the error of the plain
+    PyTorch computation in the same dtype (`lowp_torch_moe`), the larger: for tensors of a handful of dot
+    products, where single roundings (of h in bf16, of a dot product that cancels in float32) magnified by
+    cancellation exceed the contract's bound in PyTorch too."""
     dtype = dtype or case.x.dtype
     y_shape = case.x.shape
     dy = random_like(case.x.detach(), seed)
@@ -227,9 +228,10 @@ def check_against_oracle(case: MoeCase, *, dtype=None, seed=123, fn=None, check_
             y = run_moe(case.detached(requires_grad=False), fn)
         grads = {}
     y_ref, grads_ref = oracle_with_grads(case, dy)
-    base = baseline_with_grads(case, dy)[1] if vs_torch and TOLERANCE[dtype] > TOLERANCE[torch.float32] else {}
+    base_y, base = baseline_with_grads(case, dy) if vs_torch else (None, {})
     assert y.dtype == case.x.dtype and y.shape == y_shape and y.device == case.x.device
-    assert_close_to_oracle("y", y, y_ref, dtype)
+    y_factor = max(1.0, 2 * rel_err(base_y, y_ref) / TOLERANCE[dtype]) if "y" in vs_torch else 1.0
+    assert_close_to_oracle("y", y, y_ref, dtype, y_factor)
     for n, g in grads.items():
         src = case.tensors()[n]
         assert g is not None, f"{n}: no gradient"
@@ -283,7 +285,8 @@ def baseline_with_grads(case: MoeCase, dy: torch.Tensor):
     y = lowp_torch_moe(c.x.reshape(-1, H), c.router_weights.reshape(-1, K), c.top_experts.reshape(-1, K),
                        c.gate_up_proj, c.down_proj, c.shared_gate_up_proj, c.shared_down_proj,
                        c.shared_output_gate, c.swiglu_limit).reshape(c.x.shape)
-    y.backward(dy)
+    if y.requires_grad:  # (an empty call, or every route -1 without a shared expert, may build no graph)
+        y.backward(dy)
     return y.detach(), {n: t.grad if t.grad is not None else torch.zeros_like(t) for n, t in c.tensors().items()}
 
 

@@ -59,8 +59,14 @@ def _cfg(**kw):
 @example(cfg=_cfg(E=4, K=4, shared=True))  # K=E
 @example(cfg=_cfg(kind="none"))  # all routes -1
 @example(cfg=_cfg(kind="one", E=5))  # every token to one expert, the others empty
+# one h from a gate dot product that cancels (-2.8e-4 out of terms summing to 1.9 in magnitude): plain float32
+# PyTorch is 2.0e-4 off the oracle there, like mok
+@example(cfg=_cfg(T=1, H=14, I=1, Is=1, E=2, K=1, kind="repeat", index_dtype=torch.int32, seed=54697))
 def test_random_float32_matches_oracle(cfg):
-    check_against_oracle(make_case(dtype=torch.float32, **cfg))
+    # each output within the contract's 1e-4, or within twice plain float32 PyTorch's own error where the case
+    # is ill-conditioned (a tensor of one or two dot products that cancel; hypothesis draws such cases)
+    case = make_case(dtype=torch.float32, **cfg)
+    check_against_oracle(case, vs_torch=("y", *case.tensors()))
 
 
 @settings(max_examples=20, deadline=None)
