@@ -11,11 +11,11 @@ the device time summed over kernels, and the wall time per call (the difference 
 time). `--gemm-refs` adds the same GEMM stages run by `torch._grouped_mm` (CUTLASS; on rows already grouped
 by expert, balanced), one dense `torch.mm` of the gate/up stage's FLOPs (the ceiling) and, where the Triton
 kernels run, mok's own row GEMM kernel on the same plain gate/up problem (no gather, no SwiGLU: the GEMM core
-alone, beside the fused gate/up kernel of the profile; checked against float32 matmuls first), in TFLOP/s. `--options` sets `mok_inductor.options`
-fields for the run (see docs/api.md); `--compiled` profiles `torch.compile(mok_inductor.moe)` after
-`mok_inductor.enable()`. Writes `profile.json` under --out. The profile itself uses only the public API, so
-kernel names are whatever the installed version launches; the row-kernel reference calls
-`mok_inductor.kernels.grouped_gemm.grouped_rows`.
+alone, beside the fused gate/up kernel of the profile; checked against float32 matmuls first), in TFLOP/s.
+`--options` sets `mok_inductor.options` fields for the run (see docs/api.md); `--compiled` profiles
+`torch.compile(mok_inductor.moe)` after `mok_inductor.enable()`. Writes `profile.json` under --out. The profile
+itself uses only the public API, so kernel names are whatever the installed version launches; the row-kernel
+reference calls `mok_inductor.kernels.grouped_gemm.grouped_rows`.
 """
 
 from __future__ import annotations

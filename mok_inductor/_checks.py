@@ -100,10 +100,9 @@ def check_swiglu_limit(swiglu_limit) -> Optional[float]:
     if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, numbers.Real):
         raise TypeError(f"swiglu_limit: expected a float or None, got {type(swiglu_limit).__name__}")
     value = float(swiglu_limit)
-    # also false for NaN and inf; traceable when value is a SymFloat. The bound is written out, not read from
-    # FLOAT32_MAX: torch.compile(dynamic=True) makes a module's float global a symbol, then restarts the trace
-    # to specialise it again
-    if not (0.0 < value <= 3.4028234663852886e38):
+    # also false for NaN and inf; traceable when value is a SymFloat. finfo here, not the FLOAT32_MAX global:
+    # torch.compile(dynamic=True) makes a module's float global a symbol, then restarts the trace to specialise it
+    if not (0.0 < value <= torch.finfo(torch.float32).max):
         raise ValueError(
             f"swiglu_limit: expected a finite positive float (at most the float32 maximum, {FLOAT32_MAX:.7g}), "
             f"got {swiglu_limit}"

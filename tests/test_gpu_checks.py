@@ -20,10 +20,6 @@ def _array(name: str) -> list:
     return re.search(name + r"=\((.*?)\)", text, re.S).group(1).split()
 
 
-def _sanitized() -> list:
-    return _array("SANITIZED")
-
-
 def test_tests_step_covers_every_file_with_cuda_cases():
     run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "cuda",
                           "tests"], capture_output=True, text=True, cwd=ROOT, timeout=600)
@@ -35,7 +31,7 @@ def test_tests_step_covers_every_file_with_cuda_cases():
 
 
 def test_sanitized_tests_have_cuda_cases():
-    ids = _sanitized()
+    ids = _array("SANITIZED")
     assert len(ids) >= 4
     run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-k", "cuda",
                           *ids], capture_output=True, text=True, cwd=ROOT, timeout=600)
