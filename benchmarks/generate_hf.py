@@ -3,6 +3,7 @@ seen for the first time (cold) and again (warm).
 
     python benchmarks/generate_hf.py --out DIR [--backends mok,grouped_mm] [--lengths 37,101,260,515,1030]
                                      [--max-new-tokens 32] [--child-cache fresh|shared] [--hf-decode-switch off|on]
+                                     [--profile-new-length L]
     python benchmarks/generate_hf.py --device cpu --tiny --out /tmp/gen     # CPU smoke run (mok runs its reference)
 
 The model is built from a transformers config, nothing is downloaded: Qwen3MoeConfig with 4 layers, hidden 1024,
@@ -117,11 +118,40 @@ def child(a):
         warm_up_s = time.perf_counter() - t
     cold, tokens = run()
     warm, tokens_warm = run()
+    hot_ops = profile_new_length(a, generate, dims) if a.profile_new_length else None
     print(json.dumps(dict(backend=a.child, experts_implementation=got, checksum=checksum, load_s=load_s,
                           warm_up_s=warm_up_s, cold=cold, warm=warm, tokens=tokens,
                           same_tokens_cold_warm=tokens == tokens_warm, impl_calls=calls, mok_plans=plans,
-                          hf_decode_switch_present=switch, hf_decode_switch=a.hf_decode_switch,
+                          hot_ops=hot_ops, hf_decode_switch_present=switch, hf_decode_switch=a.hf_decode_switch,
                           transformers=__import__("transformers").__version__, torch=torch.__version__)))
+
+
+def profile_new_length(a, generate, dims):
+    """Where a prompt length new to the process spends its time: torch.profiler over one generate() at
+    --profile-new-length (a length not run before), against the same call again; the ops whose host time
+    grew most, with their counts and device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
+    ids = torch.randint(1, dims["vocab_size"], (1, a.profile_new_length), generator=torch.Generator().manual_seed(7))
+    ids = ids.to(a.device)
+    tables = []
+    for _ in range(2):
+        with torch.no_grad(), profile(activities=acts) as prof:
+            t = time.perf_counter()
+            generate(ids, a.max_new_tokens)
+            sync(a.device)
+            wall = time.perf_counter() - t
+        ops = {}
+        for ev in prof.key_averages():
+            ops[ev.key] = dict(count=ev.count, cpu_total_ms=ev.cpu_time_total / 1e3,
+                               self_cpu_ms=ev.self_cpu_time_total / 1e3,
+                               device_ms=getattr(ev, "self_device_time_total", 0) / 1e3)
+        tables.append((wall, ops))
+    (new_wall, new), (seen_wall, seen) = tables
+    grew = sorted(new, key=lambda k: new[k]["self_cpu_ms"] - seen.get(k, {}).get("self_cpu_ms", 0.0), reverse=True)
+    return dict(length=a.profile_new_length, new_s=new_wall, seen_s=seen_wall,
+                top=[dict(op=k, new=new[k], seen=seen.get(k)) for k in grew[:25]])
 
 
 def agreement(ref, other):
@@ -174,6 +204,9 @@ def main():
                    help="an empty Triton cache per backend process (fresh) or the user's (shared)")
     p.add_argument("--hf-decode-switch", default="off", choices=("off", "on"),
                    help="transformers' grouped_mm -> batched_mm switch for decoding inside generate()")
+    p.add_argument("--profile-new-length", type=int, default=0,
+                   help="after the timed runs, profile one generate() at this new prompt length against the same "
+                        "call again (hot_ops in the JSON: the ops whose host time grew most)")
     p.add_argument("--child-timeout", type=int, default=900)
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -197,7 +230,8 @@ def main():
     for b in a.backends.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", b, "--lengths", ",".join(map(str, a.lengths)),
                "--max-new-tokens", str(a.max_new_tokens), "--warmup-len", str(a.warmup_len), "--device", a.device,
-               "--hf-decode-switch", a.hf_decode_switch] + (["--tiny"] if a.tiny else [])
+               "--hf-decode-switch", a.hf_decode_switch, "--profile-new-length", str(a.profile_new_length)] + (
+                   ["--tiny"] if a.tiny else [])
         env = dict(os.environ)
         tmp = tempfile.mkdtemp(prefix="mok-generate-triton-") if a.child_cache == "fresh" else None
         if tmp:
