@@ -3,7 +3,7 @@ seen for the first time (cold) and again (warm).
 
     python benchmarks/generate_hf.py --out DIR [--backends mok,grouped_mm] [--lengths 37,101,260,515,1030]
                                      [--max-new-tokens 32] [--child-cache fresh|shared] [--hf-decode-switch off|on]
-                                     [--profile-new-length L]
+                                     [--profile-new-length L] [--no-cudnn-attention]
     python benchmarks/generate_hf.py --device cpu --tiny --out /tmp/gen     # CPU smoke run (mok runs its reference)
 
 The model is built from a transformers config, nothing is downloaded: Qwen3MoeConfig with 4 layers, hidden 1024,
@@ -66,6 +66,8 @@ def build(backend, dims, device):
 
 def child(a):
     t0 = time.perf_counter()
+    if a.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     dims = TINY if a.tiny else MODEL
     model, checksum = build(a.child, dims, a.device)
     got = getattr(model.config, "_experts_implementation", None)
@@ -204,6 +206,8 @@ def main():
                    help="an empty Triton cache per backend process (fresh) or the user's (shared)")
     p.add_argument("--hf-decode-switch", default="off", choices=("off", "on"),
                    help="transformers' grouped_mm -> batched_mm switch for decoding inside generate()")
+    p.add_argument("--no-cudnn-attention", action="store_true",
+                   help="turn PyTorch's cuDNN attention backend off (it builds a plan per new sequence length)")
     p.add_argument("--profile-new-length", type=int, default=0,
                    help="after the timed runs, profile one generate() at this new prompt length against the same "
                         "call again (hot_ops in the JSON: the ops whose host time grew most)")
@@ -222,7 +226,8 @@ def main():
         logf.flush()
 
     meta = dict(device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", model=TINY if a.tiny else MODEL,
-                lengths=a.lengths, max_new_tokens=a.max_new_tokens, warmup_len=a.warmup_len, child_cache=a.child_cache,
+                lengths=a.lengths, cudnn_attention=not a.no_cudnn_attention, max_new_tokens=a.max_new_tokens,
+                warmup_len=a.warmup_len, child_cache=a.child_cache,
                 env_options={k: v for k, v in os.environ.items() if k.startswith("MOK_")},
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     log(json.dumps(meta))
@@ -231,7 +236,7 @@ def main():
         cmd = [sys.executable, os.path.abspath(__file__), "--child", b, "--lengths", ",".join(map(str, a.lengths)),
                "--max-new-tokens", str(a.max_new_tokens), "--warmup-len", str(a.warmup_len), "--device", a.device,
                "--hf-decode-switch", a.hf_decode_switch, "--profile-new-length", str(a.profile_new_length)] + (
-                   ["--tiny"] if a.tiny else [])
+                   ["--tiny"] if a.tiny else []) + (["--no-cudnn-attention"] if a.no_cudnn_attention else [])
         env = dict(os.environ)
         tmp = tempfile.mkdtemp(prefix="mok-generate-triton-") if a.child_cache == "fresh" else None
         if tmp:
