@@ -301,8 +301,6 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
     def spy(k, *a, **kw):
         if "TMA" in kw:
             tma_flags.append((k, kw["TMA"]))
-        if kw.get("ONE_DOT"):
-            tma_flags.append(("one dot", True))
         return real_launch(k, *a, **kw)
 
     monkeypatch.setattr(kernels.common, "launch", spy)
@@ -315,7 +313,7 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
         runs[tma] = (fwd.y_TH, *_grads_by_name(case, bwd).values())
         used = {k for k, on in tma_flags if on}
         if tma and aligned:  # every GEMM but the weight gradients
-            assert {kernels.gate_up.GATE_UP, kernels.grouped_gemm.GROUPED_ROWS, "one dot"} <= used
+            assert {kernels.gate_up.GATE_UP, kernels.grouped_gemm.GROUPED_ROWS} <= used
             assert used & {kernels.bwd_act.BWD_ACT, kernels.bwd_act.BWD_GEMM}
         else:
             assert not used
