@@ -241,13 +241,9 @@ def tma_pre_hook(a_names: tuple, w_names: tuple):
             bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
             bn *= 2 if nargs.get("INTERLEAVED") else 1  # (a tile of both halves: `interleaved`)
             for a in a_names:
-                if nargs[a] is not None:  # (an optional A descriptor left out)
-                    nargs[a].block_shape = [bm, bk]
+                nargs[a].block_shape = [bm, bk]
             for w in w_names:
-                if nargs[w] is not None:
-                    shape = [bn, bk] if nargs["W_KMAJOR"] else [bk, bn]
-                    # (a 3-D descriptor: both halves of one weight, `gate_up.halves_desc`)
-                    nargs[w].block_shape = [2] + shape if len(nargs[w].shape) == 3 else shape
+                nargs[w].block_shape = [bn, bk] if nargs["W_KMAJOR"] else [bk, bn]
 
     return hook
 
@@ -255,8 +251,7 @@ def tma_pre_hook(a_names: tuple, w_names: tuple):
 def host_desc(t: torch.Tensor):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    # (the block shape: tma_pre_hook)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1] * (t.dim() - 2) + [16, 16])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])  # (block shape: tma_pre_hook)
 
 
 def row_desc(t: torch.Tensor):
