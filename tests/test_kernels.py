@@ -284,11 +284,11 @@ def test_two_pass_bwd_act_vs_oracle(name, monkeypatch):
 @pytest.mark.parametrize("two_pass", [False, True])
 @pytest.mark.parametrize("H,I,aligned", [(80, 80, True), (36, 42, False)])
 def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
-    # the TMA descriptor loads (options.tma: weights of gate/up, bwd_act, down and dx; the sorted A rows of down
-    # and dx) against pointer loads only: bitwise the same forward and backward, the shared expert (one [1, n, k]
-    # group) and `-1` routes included; H = 80, I = 80 give whole K steps and a tail both under the interpreter
-    # (BLOCK_K 32) and on CUDA (64, the default tiles); H = 36, I = 42 (72-, 84-, 168-byte bf16 rows, not 16-byte
-    # aligned) must fall back to pointer loads in every launch, equally right
+    # the TMA descriptor loads (options.tma: weights of gate/up, bwd_act, down and dx; the sorted A rows of
+    # gate/up (x gathered once), down and dx) against pointer loads only: bitwise the same forward and backward,
+    # the shared expert (one [1, n, k] group) and `-1` routes included; H = 80, I = 80 give whole K steps and a
+    # tail both under the interpreter (BLOCK_K 32) and on CUDA (64, the default tiles); H = 36, I = 42 (72-, 84-,
+    # 168-byte bf16 rows, not 16-byte aligned) must fall back to pointer loads in every launch, equally right
 
     # (tma_min_rows 0: tiny shapes; the size rule has its own test)
     knobs = dict(two_pass_min_rows=0 if two_pass else 1 << 30, tma_min_rows=0)
@@ -301,6 +301,8 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
     def spy(k, *a, **kw):
         if "TMA" in kw:
             tma_flags.append((k, kw["TMA"]))
+        if kw.get("SORTED_X"):
+            tma_flags.append(("sorted x", True))
         return real_launch(k, *a, **kw)
 
     monkeypatch.setattr(kernels.common, "launch", spy)
@@ -312,8 +314,8 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
             bwd = _backward("triton", case, sched, fwd, dy)
         runs[tma] = (fwd.y_TH, *_grads_by_name(case, bwd).values())
         used = {k for k, on in tma_flags if on}
-        if tma and aligned:  # every GEMM but the weight gradients
-            assert {kernels.gate_up.GATE_UP, kernels.grouped_gemm.GROUPED_ROWS} <= used
+        if tma and aligned:  # every GEMM but the weight gradients; gate/up's x rows gathered once, then by TMA
+            assert {kernels.gate_up.GATE_UP, kernels.grouped_gemm.GROUPED_ROWS, "sorted x"} <= used
             assert used & {kernels.bwd_act.BWD_ACT, kernels.bwd_act.BWD_GEMM}
         else:
             assert not used

@@ -23,8 +23,8 @@ from . import common
 from .common import GROUP_M, _tile_ids, _tile_rows, cfg, mma, row_tiles_worst, swiglu, to_out
 from .configs import Family, dtype_name, register
 from .mx_loop import (_MX_F16_CONFIGS, MX_F16_SMALL_GATE_UP, _gate_up_mx_block, act_step_t, group_scales, mx_group, mx_one, mx_rows, mx_step_t, mx_trans, scale_step, step_scales, use_mx_loop, w_block_scales)
-from .operands import (interleaved, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile,
-                       w_tma_tile)
+from .operands import (interleaved, row_desc, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases,
+                       w_meta, w_tile, w_tma_tile)
 
 
 # the last: decode (a few rows per expert, the weights streamed)
@@ -33,16 +33,28 @@ _GATE_UP_CONFIGS = [cfg(128, 128, 64, 8, 3), cfg(128, 64, 64, 4, 4), cfg(64, 128
 
 
 @triton.jit
+def _x_tile(a_row, stride_xh, a_desc, row_start, k0, ks, rmask, SORTED_X: tl.constexpr):
+    """The [BLOCK_M, BLOCK_K] x tile of a whole K step: by TMA from the sorted rows (SORTED_X; rows past the
+    expert's end are the next expert's, their results masked at the store), else gathered by pointers."""
+    if SORTED_X:
+        a = a_desc.load([row_start, k0])
+    else:
+        a = tl.load(a_row + (k0 + ks)[None, :] * stride_xh, mask=rmask[:, None], other=0.0)
+    return a
+
+
+@triton.jit
 def _gate_up_tile(
     x_ptr, stride_xt, stride_xh, xr_ptr, routes_ptr,
     wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k, wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k,
-    gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm, stride_hi, g_desc, u_desc, w_rows,
+    gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm, stride_hi, g_desc, u_desc, w_rows, a_desc,
     H, I, E, TOPK, limit, above, below, group, row_start, row_end, pid_n,
     bias_ptr, b_e, b_c, b_i, alpha, beta, HAS_BIAS: tl.constexpr,
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr,
     W_TABLE: tl.constexpr, MX_LOOP: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
-    INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERLEAVED: tl.constexpr, SORTED_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """The K loop and epilogue of one tile of expert `group`'s rows [row_start, row_end).
     INTERLEAVED: gate and up are one [E, 2I, H] weight (wg_ptr) whose rows alternate gate and up
@@ -51,7 +63,8 @@ def _gate_up_tile(
     MX_LOOP (`MxLoop`, not DEQUANTIZE): MXFP8 gate and up on the fp16 tensor cores by 32-blocks (`mx_dot`),
     BLOCK_K // 32 scale blocks per K step; x the fp16 rows of `row_f16`, xr_ptr their float32 scales.
     TMA: the weight tiles of the whole K steps through descriptors (`w_tma_tile`), the tail step and the
-    gathered x rows by pointers."""
+    gathered x rows by pointers. SORTED_X (with TMA): x is the rows already gathered in sorted order (row r is
+    route r's token), and the whole K steps load its tiles through a_desc too."""
     rows = row_start + tl.arange(0, BLOCK_M)
     rmask = rows < row_end
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -60,7 +73,7 @@ def _gate_up_tile(
     g_ptrs = gu_ptr + rows64 * stride_gm + cols[None, :] * stride_gn
     h_ptrs = h_ptr + rows64 * stride_hm + cols[None, :] * stride_hi
     omask = rmask[:, None] & cmask[None, :]
-    if SINGLE:
+    if SINGLE or SORTED_X:
         tok = rows
     else:
         tok = tl.load(routes_ptr + rows, mask=rmask, other=0) // TOPK
@@ -117,7 +130,7 @@ def _gate_up_tile(
         if TMA:
             k_start = H - H % BLOCK_K
             for k0 in range(0, k_start, BLOCK_K):
-                a = tl.load(a_row + (k0 + ks)[None, :] * stride_xh, mask=rmask[:, None], other=0.0)
+                a = _x_tile(a_row, stride_xh, a_desc, row_start, k0, ks, rmask, SORTED_X)
                 acc = mma(a, w_tma_tile(g_desc, group * w_rows, pid_n * 2 * BLOCK_N, k0, W_KMAJOR), acc, DOT_PREC)
         for k0 in range(k_start, H, BLOCK_K):
             kk = k0 + ks
@@ -131,7 +144,7 @@ def _gate_up_tile(
         if TMA:
             k_start = H - H % BLOCK_K
             for k0 in range(0, k_start, BLOCK_K):
-                a = tl.load(a_row + (k0 + ks)[None, :] * stride_xh, mask=rmask[:, None], other=0.0)
+                a = _x_tile(a_row, stride_xh, a_desc, row_start, k0, ks, rmask, SORTED_X)
                 acc_g = mma(a, w_tma_tile(g_desc, group * w_rows, pid_n * BLOCK_N, k0, W_KMAJOR), acc_g, DOT_PREC)
                 acc_u = mma(a, w_tma_tile(u_desc, group * w_rows, pid_n * BLOCK_N, k0, W_KMAJOR), acc_u, DOT_PREC)
         for k0 in range(k_start, H, BLOCK_K):
@@ -170,6 +183,7 @@ def _gate_up_kernel(
     gu_ptr, stride_gm, stride_gn,  # gu [M, 2I] out: g in [0, I), u in [I, 2I) (tail rows zeroed)
     h_ptr, stride_hm, stride_hi,  # h [M, I] out (WRITE_H)
     g_desc, u_desc, w_rows,  # TMA: host descriptors of gate's and up's 2-D views, their R (`tma_weights`)
+    a_desc,  # SORTED_X: host descriptor of x (the sorted rows)
     M, H, I, E, TOPK,  # rows (routes), hidden, intermediate, experts, routes per token
     limit, above, below,  # swiglu clamp (HAS_LIMIT); the stored dtype's neighbours of it (KEEP_CLIP)
     bias_ptr, b_e, b_c, b_i,  # FC1 bias read as [E, 2, I] (HAS_BIAS): gate row, up row
@@ -178,8 +192,8 @@ def _gate_up_kernel(
     SINGLE: tl.constexpr, MX_G: tl.constexpr, MX_U: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr,
     MX_LOOP: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, INTERLEAVED: tl.constexpr,
-    GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    SORTED_X: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 (the epilogue would compute in fp64): float32 scalars
     limit = tl.cast(limit, tl.float32)
@@ -206,9 +220,10 @@ def _gate_up_kernel(
         return
     _gate_up_tile(x_ptr, stride_xt, stride_xh, xr_ptr, routes_ptr, wg_ptr, g_e, g_n, g_k, gs_ptr, gs_e, gs_n, gs_k,
                   wu_ptr, u_e, u_n, u_k, us_ptr, us_e, us_n, us_k, gu_ptr, stride_gm, stride_gn, h_ptr, stride_hm,
-                  stride_hi, g_desc, u_desc, w_rows, H, I, E, TOPK, limit, above, below, group, row_start, row_end,
-                  pid_n, bias_ptr, b_e, b_c, b_i, alpha, beta, HAS_BIAS, SINGLE, MX_G, MX_U, WRITE_H, HAS_LIMIT,
-                  KEEP_CLIP, DOT_PREC, W_TABLE, MX_LOOP, TMA, W_KMAJOR, INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K)
+                  stride_hi, g_desc, u_desc, w_rows, a_desc, H, I, E, TOPK, limit, above, below, group, row_start,
+                  row_end, pid_n, bias_ptr, b_e, b_c, b_i, alpha, beta, HAS_BIAS, SINGLE, MX_G, MX_U, WRITE_H,
+                  HAS_LIMIT, KEEP_CLIP, DOT_PREC, W_TABLE, MX_LOOP, TMA, W_KMAJOR, INTERLEAVED, SORTED_X,
+                  BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # one jitted body (its name is the one Inductor's code and profiles show), tuned as two families: the MXFP8 fp16
@@ -217,7 +232,7 @@ _FIELDS = ("dtype", "H", "I", "E", "TMA")
 _OUTPUTS = ("gu_ptr", "h_ptr")
 GATE_UP = register(Family("gate_up", _gate_up_kernel, _GATE_UP_CONFIGS, fields=_FIELDS, sizes=("H", "I", "E"),
                           outputs=_OUTPUTS, interpret=cfg(16, 16, 32, 1, 1),
-                          pre_hook=tma_pre_hook((), ("g_desc", "u_desc"))))
+                          pre_hook=tma_pre_hook(("a_desc",), ("g_desc", "u_desc"))))
 GATE_UP_MX = register(Family("gate_up_mx", _gate_up_kernel, _MX_F16_CONFIGS, fields=("dtype", "H", "I", "E", "MX_LOOP"),
                              sizes=("H", "I", "E"), outputs=_OUTPUTS, interpret=cfg(16, 16, 32, 1, 1),
                              small=MX_F16_SMALL_GATE_UP))
@@ -242,6 +257,13 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
     if both is not None:
         gate = up = Operand(both, None)
     tma = None if mx_loop or not tma_eligible(x_TH, M, E) else tma_weights((gate, up))
+    a_desc = None
+    if tma is not None and not single:
+        # the token rows gathered once into sorted order, every whole K step's x tile then one TMA load
+        xs = x_TH.index_select(0, routes_N[:M] // topk)
+        a_desc = row_desc(xs)
+        if a_desc is not None:
+            x_TH = xs
     h = h_out if h_out is not None else x_TH  # (no h: a read-only input in its place, `common.launch`)
     dtype = dtype_name(x_TH.dtype)
     x_TH, xr, mx_loop = mx_rows(x_TH, mx_loop, gate, up)
@@ -252,7 +274,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         x_TH, x_TH.stride(0), x_TH.stride(1), xr, routes_N, offsets_E1,
         *w_args(gate), *w_args(up),
         gu_out, gu_out.stride(0), gu_out.stride(1), h, h.stride(0), h.stride(1),
-        *((None, None, 1) if tma is None else (*tma[0], tma[1])),
+        *((None, None, 1) if tma is None else (*tma[0], tma[1])), a_desc,
         M, H, I, E, topk, 0.0 if limit is None else float(limit), above, below,
         # (without a bias: a read-only input in its place, never read; an output there would alias a written one)
         *((x_TH, 0, 0, 0) if bias_E2I is None else (bias_E2I, *bias_E2I.stride())),
@@ -260,7 +282,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         SINGLE=single, MX_G=gate.quantized, MX_U=up.quantized, WRITE_H=h_out is not None,
         HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip, DOT_PREC=common.dot_precision(x_TH.dtype),
         MX_LOOP=int(mx_loop), TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
-        INTERLEAVED=both is not None,
+        INTERLEAVED=both is not None, SORTED_X=a_desc is not None,
         GROUPS_POW2=common.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(gate, up), rows=M,
         problem=(dtype, H, I, E, int(mx_loop)) if mx_loop else (dtype, H, I, E, tma is not None),
     )

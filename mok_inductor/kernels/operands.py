@@ -241,7 +241,8 @@ def tma_pre_hook(a_names: tuple, w_names: tuple):
             bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
             bn *= 2 if nargs.get("INTERLEAVED") else 1  # (a tile of both halves: `interleaved`)
             for a in a_names:
-                nargs[a].block_shape = [bm, bk]
+                if nargs[a] is not None:  # (an optional A descriptor left out)
+                    nargs[a].block_shape = [bm, bk]
             for w in w_names:
                 nargs[w].block_shape = [bn, bk] if nargs["W_KMAJOR"] else [bk, bn]
 
