@@ -303,8 +303,6 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
             tma_flags.append((k, kw["TMA"]))
         if kw.get("SORTED_X"):
             tma_flags.append(("sorted x", True))
-        if kw.get("SORTED_DY"):
-            tma_flags.append(("sorted dy", True))
         return real_launch(k, *a, **kw)
 
     monkeypatch.setattr(kernels.common, "launch", spy)
@@ -317,7 +315,7 @@ def test_tma_loads_equal_pointer_loads(H, I, aligned, two_pass, monkeypatch):
         runs[tma] = (fwd.y_TH, *_grads_by_name(case, bwd).values())
         used = {k for k, on in tma_flags if on}
         if tma and aligned:  # every GEMM but the weight gradients; gate/up's x rows gathered once, then by TMA
-            assert {kernels.gate_up.GATE_UP, kernels.grouped_gemm.GROUPED_ROWS, "sorted x", "sorted dy"} <= used
+            assert {kernels.gate_up.GATE_UP, kernels.grouped_gemm.GROUPED_ROWS, "sorted x"} <= used
             assert used & {kernels.bwd_act.BWD_ACT, kernels.bwd_act.BWD_GEMM}
         else:
             assert not used

@@ -25,7 +25,7 @@ from .. import options
 from . import common
 from .common import GROUP_M, _tile_ids, _tile_rows, cfg, clamp_gu, mma, row_tiles_worst, to_out
 from .configs import Family, dtype_name, register
-from .operands import row_desc, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile, w_tma_tile
+from .operands import tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases, w_meta, w_tile, w_tma_tile
 
 
 # (Register pressure: the epilogue holds acc, g, u, h and the gradients, so tiles of 128 x 128 spill; these
@@ -68,12 +68,11 @@ def _bwd_act_body(
     hs_ptr,  # [M, I] out (the activation dtype): (scale *) h, rounded: the down weight-gradient's operand
     dh_ptr,  # float32 [M, I] out (STORE_ACC: the accumulator only, no epilogue)
     wd_desc, w_rows,  # TMA: the host descriptor of down^T's 2-D view and its R (operands.tma_weights)
-    dy_desc,  # SORTED_DY: the host descriptor of dy's rows gathered into sorted order (dy_ptr then those rows)
     M, H, I, E, TOPK, limit,
     alpha, beta,  # the gated activation g * sigmoid(alpha g) * (u + beta) (`types.Activation`)
     SINGLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIMIT: tl.constexpr, MX_D: tl.constexpr, STORE_ACC: tl.constexpr,
     INTERLEAVE: tl.constexpr, DOT_PREC: tl.constexpr, W_TABLE: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
-    SORTED_DY: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUPS_POW2: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     limit = tl.cast(limit, tl.float32)  # Inductor passes a Python float as fp64: keep the epilogue in fp32
@@ -92,7 +91,7 @@ def _bwd_act_body(
         tok = rows
     else:
         route = tl.load(routes_ptr + rows, mask=rmask, other=0)
-        tok = rows if SORTED_DY else route // TOPK
+        tok = route // TOPK
     ks = tl.arange(0, BLOCK_K)
     e64 = group.to(tl.int64)
     wd, ds = w_bases(wd_ptr, ds_ptr, e64, d_e, ds_e, E, W_TABLE, MX_D)
@@ -102,10 +101,7 @@ def _bwd_act_body(
     if TMA:  # the weight tiles of the whole K steps through the descriptor, the tail step by pointers
         k_start = H - H % BLOCK_K
         for k0 in range(0, k_start, BLOCK_K):
-            if SORTED_DY:  # (rows past the expert's end are the next one's: their results are not stored)
-                dya = dy_desc.load([row_start, k0])
-            else:
-                dya = tl.load(dy_row + (k0 + ks)[None, :] * stride_dh, mask=rmask[:, None], other=0.0)
+            dya = tl.load(dy_row + (k0 + ks)[None, :] * stride_dh, mask=rmask[:, None], other=0.0)
             acc = mma(dya.to(hs_ptr.dtype.element_ty), w_tma_tile(wd_desc, group * w_rows, pid_n * BLOCK_N, k0, W_KMAJOR),
                       acc, DOT_PREC)
     for k0 in range(k_start, H, BLOCK_K):
@@ -127,7 +123,7 @@ def _bwd_act_body(
 
 _FIELDS = ("dtype", "H", "I", "E", "TMA")
 _OUTPUTS = ("dgu_ptr", "dscale_ptr", "hs_ptr", "dh_ptr")
-_tma_hook = tma_pre_hook(("dy_desc",), ("wd_desc",))
+_tma_hook = tma_pre_hook((), ("wd_desc",))
 BWD_ACT = register(Family("bwd_act", _bwd_act_body, _BWD_ACT_CONFIGS, fields=_FIELDS, sizes=("H", "I", "E"),
                           outputs=_OUTPUTS, interpret=_BWD_ACT_INTERPRET, pre_hook=_tma_hook))
 BWD_GEMM = register(Family("bwd_gemm", _bwd_act_body, _BWD_GEMM_CONFIGS, fields=_FIELDS, sizes=("H", "I", "E"),
@@ -247,22 +243,15 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
     lim = 0.0 if limit is None else float(limit)
     ab = (1.0, 0.0) if act is None else (act.alpha, act.beta)
     tma = tma_weights((down_t,)) if tma_eligible(dy_TH, M, E) else None
-    dy_desc = None
-    if tma is not None and not single:
-        # dy's rows gathered once into sorted order: every whole K step's dy tile is then one TMA load
-        dys = dy_TH.index_select(0, routes_N[:M] // topk)
-        dy_desc = row_desc(dys)
-        if dy_desc is not None:
-            dy_TH = dys
     out_cols = (dgu.stride(1), I * dgu.stride(1))  # (column stride, du's offset; INTERLEAVE stores whole rows)
     common.launch(
         BWD_GEMM if two_pass else BWD_ACT, grid,
         dy_TH, dy_TH.stride(0), dy_TH.stride(1), routes_N, offsets_E1, *w_args(down_t),
         gu_M2I, gu_M2I.stride(0), gu_M2I.stride(1), scale_arg,
         dgu, dgu.stride(0), *out_cols, dscale_P, dscale_P.stride(0), hs, dh,
-        *((None, 1) if tma is None else (tma[0][0], tma[1])), dy_desc,
+        *((None, 1) if tma is None else (tma[0][0], tma[1])),
         M, H, I, E, topk, lim, *ab, MX_D=down_t.quantized, STORE_ACC=two_pass,
-        TMA=tma is not None, W_KMAJOR=tma is not None and tma[2], SORTED_DY=dy_desc is not None,
+        TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
         GROUPS_POW2=common.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(down_t), **flags,
         rows=M, problem=(dtype_name(dtype), H, I, E, tma is not None),
     )
