@@ -259,11 +259,12 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
     tma = None if mx_loop or not tma_eligible(x_TH, M, E) else tma_weights((gate, up))
     a_desc = None
     if tma is not None and not single:
-        # the token rows gathered once into sorted order, every whole K step's x tile then one TMA load
-        xs = x_TH.index_select(0, routes_N[:M] // topk)
+        # the token rows gathered once into sorted order, every whole K step's x tile then one TMA load (the
+        # descriptor first: no gather where TMA cannot read the rows)
+        xs = x_TH.new_empty(M, H)
         a_desc = row_desc(xs)
         if a_desc is not None:
-            x_TH = xs
+            x_TH = torch.index_select(x_TH, 0, routes_N[:M] // topk, out=xs)
     h = h_out if h_out is not None else x_TH  # (no h: a read-only input in its place, `common.launch`)
     dtype = dtype_name(x_TH.dtype)
     x_TH, xr, mx_loop = mx_rows(x_TH, mx_loop, gate, up)
