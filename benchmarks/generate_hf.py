@@ -3,7 +3,7 @@ seen for the first time (cold) and again (warm).
 
     python benchmarks/generate_hf.py --out DIR [--backends mok,grouped_mm] [--lengths 37,101,260,515,1030]
                                      [--max-new-tokens 32] [--child-cache fresh|shared] [--hf-decode-switch off|on]
-                                     [--profile-new-length L] [--no-cudnn-attention]
+                                     [--profile-new-length L] [--no-cudnn-attention] [--static-cache]
     python benchmarks/generate_hf.py --device cpu --tiny --out /tmp/gen     # CPU smoke run (mok runs its reference)
 
 The model is built from a transformers config, nothing is downloaded: Qwen3MoeConfig with 4 layers, hidden 1024,
@@ -18,6 +18,8 @@ backend's at each length (reported, not checked: bf16 rounding may flip near-tie
 transformers (5.23 at least) switches "grouped_mm" to "batched_mm" for decoding inside generate() on GPUs
 (`_optimize_model_for_decode`); --hf-decode-switch off (the default) keeps each backend as named for the whole run,
 "on" leaves transformers' switch alone. `impl_calls` counts the experts calls by the implementation they ran.
+--static-cache generates with `cache_implementation="static"`: on a GPU transformers then compiles the decoding
+forward (`torch.compile`, its `compile_config`), the setup a server would use; without it the whole run is eager.
 Results: DIR/generate_hf.json, a markdown table last, DIR/generate_hf.log.
 """
 
@@ -93,9 +95,11 @@ def child(a):
     prompts = {L: torch.randint(1, dims["vocab_size"], (1, L), generator=gen).to(a.device) for L in a.lengths}
     n = a.max_new_tokens
 
+    cache = dict(cache_implementation="static") if a.static_cache else {}
+
     def generate(ids, new):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, num_beams=1, pad_token_id=0)
+                             do_sample=False, num_beams=1, pad_token_id=0, **cache)
         return out[0, ids.shape[1]:].tolist()
 
     def run():
@@ -208,6 +212,8 @@ def main():
                    help="transformers' grouped_mm -> batched_mm switch for decoding inside generate()")
     p.add_argument("--no-cudnn-attention", action="store_true",
                    help="turn PyTorch's cuDNN attention backend off (it builds a plan per new sequence length)")
+    p.add_argument("--static-cache", action="store_true",
+                   help="generate with a static KV cache (on a GPU transformers then compiles the decoding forward)")
     p.add_argument("--profile-new-length", type=int, default=0,
                    help="after the timed runs, profile one generate() at this new prompt length against the same "
                         "call again (hot_ops in the JSON: the ops whose host time grew most)")
@@ -226,7 +232,8 @@ def main():
         logf.flush()
 
     meta = dict(device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", model=TINY if a.tiny else MODEL,
-                lengths=a.lengths, cudnn_attention=not a.no_cudnn_attention, max_new_tokens=a.max_new_tokens,
+                lengths=a.lengths, cudnn_attention=not a.no_cudnn_attention, static_cache=a.static_cache,
+                max_new_tokens=a.max_new_tokens,
                 warmup_len=a.warmup_len, child_cache=a.child_cache,
                 env_options={k: v for k, v in os.environ.items() if k.startswith("MOK_")},
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
@@ -236,7 +243,8 @@ def main():
         cmd = [sys.executable, os.path.abspath(__file__), "--child", b, "--lengths", ",".join(map(str, a.lengths)),
                "--max-new-tokens", str(a.max_new_tokens), "--warmup-len", str(a.warmup_len), "--device", a.device,
                "--hf-decode-switch", a.hf_decode_switch, "--profile-new-length", str(a.profile_new_length)] + (
-                   ["--tiny"] if a.tiny else []) + (["--no-cudnn-attention"] if a.no_cudnn_attention else [])
+                   ["--tiny"] if a.tiny else []) + (["--no-cudnn-attention"] if a.no_cudnn_attention else []) + (
+                   ["--static-cache"] if a.static_cache else [])
         env = dict(os.environ)
         tmp = tempfile.mkdtemp(prefix="mok-generate-triton-") if a.child_cache == "fresh" else None
         if tmp:

@@ -1,4 +1,5 @@
-"""benchmarks/profile_moe.py's GEMM accounting and its CPU smoke run (the figures themselves come from GPU runs)."""
+"""benchmarks/profile_moe.py's GEMM accounting and its CPU smoke run, generate_hf.py's CPU smoke run (the figures
+themselves come from GPU runs)."""
 
 import json
 import os
@@ -34,3 +35,25 @@ def test_cpu_smoke_run_with_gemm_references(tmp_path):
                                      "dense mm (gate/up FLOPs)", profile_moe.ROW_KERNEL_STAGE}
     assert all(ms > 0 and rate > 0 for ms, rate in res["gemm_refs"].values())
     assert res["kernels"] and all("tflops" in r for r in res["kernels"])
+
+
+def test_generate_cpu_smoke_run_with_a_static_cache(tmp_path):
+    # both backends in their own processes with a static KV cache (on a GPU transformers compiles the decoding
+    # forward then; here it stays eager): every length timed in both passes, the same weights in both processes,
+    # the mok process's prefill and decode calls ran mok (greedy tokens are compared, not required equal: bf16)
+    run = subprocess.run([sys.executable, os.path.join(HERE, "..", "benchmarks", "generate_hf.py"), "--device", "cpu",
+                          "--tiny", "--lengths", "5,9", "--max-new-tokens", "3", "--warmup-len", "4", "--static-cache",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.load(open(tmp_path / "generate_hf.json"))
+    assert res["meta"]["static_cache"] is True
+    rows = {r["backend"]: r for r in res["results"]}
+    assert set(rows) == {"mok", "grouped_mm"} and not any("error" in r for r in rows.values())
+    for r in rows.values():
+        assert set(r["cold"]["per_length_s"]) == set(r["warm"]["per_length_s"]) == {"5", "9"}
+        assert all(len(t) == 3 for t in r["tokens"].values())
+        assert r["same_tokens_cold_warm"]
+    assert rows["grouped_mm"]["same_weights_as_first"]
+    assert rows["mok"]["mok_plans"] == ["supported"]
+    assert set(rows["mok"]["impl_calls"]) == {"prefill:mok", "decode:mok"}
+    assert set(rows["grouped_mm"]["agreement"]) == {"5", "9"}
