@@ -2,6 +2,7 @@
 
     python benchmarks/bench_moe.py --out DIR [--shapes qwen3-30b-a3b,mixtral-8x7b,...] [--contenders ...]
     python benchmarks/bench_moe.py --rounds 5 --contenders mok,mok_compiled,grouped_mm_compiled   # ratios
+    python benchmarks/bench_moe.py --rounds 3 --modes fwd,fwd+bwd --skewed-shapes mixtral-8x7b ...  # + forward, skewed
     python benchmarks/bench_moe.py --check          # CPU smoke run: every contender against mok, no timing
 
 Contenders: mok (mok_inductor.moe, Triton kernels), mok_compiled (the same under torch.compile), mok_graph
@@ -17,9 +18,10 @@ FLOPs: forward 6*T*K*H*I (gate and up 4*T*K*H*I, down 2*T*K*H*I), fwd+bwd 18*T*K
 triton.testing.do_bench (p20/p80 kept). Peak forward memory: max_memory_allocated during one
 forward (outputs and saved activations alive) minus what was allocated before. Every contender is
 checked against mok's output before it is timed. Results: a table last, bench.json (+ bench.png).
-With --rounds R, per shape and after every contender is compiled and warmed up, R rounds alternate the
-contenders' fwd+bwd (each timing at least --iters iterations), and the median, min and max of each round's
-ratio (the last contender's time over each other's) go to ratios.json: a ratio near 1 told from the noise.
+With --rounds R, per shape and routing (--routing, --skewed-shapes) and mode (--modes: fwd, fwd+bwd; the forward
+without autograd recording), after every contender is compiled and warmed up, R rounds alternate the contenders
+(each timing at least --iters iterations), and the median, min and max of each round's ratio (the last
+contender's time over each other's) go to ratios.json: a ratio near 1 told from the noise.
 Shape legend: T tokens, H hidden, I intermediate, E experts, K routes per token.
 """
 
@@ -410,40 +412,59 @@ def timed(fn, iters):
     return statistics.median(q), len(q)
 
 
-def interleaved(shapes, names, rounds, iters, log):
-    """fwd+bwd of `names` at each shape in `rounds` alternating rounds; ratios = the last name's ms / each."""
+def fwd_step(f, leaves, te):
+    """One forward of contender `f` without autograd recording (inference)."""
+    context = getattr(f, "context", contextlib.nullcontext)
+
+    def step():
+        with context(), torch.no_grad():
+            return f(leaves[0], leaves[1], te, leaves[2], leaves[3])
+
+    return step
+
+
+def interleaved(plan, names, rounds, iters, log, modes=("fwd+bwd",), device="cuda", timer=None):
+    """Each (shape, routing) of `plan` and each mode ("fwd", "fwd+bwd") of `modes`: the contenders `names` in
+    `rounds` alternating rounds; ratios = the last name's ms / each."""
+    timer = timer or timed
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     base = names[-1]
     out = []
-    for shape in shapes:
+    for shape, routing in plan:
         T, H, I, E, K = SHAPES[shape]
-        x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, "balanced")
+        x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, routing, device=device)
         leaves, dy = grad_leaves(x, rw, w_gu, w_d)
-        steps = {c: fwd_bwd_step(CONTENDERS[c], leaves, te, dy) for c in names}
-        for c, s in steps.items():  # compile, autotune, warm up
-            t0 = time.time()
-            s()
-            torch.cuda.synchronize()
-            log(f"{shape} {c}: first call {time.time() - t0:.0f} s")
-        rows = []
-        for r in range(rounds):
-            row = {}
-            for c, s in steps.items():
-                row[c], row[c + "_n"] = timed(s, iters)
+        for mode in modes:
+            steps = {c: (fwd_bwd_step(CONTENDERS[c], leaves, te, dy) if mode == "fwd+bwd"
+                         else fwd_step(CONTENDERS[c], leaves, te)) for c in names}
+            where = f"{shape} {routing} {mode}"
+            for c, s in steps.items():  # compile, autotune, warm up
+                t0 = time.time()
+                s()
+                sync()
+                log(f"{where} {c}: first call {time.time() - t0:.0f} s")
+            rows = []
+            for r in range(rounds):
+                row = {}
+                for c, s in steps.items():
+                    row[c], row[c + "_n"] = timer(s, iters)
+                for c in names[:-1]:
+                    row[c + "_ratio"] = row[base] / row[c]
+                rows.append(row)
+                log(f"  round {r + 1}: " + ", ".join(f"{c} {row[c]:.3f} ms ({row[c + '_n']} its)" for c in names)
+                    + "; " + ", ".join(f"{c} {row[c + '_ratio']:.3f}x" for c in names[:-1]))
+            res = dict(shape=shape, routing=routing, mode=mode, base=base,
+                       median_ms={c: statistics.median(r[c] for r in rows) for c in steps}, rounds=rows)
             for c in names[:-1]:
-                row[c + "_ratio"] = row[base] / row[c]
-            rows.append(row)
-            log(f"  round {r + 1}: " + ", ".join(f"{c} {row[c]:.3f} ms ({row[c + '_n']} its)" for c in names)
-                + "; " + ", ".join(f"{c} {row[c + '_ratio']:.3f}x" for c in names[:-1]))
-        res = dict(shape=shape, base=base, median_ms={c: statistics.median(r[c] for r in rows) for c in steps},
-                   rounds=rows)
-        for c in names[:-1]:
-            ratios = [r[c + "_ratio"] for r in rows]
-            res[c] = dict(median_ratio=statistics.median(ratios), min_ratio=min(ratios), max_ratio=max(ratios))
-            log(f"{shape}: fwd+bwd {base} / {c} median {res[c]['median_ratio']:.3f}x (min {min(ratios):.3f}, "
-                f"max {max(ratios):.3f}); {c} {res['median_ms'][c]:.3f} ms, {base} {res['median_ms'][base]:.3f} ms")
-        out.append(res)
-        del steps, leaves
-        torch.cuda.empty_cache()
+                ratios = [r[c + "_ratio"] for r in rows]
+                res[c] = dict(median_ratio=statistics.median(ratios), min_ratio=min(ratios), max_ratio=max(ratios))
+                log(f"{where}: {base} / {c} median {res[c]['median_ratio']:.3f}x (min {min(ratios):.3f}, "
+                    f"max {max(ratios):.3f}); {c} {res['median_ms'][c]:.3f} ms, {base} {res['median_ms'][base]:.3f} ms")
+            out.append(res)
+            del steps
+        del leaves
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 
@@ -491,8 +512,10 @@ def main():
     p.add_argument("--contenders", default="mok,grouped_mm,grouped_mm_compiled,eager",
                    help=f"comma-separated: {', '.join(CONTENDERS)}")
     p.add_argument("--mxfp8", action="store_true", help="add mok with MXFP8 routed weights (mok_mxfp8)")
-    p.add_argument("--rounds", type=int, default=0, help="interleaved fwd+bwd rounds instead of the one-pass "
-                   "table; the last contender is the baseline (ratios.json)")
+    p.add_argument("--rounds", type=int, default=0, help="interleaved rounds instead of the one-pass table, at "
+                   "each shape and routing (--routing, --skewed-shapes) and mode (--modes); the last contender is "
+                   "the baseline (ratios.json)")
+    p.add_argument("--modes", default="fwd+bwd", help="with --rounds: fwd and/or fwd+bwd")
     p.add_argument("--iters", type=int, default=20, help="with --rounds: at least this many iterations a round")
     p.add_argument("--check", action="store_true", help="CPU smoke run of the contenders at a tiny shape")
     args = p.parse_args()
@@ -513,14 +536,16 @@ def main():
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, git=sha,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     log(f"{meta}")
-    if args.rounds:
-        out = interleaved(args.shapes.split(","), args.contenders.split(","), args.rounds, args.iters, log)
-        with open(os.path.join(args.out, "ratios.json"), "w") as f:
-            json.dump(dict(meta=dict(meta, rounds=args.rounds, iters=args.iters), results=out), f, indent=1)
-        return
-    results = []
     plan = [(s, r) for s in args.shapes.split(",") for r in args.routing.split(",")]
     plan += [(s, "skewed") for s in args.skewed_shapes.split(",") if s and (s, "skewed") not in plan]
+    if args.rounds:
+        modes = args.modes.split(",")
+        out = interleaved(plan, args.contenders.split(","), args.rounds, args.iters, log, modes=modes)
+        with open(os.path.join(args.out, "ratios.json"), "w") as f:
+            json.dump(dict(meta=dict(meta, rounds=args.rounds, iters=args.iters, modes=modes), results=out), f,
+                      indent=1)
+        return
+    results = []
     for i, (s, r) in enumerate(plan):
         log(f"[{i + 1}/{len(plan)}] {s} {r}")
         contenders = [c for c in args.contenders.split(",") if c != "eager" or s in ("qwen3-decode", "gpt-oss-20b")]

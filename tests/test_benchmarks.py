@@ -1,5 +1,5 @@
-"""benchmarks/profile_moe.py's GEMM accounting and its CPU smoke run, generate_hf.py's CPU smoke run (the figures
-themselves come from GPU runs)."""
+"""benchmarks/profile_moe.py's GEMM accounting and its CPU smoke run, bench_moe.py's interleaved rounds driven on
+the CPU with a stand-in timer, generate_hf.py's CPU smoke run (the figures themselves come from GPU runs)."""
 
 import json
 import os
@@ -9,6 +9,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 
+import bench_moe  # noqa: E402
 import profile_moe  # noqa: E402
 
 
@@ -57,3 +58,29 @@ def test_generate_cpu_smoke_run_with_a_static_cache(tmp_path):
     assert rows["mok"]["mok_plans"] == ["supported"]
     assert set(rows["mok"]["impl_calls"]) == {"prefill:mok", "decode:mok"}
     assert set(rows["grouped_mm"]["agreement"]) == {"5", "9"}
+
+
+def test_interleaved_rounds_cover_every_mode_and_routing(monkeypatch):
+    # the rounds mode on the CPU (mok's reference, grouped_mm's torch ops), a stand-in timer: the contenders
+    # alternate within each round (mok 2 ms, the baseline 3 ms), every (shape, routing, mode) gets its rounds,
+    # and a ratio is the baseline's time over the contender's
+    monkeypatch.setitem(bench_moe.SHAPES, "tiny", (16, 32, 16, 4, 2))
+    calls = []
+
+    def timer(step, iters):
+        out = step()  # the step runs: a forward returns y, fwd+bwd the four gradients
+        assert all(t.isfinite().all() for t in (out if isinstance(out, tuple) else (out,)))
+        calls.append(step)
+        return (2.0 if len(calls) % 2 else 3.0), iters
+
+    plan = [("tiny", "balanced"), ("tiny", "skewed")]
+    out = bench_moe.interleaved(plan, ["mok", "grouped_mm"], 2, 5, lambda line: None, modes=("fwd", "fwd+bwd"),
+                                device="cpu", timer=timer)
+    assert [(r["shape"], r["routing"], r["mode"]) for r in out] == [
+        ("tiny", "balanced", "fwd"), ("tiny", "balanced", "fwd+bwd"), ("tiny", "skewed", "fwd"),
+        ("tiny", "skewed", "fwd+bwd")]
+    assert len(calls) == 4 * 2 * 2
+    for r in out:
+        assert r["base"] == "grouped_mm" and len(r["rounds"]) == 2
+        assert r["median_ms"] == {"mok": 2.0, "grouped_mm": 3.0}
+        assert r["mok"] == {"median_ratio": 1.5, "min_ratio": 1.5, "max_ratio": 1.5}
