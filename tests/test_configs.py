@@ -533,3 +533,20 @@ def test_default_tokens_give_every_launch_a_tuned_bucket_of_its_own_variant(name
     tuned = {(tune._regime(shape, t, o), configs.bucket(t * K), configs.bucket(t)) for t in tokens}
     assert all((tune._regime(shape, T, o), configs.bucket(T * K), configs.bucket(T)) in tuned for T in range(1, 16385))
     assert set(tokens) >= {1 << i for i in range(15)} and len(tokens) < 15 + 8
+
+
+def test_docs_list_the_presets_each_shipped_table_covers():
+    # docs/api.md names, per shipped table file, the tuner presets whose routed gate/up problem (H, I, E) the
+    # file holds: read back from the files, so the list cannot drift from what ships
+    import os
+    import re
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "api.md")).read()
+    listed = dict(re.findall(r"^- `([a-z0-9.-]+\.json)`: ([a-z0-9., -]+)$", text, flags=re.M))
+    shipped = configs.shipped_tables()
+    assert sorted(listed) == sorted(p.name for p in shipped)
+    for path in shipped:
+        problems = {(e["problem"]["H"], e["problem"]["I"], e["problem"]["E"])
+                    for e in json.loads(path.read_text())["families"]["gate_up"]}
+        covered = sorted(name for name, (H, I, E, _, _) in tune.PRESETS.items() if (H, I, E) in problems)
+        assert listed[path.name].split(", ") == covered, path.name
