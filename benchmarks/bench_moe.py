@@ -426,6 +426,9 @@ def fwd_step(f, leaves, te):
 def interleaved(plan, names, rounds, iters, log, modes=("fwd+bwd",), device="cuda", timer=None):
     """Each (shape, routing) of `plan` and each mode ("fwd", "fwd+bwd") of `modes`: the contenders `names` in
     `rounds` alternating rounds; ratios = the last name's ms / each."""
+    unknown = [m for m in modes if m not in ("fwd", "fwd+bwd")]
+    if unknown:
+        raise ValueError(f"modes: expected fwd and/or fwd+bwd, got {', '.join(unknown)}")
     timer = timer or timed
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     base = names[-1]

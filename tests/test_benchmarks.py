@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 
@@ -84,3 +86,6 @@ def test_interleaved_rounds_cover_every_mode_and_routing(monkeypatch):
         assert r["base"] == "grouped_mm" and len(r["rounds"]) == 2
         assert r["median_ms"] == {"mok": 2.0, "grouped_mm": 3.0}
         assert r["mok"] == {"median_ratio": 1.5, "min_ratio": 1.5, "max_ratio": 1.5}
+    with pytest.raises(ValueError, match=r"got fwd\+bw$"):  # a misspelt mode is an error, not a silent forward
+        bench_moe.interleaved(plan, ["mok", "grouped_mm"], 1, 1, lambda line: None, modes=("fwd+bw",), device="cpu",
+                              timer=timer)
