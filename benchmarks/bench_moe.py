@@ -5,7 +5,8 @@
     python benchmarks/bench_moe.py --rounds 3 --modes fwd,fwd+bwd --skewed-shapes mixtral-8x7b ...  # + forward, skewed
     python benchmarks/bench_moe.py --check          # CPU smoke run: every contender against mok, no timing
 
-Contenders: mok (mok_inductor.moe, Triton kernels), mok_compiled (the same under torch.compile), mok_graph
+Contenders: mok (mok_inductor.moe, Triton kernels), mok_compiled (the same under torch.compile, static sizes),
+mok_compiled_dynamic (torch.compile(dynamic=True): one graph for every token count), mok_graph
 (decode: mok's forward replayed from a CUDA graph), mok_mxfp8 / mok_mxfp8_graph (MXFP8 routed weights,
 --mxfp8), mok_pointer_loads (mok with options tma=False), eager (the Hugging Face loop over hit experts),
 grouped_mm (sort + gather + torch._grouped_mm, HF's "grouped_mm" experts backend formulation),
@@ -152,6 +153,17 @@ def moe_mok_compiled(x, rw, te, w_gu, w_d):
     return _compiled_fn(moe_mok)(x, rw, te, w_gu, w_d)
 
 
+_compiled_dynamic = {}
+
+
+def moe_mok_compiled_dynamic(x, rw, te, w_gu, w_d):
+    """mok under torch.compile(fullgraph=True, dynamic=True): one graph for every token count (a serving or
+    variable-length training setup), the tables' config picked for the row bucket at run time."""
+    if moe_mok not in _compiled_dynamic:
+        _compiled_dynamic[moe_mok] = torch.compile(moe_mok, fullgraph=True, dynamic=True)
+    return _compiled_dynamic[moe_mok](x, rw, te, w_gu, w_d)
+
+
 def moe_liger(x, rw, te, w_gu, w_d):
     """Liger-Kernel's Triton fused MoE (liger-kernel 0.8.5): the closest peer written in Triton."""
     from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
@@ -233,7 +245,8 @@ class MokPointerLoads:
 
 
 CONTENDERS = {"mok": moe_mok, "mok_pointer_loads": MokPointerLoads(), "mok_mxfp8": MokMxfp8(), "mok_mxfp8_graph": GraphedMokMxfp8(), "mok_graph": GraphedMok(), "grouped_mm": moe_grouped_mm, "grouped_mm_compiled": moe_grouped_mm_compiled,
-              "mok_compiled": moe_mok_compiled, "eager": moe_eager, "liger": moe_liger}
+              "mok_compiled": moe_mok_compiled, "mok_compiled_dynamic": moe_mok_compiled_dynamic, "eager": moe_eager,
+              "liger": moe_liger}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -528,8 +541,8 @@ def main():
     # grouped_mm contenders as they are (their gate/up halves are slices, not one chunk)
     mok_inductor.enable()
     if args.check:
-        check(["mok", "mok_pointer_loads", "mok_compiled", "mok_mxfp8", "grouped_mm", "grouped_mm_compiled",
-               "eager"])
+        check(["mok", "mok_pointer_loads", "mok_compiled", "mok_compiled_dynamic", "mok_mxfp8", "grouped_mm",
+               "grouped_mm_compiled", "eager"])
         return
     log = tee_log(args.out, "bench.log")
 

@@ -1,5 +1,6 @@
-"""benchmarks/profile_moe.py's GEMM accounting and its CPU smoke run, bench_moe.py's interleaved rounds driven on
-the CPU with a stand-in timer, generate_hf.py's CPU smoke run (the figures themselves come from GPU runs)."""
+"""benchmarks/profile_moe.py's GEMM accounting and its CPU smoke run, bench_moe.py's --check (every contender
+against mok) and its interleaved rounds driven on the CPU with a stand-in timer, generate_hf.py's CPU smoke run
+(the figures themselves come from GPU runs)."""
 
 import json
 import os
@@ -60,6 +61,16 @@ def test_generate_cpu_smoke_run_with_a_static_cache(tmp_path):
     assert rows["mok"]["mok_plans"] == ["supported"]
     assert set(rows["mok"]["impl_calls"]) == {"prefill:mok", "decode:mok"}
     assert set(rows["grouped_mm"]["agreement"]) == {"5", "9"}
+
+
+def test_bench_moe_check_every_contender_runs_and_agrees():
+    # --check: each contender (mok eager, compiled static and dynamic, pointer loads, MXFP8, grouped_mm eager and
+    # compiled, the HF loop) at a tiny shape against mok's output, and its fwd+bwd finite; exit 0 only if all pass
+    run = subprocess.run([sys.executable, os.path.join(HERE, "..", "benchmarks", "bench_moe.py"), "--check"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    for c in ("mok_compiled", "mok_compiled_dynamic", "grouped_mm_compiled", "mok_mxfp8"):
+        assert any(line.split(":")[0].strip() == c and line.endswith("ok") for line in run.stdout.splitlines()), c
 
 
 def test_interleaved_rounds_cover_every_mode_and_routing(monkeypatch):
