@@ -19,10 +19,11 @@ FLOPs: forward 6*T*K*H*I (gate and up 4*T*K*H*I, down 2*T*K*H*I), fwd+bwd 18*T*K
 triton.testing.do_bench (p20/p80 kept). Peak forward memory: max_memory_allocated during one
 forward (outputs and saved activations alive) minus what was allocated before. Every contender is
 checked against mok's output before it is timed. Results: a table last, bench.json (+ bench.png).
-With --rounds R, per shape and routing (--routing, --skewed-shapes) and mode (--modes: fwd, fwd+bwd; the forward
-without autograd recording), after every contender is compiled and warmed up, R rounds alternate the contenders
-(each timing at least --iters iterations), and the median, min and max of each round's ratio (the last
-contender's time over each other's) go to ratios.json: a ratio near 1 told from the noise.
+With --rounds R, per shape and routing (--routing, and --skewed-shapes: none unless given) and mode (--modes:
+fwd, fwd+bwd (the default); the forward without autograd recording), after every contender is compiled and warmed
+up, R rounds alternate the contenders (each timing at least --iters iterations), and the median, min and max of
+each round's ratio (the last contender's time over each other's) go to ratios.json (written after each entry): a
+ratio near 1 told from the noise.
 Shape legend: T tokens, H hidden, I intermediate, E experts, K routes per token.
 """
 
@@ -436,9 +437,9 @@ def fwd_step(f, leaves, te):
     return step
 
 
-def interleaved(plan, names, rounds, iters, log, modes=("fwd+bwd",), device="cuda", timer=None):
+def interleaved(plan, names, rounds, iters, log, modes=("fwd+bwd",), device="cuda", timer=None, on_result=None):
     """Each (shape, routing) of `plan` and each mode ("fwd", "fwd+bwd") of `modes`: the contenders `names` in
-    `rounds` alternating rounds; ratios = the last name's ms / each."""
+    `rounds` alternating rounds; ratios = the last name's ms / each. `on_result(results so far)` after each."""
     unknown = [m for m in modes if m not in ("fwd", "fwd+bwd")]
     if unknown:
         raise ValueError(f"modes: expected fwd and/or fwd+bwd, got {', '.join(unknown)}")
@@ -447,6 +448,9 @@ def interleaved(plan, names, rounds, iters, log, modes=("fwd+bwd",), device="cud
     base = names[-1]
     out = []
     for shape, routing in plan:
+        # the compiled contenders' graphs of earlier entries go: each entry compiles its own (static sizes, grad on
+        # and off), and fullgraph=True turns Dynamo's recompile limit into an error after a few entries
+        torch._dynamo.reset()
         T, H, I, E, K = SHAPES[shape]
         x, rw, te, w_gu, w_d = make_inputs(T, H, I, E, K, routing, device=device)
         leaves, dy = grad_leaves(x, rw, w_gu, w_d)
@@ -477,6 +481,8 @@ def interleaved(plan, names, rounds, iters, log, modes=("fwd+bwd",), device="cud
                 log(f"{where}: {base} / {c} median {res[c]['median_ratio']:.3f}x (min {min(ratios):.3f}, "
                     f"max {max(ratios):.3f}); {c} {res['median_ms'][c]:.3f} ms, {base} {res['median_ms'][base]:.3f} ms")
             out.append(res)
+            if on_result is not None:
+                on_result(out)
             del steps
         del leaves
         if device == "cuda":
@@ -524,17 +530,25 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated: {', '.join(SHAPES)}")
     p.add_argument("--routing", default="balanced", help="balanced and/or skewed")
-    p.add_argument("--skewed-shapes", default="qwen3-30b-a3b", help="also time these shapes with skewed routing")
+    p.add_argument("--skewed-shapes", default=None, help="also time these shapes with skewed routing (default: "
+                   "qwen3-30b-a3b for the one-pass table, none with --rounds)")
     p.add_argument("--contenders", default="mok,grouped_mm,grouped_mm_compiled,eager",
                    help=f"comma-separated: {', '.join(CONTENDERS)}")
     p.add_argument("--mxfp8", action="store_true", help="add mok with MXFP8 routed weights (mok_mxfp8)")
     p.add_argument("--rounds", type=int, default=0, help="interleaved rounds instead of the one-pass table, at "
                    "each shape and routing (--routing, --skewed-shapes) and mode (--modes); the last contender is "
                    "the baseline (ratios.json)")
-    p.add_argument("--modes", default="fwd+bwd", help="with --rounds: fwd and/or fwd+bwd")
+    p.add_argument("--modes", default=None, help="with --rounds: fwd and/or fwd+bwd (default: fwd+bwd)")
     p.add_argument("--iters", type=int, default=20, help="with --rounds: at least this many iterations a round")
     p.add_argument("--check", action="store_true", help="CPU smoke run of the contenders at a tiny shape")
     args = p.parse_args()
+    if args.modes is not None and not args.rounds:
+        p.error("--modes applies to --rounds only (the one-pass table times fwd and fwd+bwd)")
+    modes = (args.modes or "fwd+bwd").split(",")
+    if any(m not in ("fwd", "fwd+bwd") for m in modes):
+        p.error(f"--modes: expected fwd and/or fwd+bwd, got {args.modes}")
+    if args.skewed_shapes is None:
+        args.skewed_shapes = "" if args.rounds else "qwen3-30b-a3b"
     import mok_inductor
 
     # compiled graphs need it to inline mok's Triton kernels; the graph pass it also installs leaves the
@@ -555,11 +569,12 @@ def main():
     plan = [(s, r) for s in args.shapes.split(",") for r in args.routing.split(",")]
     plan += [(s, "skewed") for s in args.skewed_shapes.split(",") if s and (s, "skewed") not in plan]
     if args.rounds:
-        modes = args.modes.split(",")
-        out = interleaved(plan, args.contenders.split(","), args.rounds, args.iters, log, modes=modes)
-        with open(os.path.join(args.out, "ratios.json"), "w") as f:
-            json.dump(dict(meta=dict(meta, rounds=args.rounds, iters=args.iters, modes=modes), results=out), f,
-                      indent=1)
+        def save(out):  # after every (shape, routing, mode): a run cut short keeps what it measured
+            with open(os.path.join(args.out, "ratios.json"), "w") as f:
+                json.dump(dict(meta=dict(meta, rounds=args.rounds, iters=args.iters, modes=modes), results=out), f,
+                          indent=1)
+
+        interleaved(plan, args.contenders.split(","), args.rounds, args.iters, log, modes=modes, on_result=save)
         return
     results = []
     for i, (s, r) in enumerate(plan):

@@ -18,8 +18,9 @@ backend's at each length (reported, not checked: bf16 rounding may flip near-tie
 transformers (5.23 at least) switches "grouped_mm" to "batched_mm" for decoding inside generate() on GPUs
 (`_optimize_model_for_decode`); --hf-decode-switch off (the default) keeps each backend as named for the whole run,
 "on" leaves transformers' switch alone. `impl_calls` counts the experts calls by the implementation they ran.
---static-cache generates with `cache_implementation="static"`: on a GPU transformers then compiles the decoding
-forward (`torch.compile`, its `compile_config`), the setup a server would use; without it the whole run is eager.
+--static-cache generates with `cache_implementation="static"` sized once for the longest prompt (`max_cache_len`,
+where transformers takes it): on a GPU transformers then compiles the decoding forward (`torch.compile` with its
+`compile_config`), the setup a server would use; without it the whole run is eager (a dynamic cache).
 Results: DIR/generate_hf.json, a markdown table last, DIR/generate_hf.log.
 """
 
@@ -95,12 +96,20 @@ def child(a):
     prompts = {L: torch.randint(1, dims["vocab_size"], (1, L), generator=gen).to(a.device) for L in a.lengths}
     n = a.max_new_tokens
 
-    cache = dict(cache_implementation="static") if a.static_cache else {}
+    cache = {}
+    if a.static_cache:
+        from transformers import GenerationConfig
 
-    def generate(ids, new):
+        cache = dict(cache_implementation="static")
+        if hasattr(GenerationConfig(), "max_cache_len"):  # one cache size for every length (one decode graph)
+            cache["max_cache_len"] = max(a.lengths) + n
+
+    def generate(ids, new, record=None):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, num_beams=1, pad_token_id=0, **cache)
-        return out[0, ids.shape[1]:].tolist()
+                             do_sample=False, num_beams=1, pad_token_id=0, return_dict_in_generate=True, **cache)
+        if record is not None:
+            record["cache_class"] = type(out.past_key_values).__name__
+        return out.sequences[0, ids.shape[1]:].tolist()
 
     def run():
         times, tokens = {}, {}
@@ -115,11 +124,12 @@ def child(a):
             return dict(total_s=time.perf_counter() - start, per_length_s=times), tokens
 
     load_s = time.perf_counter() - t0
+    facts = {}  # the KV cache class generate() used (from the warm-up call)
     warm_up_s = 0.0
     if a.warmup_len:
         t = time.perf_counter()
         with torch.no_grad():
-            generate(torch.randint(1, dims["vocab_size"], (1, a.warmup_len), generator=gen).to(a.device), 2)
+            generate(torch.randint(1, dims["vocab_size"], (1, a.warmup_len), generator=gen).to(a.device), 2, facts)
         sync(a.device)
         warm_up_s = time.perf_counter() - t
     cold, tokens = run()
@@ -129,6 +139,7 @@ def child(a):
                           warm_up_s=warm_up_s, cold=cold, warm=warm, tokens=tokens,
                           same_tokens_cold_warm=tokens == tokens_warm, impl_calls=calls, mok_plans=plans,
                           hot_ops=hot_ops, hf_decode_switch_present=switch, hf_decode_switch=a.hf_decode_switch,
+                          cache_class=facts.get("cache_class"), cache_kwargs=cache,
                           transformers=__import__("transformers").__version__, torch=torch.__version__)))
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
@@ -41,19 +42,23 @@ def test_cpu_smoke_run_with_gemm_references(tmp_path):
     assert res["kernels"] and all("tflops" in r for r in res["kernels"])
 
 
-def test_generate_cpu_smoke_run_with_a_static_cache(tmp_path):
-    # both backends in their own processes with a static KV cache (on a GPU transformers compiles the decoding
-    # forward then; here it stays eager): every length timed in both passes, the same weights in both processes,
-    # the mok process's prefill and decode calls ran mok (greedy tokens are compared, not required equal: bf16)
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
+def test_generate_cpu_smoke_run(tmp_path, static):
+    # both backends in their own processes, with transformers' default dynamic KV cache or a static one (on a GPU
+    # transformers compiles the decoding forward then; here it stays eager): the cache class generate() used,
+    # every length timed in both passes, the same weights in both processes, the mok process's prefill and
+    # decode calls ran mok (greedy tokens are compared, not required equal: bf16)
     run = subprocess.run([sys.executable, os.path.join(HERE, "..", "benchmarks", "generate_hf.py"), "--device", "cpu",
-                          "--tiny", "--lengths", "5,9", "--max-new-tokens", "3", "--warmup-len", "4", "--static-cache",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+                          "--tiny", "--lengths", "5,9", "--max-new-tokens", "3", "--warmup-len", "4",
+                          "--out", str(tmp_path)] + (["--static-cache"] if static else []),
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.load(open(tmp_path / "generate_hf.json"))
-    assert res["meta"]["static_cache"] is True
+    assert res["meta"]["static_cache"] is static
     rows = {r["backend"]: r for r in res["results"]}
     assert set(rows) == {"mok", "grouped_mm"} and not any("error" in r for r in rows.values())
     for r in rows.values():
+        assert r["cache_class"] == ("StaticCache" if static else "DynamicCache")
         assert set(r["cold"]["per_length_s"]) == set(r["warm"]["per_length_s"]) == {"5", "9"}
         assert all(len(t) == 3 for t in r["tokens"].values())
         assert r["same_tokens_cold_warm"]
@@ -75,24 +80,38 @@ def test_bench_moe_check_every_contender_runs_and_agrees():
 
 def test_interleaved_rounds_cover_every_mode_and_routing(monkeypatch):
     # the rounds mode on the CPU (mok's reference, grouped_mm's torch ops), a stand-in timer: the contenders
-    # alternate within each round (mok 2 ms, the baseline 3 ms), every (shape, routing, mode) gets its rounds,
-    # and a ratio is the baseline's time over the contender's
+    # alternate within each round (mok 2 ms, the baseline 3 ms), every (shape, routing, mode) gets its rounds
+    # with inputs of its routing, a forward step returns y and a fwd+bwd step the four gradients, the results
+    # so far are handed on after each entry, and a ratio is the baseline's time over the contender's
     monkeypatch.setitem(bench_moe.SHAPES, "tiny", (16, 32, 16, 4, 2))
-    calls = []
+    kinds, calls, saved = [], [], []
+    make_inputs = bench_moe.make_inputs
+
+    def recording_inputs(T, H, I, E, K, kind, **kw):
+        kinds.append(kind)
+        return make_inputs(T, H, I, E, K, kind, **kw)
+
+    monkeypatch.setattr(bench_moe, "make_inputs", recording_inputs)
 
     def timer(step, iters):
-        out = step()  # the step runs: a forward returns y, fwd+bwd the four gradients
-        assert all(t.isfinite().all() for t in (out if isinstance(out, tuple) else (out,)))
-        calls.append(step)
+        out = step()
+        calls.append(out)
         return (2.0 if len(calls) % 2 else 3.0), iters
 
     plan = [("tiny", "balanced"), ("tiny", "skewed")]
     out = bench_moe.interleaved(plan, ["mok", "grouped_mm"], 2, 5, lambda line: None, modes=("fwd", "fwd+bwd"),
-                                device="cpu", timer=timer)
+                                device="cpu", timer=timer, on_result=lambda res: saved.append(len(res)))
+    assert kinds == ["balanced", "skewed"]
     assert [(r["shape"], r["routing"], r["mode"]) for r in out] == [
         ("tiny", "balanced", "fwd"), ("tiny", "balanced", "fwd+bwd"), ("tiny", "skewed", "fwd"),
         ("tiny", "skewed", "fwd+bwd")]
-    assert len(calls) == 4 * 2 * 2
+    assert saved == [1, 2, 3, 4]
+    assert len(calls) == 4 * 2 * 2  # entries x rounds x contenders
+    for i, got in enumerate(calls):  # each entry's 4 timings, fwd entries first within a shape
+        if (i // 4) % 2 == 0:
+            assert isinstance(got, torch.Tensor) and got.shape == (16, 32) and not got.requires_grad
+        else:
+            assert isinstance(got, tuple) and len(got) == 4 and all(g.isfinite().all() for g in got)
     for r in out:
         assert r["base"] == "grouped_mm" and len(r["rounds"]) == 2
         assert r["median_ms"] == {"mok": 2.0, "grouped_mm": 3.0}
@@ -100,3 +119,21 @@ def test_interleaved_rounds_cover_every_mode_and_routing(monkeypatch):
     with pytest.raises(ValueError, match=r"got fwd\+bw$"):  # a misspelt mode is an error, not a silent forward
         bench_moe.interleaved(plan, ["mok", "grouped_mm"], 1, 1, lambda line: None, modes=("fwd+bw",), device="cpu",
                               timer=timer)
+
+
+def test_dynamic_compiled_contender_runs_two_token_counts_in_one_graph():
+    # mok_compiled_dynamic: torch.compile(dynamic=True), one graph for every token count (T = 8 and 24 here;
+    # Dynamo specialises 0 and 1 only), the outputs equal to eager mok's
+    import mok_inductor
+    from torch._dynamo.utils import counters
+
+    mok_inductor.enable()
+    torch._dynamo.reset()
+    counters.clear()
+    for T in (8, 24):
+        x, rw, te, w_gu, w_d = bench_moe.make_inputs(T, 32, 16, 4, 2, "balanced", device="cpu")
+        with torch.no_grad():
+            want = bench_moe.moe_mok(x, rw, te, w_gu, w_d)
+            got = bench_moe.moe_mok_compiled_dynamic(x, rw, te, w_gu, w_d)
+        assert torch.equal(got, want)
+    assert counters["stats"]["unique_graphs"] == 1
