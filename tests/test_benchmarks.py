@@ -127,13 +127,14 @@ def test_dynamic_compiled_contender_runs_two_token_counts_in_one_graph():
     import mok_inductor
     from torch._dynamo.utils import counters
 
-    mok_inductor.enable()
     torch._dynamo.reset()
     counters.clear()
-    for T in (8, 24):
-        x, rw, te, w_gu, w_d = bench_moe.make_inputs(T, 32, 16, 4, 2, "balanced", device="cpu")
-        with torch.no_grad():
-            want = bench_moe.moe_mok(x, rw, te, w_gu, w_d)
-            got = bench_moe.moe_mok_compiled_dynamic(x, rw, te, w_gu, w_d)
-        assert torch.equal(got, want)
+    with mok_inductor.enabled():  # (restored after: other tests check the process's passes)
+        for T in (8, 24):
+            x, rw, te, w_gu, w_d = bench_moe.make_inputs(T, 32, 16, 4, 2, "balanced", device="cpu")
+            with torch.no_grad():
+                want = bench_moe.moe_mok(x, rw, te, w_gu, w_d)
+                got = bench_moe.moe_mok_compiled_dynamic(x, rw, te, w_gu, w_d)
+            assert torch.equal(got, want)
     assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
