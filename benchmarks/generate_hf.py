@@ -104,12 +104,14 @@ def child(a):
         if hasattr(GenerationConfig(), "max_cache_len"):  # one cache size for every length (one decode graph)
             cache["max_cache_len"] = max(a.lengths) + n
 
-    def generate(ids, new, record=None):
+    def generate(ids, new, record=None):  # (record: the warm-up's; the timed calls return the tokens only)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, num_beams=1, pad_token_id=0, return_dict_in_generate=True, **cache)
+                             do_sample=False, num_beams=1, pad_token_id=0, return_dict_in_generate=record is not None,
+                             **cache)
         if record is not None:
             record["cache_class"] = type(out.past_key_values).__name__
-        return out.sequences[0, ids.shape[1]:].tolist()
+            out = out.sequences
+        return out[0, ids.shape[1]:].tolist()
 
     def run():
         times, tokens = {}, {}
