@@ -78,6 +78,16 @@ def test_bench_moe_check_every_contender_runs_and_agrees():
         assert any(line.split(":")[0].strip() == c and line.endswith("ok") for line in run.stdout.splitlines()), c
 
 
+def test_bench_decode_check_contenders_agree():
+    # --check: mok's Triton kernels (under the interpreter) and torch._grouped_mm at a tiny decode shape, each
+    # against mok's output; exit 0 only if all agree
+    run = subprocess.run([sys.executable, os.path.join(HERE, "..", "benchmarks", "bench_decode.py"), "--check"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert [line.split(":")[0] for line in run.stdout.splitlines() if line.endswith(" ok")] == [
+        "mok", "grouped_mm"], run.stdout
+
+
 def test_interleaved_rounds_cover_every_mode_and_routing(monkeypatch):
     # the rounds mode on the CPU (mok's reference, grouped_mm's torch ops), a stand-in timer: the contenders
     # alternate within each round (mok 2 ms, the baseline 3 ms), every (shape, routing, mode) gets its rounds
