@@ -54,32 +54,14 @@ def wall_us(f, n=1000, sync_every=200):
     return (time.perf_counter() - t) / n * 1e6
 
 
-def graph_us(f, n=200):
+def graph_us(f):
     """Microseconds per replay of f captured in a CUDA graph (its kernels, no host work)."""
     f()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         f()
-    for _ in range(5):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n * 1e3
-
-
-def touched_bytes(te, H, I, dtype):
-    """Bytes of the routed weights this call reads: each distinct expert's gate/up and down once."""
-    experts = int(torch.unique(te[te >= 0]).numel())
-    return experts * 3 * H * I * torch.finfo(dtype).bits // 8
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+    return bench_moe.bench(g.replay)[0] * 1e3
 
 
 def run(shapes, tokens, names, log):
@@ -91,31 +73,31 @@ def run(shapes, tokens, names, log):
         for T in tokens:
             x, rw, te, w_gu, w_d = bench_moe.make_inputs(T, H, I, E, K, "balanced")
             row = {"shape": name, "T": T, "routes": T * K,
-                   "floor_us": touched_bytes(te, H, I, w_gu.dtype) / bandwidth * 1e6}
+                   "floor_us": bench_moe.weight_read_floor_ms(te, H, I, w_gu.dtype, bandwidth)[0] * 1e3}
             with torch.no_grad():
                 ref = None
                 for c in names:
                     f = lambda c=c: CONTENDERS[c](x, rw, te, w_gu, w_d)
                     y = f()
                     ref = y if ref is None else ref
-                    row[c] = {"wall_us": wall_us(f), "kernels_us": graph_us(f), "rel_to_first": rel(y, ref)}
+                    row[c] = {"wall_us": wall_us(f), "kernels_us": graph_us(f),
+                              "rel_to_first": bench_moe.rel_err(y, ref)}
             rows.append(row)
             log(f"{name} T={T} ({T * K} routes): floor {row['floor_us']:.1f} us; " + "; ".join(
-                f"{c} wall {row[c]['wall_us']:.1f} kernels {row[c]['kernels_us']:.1f} (rel {row[c]['rel_to_first']:.1e})"
-                for c in names))
+                f"{c} wall {row[c]['wall_us']:.1f} kernels {row[c]['kernels_us']:.1f} "
+                f"(rel {row[c]['rel_to_first']:.1e})" for c in names))
     return rows
 
 
 def check():
     """CPU smoke run under the interpreter: each contender's output against mok's, at a tiny decode shape."""
-    torch.manual_seed(0)
     T, H, I, E, K = 2, 32, 16, 8, 2
     x, rw, te, w_gu, w_d = bench_moe.make_inputs(T, H, I, E, K, "balanced", device="cpu")
     ok = True
     with torch.no_grad(), mok_inductor.options.override(backend="triton"):
         ref = bench_moe.moe_mok(x, rw, te, w_gu, w_d)
         for c, f in CONTENDERS.items():
-            err = rel(f(x, rw, te, w_gu, w_d), ref)
+            err = bench_moe.rel_err(f(x, rw, te, w_gu, w_d), ref)
             good = err <= 1e-2
             ok &= good
             print(f"{c}: rel {err:.1e} {'ok' if good else 'FAILED'}")

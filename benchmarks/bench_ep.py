@@ -41,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_moe import SHAPES, routing_tensors  # noqa: E402
+from bench_moe import SHAPES, rel_err, routing_tensors  # noqa: E402
 
 TINY = {"tiny": (48, 64, 32, 8, 2)}  # T per rank, H, I, E, K: the CPU smoke run
 
@@ -151,11 +151,6 @@ def comm_ms(fn, iters, group, device):
     return float(ms[0]), float(ms[1])
 
 
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 # ---------------------------------------------------------------------------------------------
 
 
@@ -202,10 +197,10 @@ def run(name, shape, n, group, rank, device, args, log):
             g = g_1[j].float()
             dist.all_reduce(g, group=group)
             g_1[j] = g[rank * El:(rank + 1) * El]
-        errs = dict(y=rel(y_ep, y_1), dx=rel(g_ep[0], g_1[0]), d_router_weights=rel(g_ep[1], g_1[1]),
-                    d_gate_up=rel(g_ep[2], g_1[2]), d_down=rel(g_ep[3], g_1[3]))
+        errs = dict(y=rel_err(y_ep, y_1), dx=rel_err(g_ep[0], g_1[0]), d_router_weights=rel_err(g_ep[1], g_1[1]),
+                    d_gate_up=rel_err(g_ep[2], g_1[2]), d_down=rel_err(g_ep[3], g_1[3]))
         y_b = baseline_moe(x, rw, te, loc[0], loc[1], group)
-        errs["baseline_y"] = rel(y_b, y_1)
+        errs["baseline_y"] = rel_err(y_b, y_1)
         t = torch.tensor(list(errs.values()), dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         out["max_rel_err"] = dict(zip(errs, t.tolist()))

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_moe import SHAPES, routing_tensors, tee_log, timed  # noqa: E402
+from bench_moe import SHAPES, rel_err, routing_tensors, tee_log, timed  # noqa: E402
 
 
 def experts_module(T, H, I, E, K, seed=0, device="cuda"):
@@ -92,11 +92,6 @@ def step_fn(f, module, x, te, rw, dy, grad):
     return fwd_bwd
 
 
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def check(module, fs, x, te, rw, dy, log):
     """Each contender's output and gradients against the module's eager loop (in float32 from the same bf16
     values). mok's must be within bf16's 2e-2; the baseline's are logged (its bias gradients, summed in bf16,
@@ -111,7 +106,7 @@ def check(module, fs, x, te, rw, dy, log):
         mine = leaves_of(module, x, rw)
         y = f(mine[0], te, mine[1])
         g = torch.autograd.grad(y, mine, dy)
-        errs = {n: rel(a, b) for n, a, b in zip(names, (y, *g), (y_ref, *g_ref))}
+        errs = {n: rel_err(a, b) for n, a, b in zip(names, (y, *g), (y_ref, *g_ref))}
         worst[c] = max(errs.values())
         log(f"check {c}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
         if c.startswith("mok") and not worst[c] <= 2e-2:

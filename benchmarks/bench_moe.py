@@ -292,6 +292,19 @@ def copy_bandwidth():
     return 2 * a.numel() / (ms * 1e-3)
 
 
+def weight_read_floor_ms(te, H, I, dtype, bandwidth):
+    """(ms, experts touched): the routed weights a call reads, each touched expert's gate/up and down once, over
+    `bandwidth` bytes/s (`copy_bandwidth`)."""
+    touched = int(torch.unique(te[te >= 0]).numel())
+    return touched * 3 * H * I * torch.finfo(dtype).bits // 8 / bandwidth * 1e3, touched
+
+
+def rel_err(a, b):
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
 def run_shape(name, kind, contenders, results, log):
     T, H, I, E, K = SHAPES[name]
     decode = T <= 256
@@ -321,8 +334,7 @@ def run_shape(name, kind, contenders, results, log):
     add("dense", "fwd+bwd", *ms, all_flops)
     del A, B, dC
     if decode:
-        touched = torch.unique(te).numel()
-        floor_ms = touched * 3 * H * I * 2 / copy_bandwidth() * 1e3
+        floor_ms, touched = weight_read_floor_ms(te, H, I, w_gu.dtype, copy_bandwidth())
         add("floor", "fwd", floor_ms, floor_ms, floor_ms, fwd_flops, note=f"{touched} experts touched")
 
     for c in contenders:
@@ -331,8 +343,7 @@ def run_shape(name, kind, contenders, results, log):
         try:
             t0 = time.time()
             with torch.no_grad():
-                y = f(*args).float()
-            err = ((y - y_mok).norm() / y_mok.norm()).item()
+                err = rel_err(f(*args), y_mok)
             quick = c == "eager"
             wu, rp = (2, 10) if quick else (25, 100)
             with torch.no_grad():
@@ -496,7 +507,7 @@ def check(contenders):
     for c in contenders:
         f = CONTENDERS[c]
         with torch.no_grad():
-            err = ((f(x, rw, te, w_gu, w_d).float() - y_mok).norm() / y_mok.norm()).item()
+            err = rel_err(f(x, rw, te, w_gu, w_d), y_mok)
         grads = fwd_bwd_step(f, leaves, te, dy)()
         # MXFP8 differs from bf16 by the weights' e4m3 rounding (a few percent), the others by bf16 rounding
         ok = err < (1e-1 if "mxfp8" in c else 2e-2) and all(torch.isfinite(g).all() for g in grads)
