@@ -68,24 +68,27 @@ def test_generate_cpu_smoke_run(tmp_path, static):
     assert set(rows["grouped_mm"]["agreement"]) == {"5", "9"}
 
 
+def _check_run(script):
+    """stdout of `benchmarks/<script> --check` (its CPU smoke run), which must exit 0."""
+    run = subprocess.run([sys.executable, os.path.join(HERE, "..", "benchmarks", script), "--check"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    return run.stdout
+
+
 def test_bench_moe_check_every_contender_runs_and_agrees():
     # --check: each contender (mok eager, compiled static and dynamic, pointer loads, MXFP8, grouped_mm eager and
     # compiled, the HF loop) at a tiny shape against mok's output, and its fwd+bwd finite; exit 0 only if all pass
-    run = subprocess.run([sys.executable, os.path.join(HERE, "..", "benchmarks", "bench_moe.py"), "--check"],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    out = _check_run("bench_moe.py")
     for c in ("mok_compiled", "mok_compiled_dynamic", "grouped_mm_compiled", "mok_mxfp8"):
-        assert any(line.split(":")[0].strip() == c and line.endswith("ok") for line in run.stdout.splitlines()), c
+        assert any(line.split(":")[0].strip() == c and line.endswith("ok") for line in out.splitlines()), c
 
 
 def test_bench_decode_check_contenders_agree():
     # --check: mok's Triton kernels (under the interpreter) and torch._grouped_mm at a tiny decode shape, each
     # against mok's output; exit 0 only if all agree
-    run = subprocess.run([sys.executable, os.path.join(HERE, "..", "benchmarks", "bench_decode.py"), "--check"],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert [line.split(":")[0] for line in run.stdout.splitlines() if line.endswith(" ok")] == [
-        "mok", "grouped_mm"], run.stdout
+    out = _check_run("bench_decode.py")
+    assert [line.split(":")[0] for line in out.splitlines() if line.endswith(" ok")] == ["mok", "grouped_mm"], out
 
 
 def test_interleaved_rounds_cover_every_mode_and_routing(monkeypatch):
