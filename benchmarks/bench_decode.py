@@ -5,7 +5,7 @@
 
 For each shape and token count: the wall time per call in a loop that synchronises only every 200 calls (generate()
 runs ahead of the GPU until the host's launch work is the bound: at decode sizes it is), and the kernels' time alone
-(the call replayed from a CUDA graph): the gap between the two is the host's work per call. Contenders: mok
+(their durations summed by torch.profiler): the gap between the two is the host's work per call. Contenders: mok
 (`mok_inductor.moe`: the schedule, the grouped GEMMs and the combine, five Triton launches and three custom ops) and
 `torch._grouped_mm` eager (bench_moe.py's sort, gather, grouped GEMMs, combine), checked against mok on the same
 inputs. The weight-read floor is the routed weights the call touches over the copy bandwidth measured on the card.
@@ -54,14 +54,20 @@ def wall_us(f, n=1000, sync_every=200):
     return (time.perf_counter() - t) / n * 1e6
 
 
-def graph_us(f):
-    """Microseconds per replay of f captured in a CUDA graph (its kernels, no host work)."""
+def kernels_us(f, n=50):
+    """Microseconds of GPU kernel time per call of f: the kernels' durations summed (torch.profiler, CUDA
+    activity only), without the host's launch work or the gaps between kernels. (Not a CUDA-graph replay:
+    grouped_mm's eager path sizes its groups with torch.bincount, a host synchronisation a capture refuses.)"""
+    from torch.profiler import ProfilerActivity, profile
+
     f()
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        f()
-    return bench_moe.bench(g.replay)[0] * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            f()
+        torch.cuda.synchronize()
+    total = sum(e.self_device_time_total for e in prof.key_averages())
+    return total / n if total > 0 else float("nan")
 
 
 def run(shapes, tokens, names, log):
@@ -80,7 +86,7 @@ def run(shapes, tokens, names, log):
                     f = lambda c=c: CONTENDERS[c](x, rw, te, w_gu, w_d)
                     y = f()
                     ref = y if ref is None else ref
-                    row[c] = {"wall_us": wall_us(f), "kernels_us": graph_us(f),
+                    row[c] = {"wall_us": wall_us(f), "kernels_us": kernels_us(f),
                               "rel_to_first": bench_moe.rel_err(y, ref)}
             rows.append(row)
             log(f"{name} T={T} ({T * K} routes): floor {row['floor_us']:.1f} us; " + "; ".join(
