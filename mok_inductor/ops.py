@@ -101,6 +101,11 @@ def use_triton(t: Tensor) -> bool:
             raise RuntimeError("options.backend='triton', but the Triton kernels are not available here (is triton "
                                "installed? CPU tensors need TRITON_INTERPRET=1)")
         return False
+    if t.device.type == "cpu" and not options.INTERPRET:  # ("auto" returned above: only "triton" gets here)
+        # (the compiled kernels would read CPU pointers, which Triton refuses with a message naming no argument)
+        raise RuntimeError("options.backend='triton' with CPU tensors: the compiled Triton kernels take CUDA tensors; "
+                           "CPU tensors run them only under Triton's interpreter (TRITON_INTERPRET=1, set before "
+                           "triton is imported), or use backend 'auto' or 'reference' for the CPU implementation")
     return True
 
 

@@ -41,7 +41,7 @@ class Options:
 
     backend: which implementation runs the ops. "auto": the Triton kernels on CUDA tensors, the PyTorch
         reference (`mok_inductor.reference`) on CPU; "reference": always the reference; "triton": always the
-        kernels (on CPU tensors only under TRITON_INTERPRET=1).
+        kernels (on CPU tensors only under TRITON_INTERPRET=1; without it a CPU tensor is a RuntimeError).
     autotune: search the tile configs at run time: the first launch of a kernel at a (problem, row bucket) the
         user's table lacks times every candidate config and records the fastest in that table (seconds per
         new shape, once per machine). False (the default) takes the configs of the tuned tables, shipped and

@@ -532,5 +532,24 @@ class TestBadInput(expecttest.TestCase):
             self.assertTrue(torch.equal(kw[k], v), k)
 
 
+def test_triton_backend_on_cpu_tensors_without_the_interpreter(monkeypatch):
+    """options.backend="triton" with CPU tensors where the interpreter is off (a machine with CUDA): a RuntimeError
+    that says what to do, before any launch (the compiled kernels would read CPU pointers); "auto" still takes the
+    CPU reference. (Here the interpreter is on; turning the package's mirror of it off stands in for such a
+    machine.)"""
+    from mok_inductor import kernels, options
+
+    launched = []
+    monkeypatch.setattr(kernels.common, "launch", lambda *a, **k: launched.append(a[0]))
+    monkeypatch.setattr(options, "INTERPRET", False)
+    kw = _good()
+    with options.override(backend="triton"), pytest.raises(RuntimeError) as err:
+        _call(kw)
+    assert "options.backend='triton' with CPU tensors" in str(err.value)
+    assert "TRITON_INTERPRET=1" in str(err.value) and launched == []
+    assert mok_inductor.path_name(kw["x"]) == "reference"
+    assert _call(kw).shape == kw["x"].shape
+
+
 if __name__ == "__main__":
     expecttest.run_tests() if hasattr(expecttest, "run_tests") else __import__("unittest").main()
