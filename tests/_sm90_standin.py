@@ -40,6 +40,10 @@ def install() -> None:
         torch.cuda.is_available = real
         # (the tile-config lookup asks torch.cuda for the GPU's name: a stand-in one, sm_90 as told to Triton)
         mok_inductor.kernels.configs._device_facts = lambda device: ("probe-sm90", "9.0")
+        # (`ops.use_triton` refuses CPU tensors for backend "triton" unless Triton's interpreter is on: here they
+        # stand in for CUDA ones, traced as for sm_90, and their launches run only in `interpreted_launches`.
+        # The kernels' own copies of the flag, taken at import, stay off: they are traced as compiled ones.)
+        mok_inductor.options.INTERPRET = True
     import mok_inductor
     import mok_inductor.kernels.configs as tile_configs
     from mok_inductor import ops

@@ -9,10 +9,10 @@ rows of this rank, the local experts' slice of the weight gradients, and the sha
 gradients summed over the ranks (a data-parallel all-reduce). Cases: balanced random routing, every
 token to rank 0's experts, a rank with T = 0, `-1` routes (and a token with none), the shared expert
 with its output gate, swiglu_limit, bf16, K = 1; GPT-OSS's experts (its activation, both routed
-biases, an expert no route reaches; the reference and the Triton kernels; its checkpoint layout's
-views; autocast), also against the one-device call holding every expert; the functional ABI with a group
-(fresh gradients and main_grads accumulation, dense and split layouts); errors raised on every rank;
-determinism.
+biases, an expert no route reaches; the reference and the Triton kernels (under the interpreter, so without
+CUDA only); its checkpoint layout's views; autocast), also against the one-device call holding every expert;
+the functional ABI with a group (fresh gradients and main_grads accumulation, dense and split layouts); errors
+raised on every rank; determinism.
 
 Shapes: T in [0, 16] per rank, H=32, I=16, Is=24, E=8, K=2 (K=1 once). Tolerances: docs/semantics.md, "The
 contract" (`_helpers.TOLERANCE`).
@@ -397,7 +397,7 @@ def case_gpt_oss_autocast(rank, world, seed):
 
 
 def case_gpt_oss_triton(rank, world, seed):
-    # the Triton kernels (under the interpreter on CPU): T < a tile on each rank
+    # the Triton kernels (under the interpreter on the gloo ranks' CPU tensors): T < a tile on each rank
     _check_gpt_oss_case(rank, world, seed, backend="triton", T=[5, 3] + [4, 2][:world - 2])
 
 
@@ -681,11 +681,12 @@ SUITES = {
     "api2": [case_balanced, case_all_to_rank0, case_empty_rank, case_minus_one_routes, case_no_shared_k1, case_bf16,
              case_all_tokens_empty, case_matches_one_device_and_is_deterministic, case_errors_on_every_rank,
              case_gpt_oss, case_gpt_oss_bf16_hf_views, case_swiglu_biases_empty_rank, case_gpt_oss_shared_expert,
-             case_gpt_oss_autocast, case_gpt_oss_triton, case_functional_dense, case_functional_main_grads,
-             case_functional_split, case_workspace_does_not_keep_its_group],
+             case_gpt_oss_autocast, case_functional_dense, case_functional_main_grads, case_functional_split,
+             case_workspace_does_not_keep_its_group],
     "api4": [case_balanced_limit, case_all_to_rank0, case_empty_rank, case_minus_one_routes, case_bf16,
              case_matches_one_device_and_is_deterministic, case_errors_on_every_rank, case_gpt_oss,
              case_swiglu_biases_empty_rank, case_functional_main_grads, case_functional_split],
+    "triton2": [case_gpt_oss_triton],
     "one_rank": [case_ep_code_path_on_one_rank],
     "integrations2": [case_megatron_ep, case_transformers_shard_experts, case_transformers_shard_gpt_oss],
 }
@@ -701,6 +702,12 @@ def test_group_without_torch_distributed_is_a_value_error(monkeypatch):
 @pytest.mark.parametrize("world,suite", [(2, "api2"), (4, "api4")])
 def test_expert_parallel_against_one_process(world, suite, tmp_path):
     _spawn(world, suite, tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only: the gloo ranks' CPU tensors reach the "
+                    "Triton kernels only under Triton's interpreter (TRITON_INTERPRET=1, set where CUDA is absent)")
+def test_expert_parallel_triton_kernels_under_the_interpreter(tmp_path):
+    _spawn(2, "triton2", tmp_path)
 
 
 @pytest.mark.parametrize("device", [

@@ -28,6 +28,7 @@ GRAD_ARGS = ("x", "router_weights", "gate_up_proj", "down_proj", "shared_gate_up
              "shared_output_gate")
 WEIGHT_NAMES = GRAD_ARGS[2:]
 SECOND_DERIVATIVE = r"^mok::moe does not support second derivatives"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' tensors (CPU: the interpreter)
 
 
 def _fn(case):
@@ -251,7 +252,7 @@ def test_per_sample_gradients(backend):
     # per-sample weight gradient is not a sum over the batch). reference: bitwise; triton (its kernels under the
     # interpreter, which is slow: B=2, T=2): within the float32 contract of the reference's
     B, T = (3, 3) if backend == "reference" else (2, 2)
-    case = _full_case(77, T=B * T)
+    case = _full_case(77, T=B * T, device=DEV if backend == "triton" else "cpu")
     dy = random_like(case.x.detach(), 78)
     weights = [getattr(case, n).detach() for n in WEIGHT_NAMES]
 
@@ -265,8 +266,8 @@ def test_per_sample_gradients(backend):
     tol = 0.0 if backend == "reference" else TOLERANCE[torch.float32]
     for b in range(B):
         one = MoeCase(*(t[b] for t in per_sample[:3]), *weights, swiglu_limit=case.swiglu_limit)
-        with mok_inductor.options.override(backend="reference"):
-            _, ref = moe_with_grads(one, per_sample[3][b])
+        with mok_inductor.options.override(backend="reference"):  # (on the CPU)
+            _, ref = moe_with_grads(one.detached(device="cpu"), per_sample[3][b].cpu())
         for name, g in zip(GRAD_ARGS[:1] + WEIGHT_NAMES, [g_x] + list(g_w)):
             assert rel_err(g[b], ref[name]) <= tol, f"sample {b}: {name}"
 

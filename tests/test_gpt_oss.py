@@ -14,6 +14,7 @@ from _helpers import TOLERANCE, rel_err, routing
 from oracle import oracle_moe
 
 NAMES = ("x", "router_weights", "gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' tensors (CPU: the interpreter)
 
 
 def _inputs(T=24, H=16, I=8, E=5, K=2, *, dtype=torch.float32, seed=0, kind="random", drop=0.2):
@@ -238,11 +239,11 @@ def test_triton_kernels_against_oracle(case):
     # T=7 < a tile, H=16, I=8, E=4 (prime-free but with an empty expert in "low_half"), K=2
     inp = _inputs(T=7, H=16, I=8, E=4, K=2, dtype=dtype, seed=len(case), kind=kind)
     dy = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
-    leaves = _leaves(inp, NAMES)
+    leaves = _leaves({n: t.to(DEV) for n, t in inp.items()}, NAMES)
     call = dict(leaves)
     arriving = {}
     if hf:  # GPT-OSS's layouts: strided views (pointer loads, strided gradient destinations)
-        w_hf, b_hf, d_hf = (t.detach().requires_grad_(True) for t in _hf_layout(inp))
+        w_hf, b_hf, d_hf = (t.detach().to(DEV).requires_grad_(True) for t in _hf_layout(inp))
         for p in (w_hf, b_hf, d_hf):  # each gradient as it arrives, before AccumulateGrad (which would copy)
             p.register_hook(lambda g, p=p: arriving.__setitem__(id(p), g.is_contiguous()))
         E, two_i, H = inp["gate_up_proj"].shape
@@ -251,7 +252,7 @@ def test_triton_kernels_against_oracle(case):
                     gate_up_bias=b_hf.view(E, I, 2).transpose(1, 2))
     with mok_inductor.options.override(backend="triton", **opts):
         y = _mok(call, activation, limit, with_bias)
-        y.backward(dy)
+        y.backward(dy.to(DEV))
     y_ref, g_ref = _oracle_with_grads(inp, activation, limit, with_bias, dy)
     tol = TOLERANCE[dtype]
     assert rel_err(y, y_ref) <= tol, rel_err(y, y_ref)
@@ -280,14 +281,15 @@ def test_mxfp8_weights_with_biases(backend):
         pytest.fail("the Triton kernels are not available (no CUDA and no TRITON_INTERPRET=1)")
     # H=32, I=32 (MXFP8 blocks of 32 along both dims), T=6 < a tile, E=3, K=2
     inp = _inputs(T=6, H=32, I=32, E=3, K=2, dtype=torch.bfloat16, seed=21)
-    masters = {n: inp[n].clone().requires_grad_(True) for n in ("gate_up_proj", "down_proj")}
+    dev = DEV if backend == "triton" else "cpu"
+    masters = {n: inp[n].to(dev).clone().requires_grad_(True) for n in ("gate_up_proj", "down_proj")}
     q = {n: mxfp8.quantize(masters[n]) for n in masters}
-    deq = {n: mxfp8.dequantize(q[n], layout="row") for n in q}
+    deq = {n: mxfp8.dequantize(q[n], layout="row").cpu() for n in q}
     dy = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(22)).to(torch.bfloat16)
-    leaves = _leaves(inp, NAMES)
+    leaves = _leaves({n: t.to(dev) for n, t in inp.items()}, NAMES)
     with mok_inductor.options.override(backend=backend):
         y = _mok(dict(leaves, **q), "gpt_oss", 1.0)
-        y.backward(dy)
+        y.backward(dy.to(dev))
     y_ref, g_ref = _oracle_with_grads(dict(inp, **deq), "gpt_oss", 1.0, (True, True), dy)
     tol = TOLERANCE[torch.bfloat16]
     assert rel_err(y, y_ref) <= tol, rel_err(y, y_ref)
@@ -338,10 +340,11 @@ def test_interleaved_weights_load_by_pointers():
 def test_edge_cases_against_oracle(backend, T, K):
     inp = _inputs(T=T, E=4, K=K, seed=40 + T + K, drop=0.0)
     dy = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(41))
-    leaves = _leaves(inp, NAMES)
+    dev = DEV if backend == "triton" else "cpu"
+    leaves = _leaves({n: t.to(dev) for n, t in inp.items()}, NAMES)
     with mok_inductor.options.override(backend=backend):
         y = _mok(leaves, "gpt_oss", 1.0)
-        y.backward(dy)
+        y.backward(dy.to(dev))
     y_ref, g_ref = _oracle_with_grads(inp, "gpt_oss", 1.0, (True, True), dy)
     assert y.shape == y_ref.shape and rel_err(y, y_ref) <= TOLERANCE[torch.float32]
     for n in NAMES:
@@ -447,19 +450,19 @@ def test_interleaved_weight_read_whole(tma, two_pass, monkeypatch):
     monkeypatch.setattr(kernels.common, "launch", launch)
     monkeypatch.setattr(bwd_act, "bwd_act", spy_bwd_act)
     monkeypatch.setattr(grouped_gemm, "grouped_rows", spy_rows)
-    w_hf, b_hf, d_hf = (t.detach().requires_grad_(True) for t in _hf_layout(inp))
-    x = inp["x"].clone().requires_grad_(True)
-    rw = inp["router_weights"].clone().requires_grad_(True)
-    db = inp["down_bias"].clone().requires_grad_(True)
+    w_hf, b_hf, d_hf = (t.detach().to(DEV).requires_grad_(True) for t in _hf_layout(inp))
+    x = inp["x"].to(DEV).clone().requires_grad_(True)
+    rw = inp["router_weights"].to(DEV).clone().requires_grad_(True)
+    db = inp["down_bias"].to(DEV).clone().requires_grad_(True)
     E, H, two_i = w_hf.shape
     I = two_i // 2
     with mok_inductor.options.override(backend="triton", tma_min_rows=0 if tma else 1 << 30,
                                        two_pass_min_rows=1 if two_pass else 1 << 30):
         assert ops.use_triton(x)
-        y = mok_inductor.moe(x, rw, inp["top_experts"], w_hf.view(E, H, I, 2).permute(0, 3, 2, 1),
+        y = mok_inductor.moe(x, rw, inp["top_experts"].to(DEV), w_hf.view(E, H, I, 2).permute(0, 3, 2, 1),
                              d_hf.transpose(1, 2), swiglu_limit=1.0, activation="gpt_oss",
                              gate_up_bias=b_hf.view(E, I, 2).transpose(1, 2), down_bias=db)
-        y.backward(dy)
+        y.backward(dy.to(DEV))
     assert seen["INTERLEAVED"] == [True] and seen["TMA"] == [tma], seen
     assert seen["interleave"] == [True] and seen["dx_weight_strides"] == [(H * two_i, two_i, 1)], seen
     assert seen["INTERLEAVE"] == ([(True, True), (False, True)] if two_pass else [(False, True)]), seen
@@ -484,22 +487,23 @@ def test_interleaved_weight_into_separate_gradient_buffers():
 
     if not kernels.AVAILABLE:
         pytest.fail("the Triton kernels are not available (no CUDA and no TRITON_INTERPRET=1)")
-    inp = _inputs(T=7, H=16, I=8, E=3, K=2, dtype=torch.float32, seed=43)
+    inp = {n: t.to(DEV) for n, t in _inputs(T=7, H=16, I=8, E=3, K=2, dtype=torch.float32, seed=43).items()}
     w_hf, _, _ = _hf_layout(inp)
     E, H, two_i = w_hf.shape
     I = two_i // 2
     x, rw, te = inp["x"], inp["router_weights"], inp["top_experts"]
     sched = Schedule(*torch.ops.mok.schedule(te.int(), E))
     act = activation("gpt_oss")
-    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(DEV)
     results = []
     with mok_inductor.options.override(backend="triton"):
         for fc1 in (inp["gate_up_proj"], w_hf.view(E, H, I, 2).permute(0, 3, 2, 1)):
             gate, up = split_gate_up(fc1)
             operands = RoutedOperands.of_weights(gate, up, inp["down_proj"])
             fwd = ops.forward(x, rw, te, sched, operands, swiglu_limit=1.0, act=act)
-            grads = GradBuffers(torch.full((E, I, H), float("nan")), torch.full((E, I, H), float("nan")),
-                                torch.full((E, H, I), float("nan")))
+            grads = GradBuffers(torch.full((E, I, H), float("nan"), device=DEV),
+                                torch.full((E, I, H), float("nan"), device=DEV),
+                                torch.full((E, H, I), float("nan"), device=DEV))
             bwd = ops.backward(dy, x, rw, te, sched, operands, fwd.gu_N2I, swiglu_limit=1.0, act=act, grads=grads)
             results.append((fwd.y_TH, bwd.dx_TH, grads.d_gate, grads.d_up, grads.d_down))
     for a, b in zip(*results):

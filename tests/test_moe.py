@@ -29,6 +29,7 @@ from _helpers import (
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' tensors (CPU: the interpreter)
 
 # (shared expert, shared output gate, swiglu_limit)
 CONFIGS = {
@@ -346,14 +347,14 @@ def test_broken_implementation_is_caught(monkeypatch, breakage):
         check_against_oracle(case)
 
 
-@pytest.mark.parametrize("device,backend", [("cpu", "reference"), ("cpu", "triton"),
+@pytest.mark.parametrize("device,backend", [("cpu", "reference"), (DEV, "triton"),
                                             pytest.param("cuda", "auto", marks=DEVICES[1].marks)])
 def test_inference_runs_the_forward_op_alone(device, backend, monkeypatch):
     """Without autograd (no input requiring grad, torch.no_grad, torch.inference_mode) the composite calls
     the forward op directly instead of through its autograd.Function (the Function's per-call cost is a
     third of mok's Python time at decode); the output is bitwise
-    that of the call recording autograd, which still goes through the Function. backend "triton" on the
-    CPU: the Triton kernels under the interpreter."""
+    that of the call recording autograd, which still goes through the Function. backend "triton": the Triton
+    kernels on DEV (the CPU: under the interpreter)."""
     from mok_inductor import ops
 
     with mok_inductor.options.override(backend=backend):

@@ -1,7 +1,8 @@
 """mok_inductor.options: the one frozen Options object, its overrides and the backend choice it drives.
 
-The Triton kernels run on CPU tensors under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so
-backend "triton" and "reference" are both checked here on the CPU.
+The Triton kernels run on CPU tensors under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without
+CUDA), so backend "triton" and "reference" are both checked here on the CPU; with CUDA, the kernels' calls take
+CUDA tensors (DEV).
 """
 
 import dataclasses
@@ -14,6 +15,8 @@ import torch
 import mok_inductor
 from mok_inductor import options
 from _helpers import TOLERANCE, make_case, rel_err
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' tensors (CPU: the interpreter)
 
 
 def _case():
@@ -41,9 +44,10 @@ def test_backend_reference_and_triton_on_cpu(spies):
     c = _case()
     x = c.x
     assert mok_inductor.path_name(x) == "reference"  # "auto": the reference for CPU tensors
+    t = c.detached(requires_grad=False, device=DEV)  # (the kernels take CPU tensors only under the interpreter)
     with mok_inductor.options.override(backend="triton"):
-        assert mok_inductor.path_name(x) == "triton"
-        y_tri = mok_inductor.moe(*c.args(), **c.kwargs())
+        assert mok_inductor.path_name(t.x) == "triton"
+        y_tri = mok_inductor.moe(*t.args(), **t.kwargs())
     assert spies == {"triton": 1, "reference": 0, "triton bwd": 0, "reference bwd": 0}
     with mok_inductor.options.override(backend="reference"):
         y_ref = mok_inductor.moe(*c.args(), **c.kwargs())
@@ -53,8 +57,9 @@ def test_backend_reference_and_triton_on_cpu(spies):
 
 def test_per_call_options(spies):
     c = _case()
+    t = c.detached(requires_grad=False, device=DEV)  # (the kernels take CPU tensors only under the interpreter)
     before = options.current()
-    y_tri = mok_inductor.moe(*c.args(), **c.kwargs(), options={"backend": "triton"})
+    y_tri = mok_inductor.moe(*t.args(), **t.kwargs(), options={"backend": "triton"})
     assert spies["triton"] == 1 and spies["reference"] == 0 and options.current() is before
     y_ref = mok_inductor.moe(*c.args(), **c.kwargs(), options=mok_inductor.Options(backend="reference"))
     assert spies["triton"] == 1 and spies["reference"] == 1 and options.current() is before
@@ -69,7 +74,7 @@ def test_per_call_options(spies):
 def test_per_call_options_reach_the_backward(spies):
     """The backward runs later, outside the call: it must run with the options its forward ran with."""
     c = make_case(T=6, H=32, I=16, E=3, K=2, dtype=torch.bfloat16, shared=True, gate=True, limit=0.8, drop=0.2,
-                  seed=7)
+                  seed=7, device=DEV)
     for backend, other in (("triton", "reference"), ("reference", "triton")):
         with options.override(backend=other):  # what is in effect when backward() runs
             y = mok_inductor.moe(*c.args(), **c.kwargs(), options={"backend": backend})
@@ -157,7 +162,7 @@ def test_the_environment_is_read_once(monkeypatch):
     monkeypatch.setenv("MOK_BACKEND", "triton")
     assert mok_inductor.path_name(torch.zeros(1)) == "reference"
     code = "import torch, mok_inductor; print(mok_inductor.options.current().backend, " \
-           "mok_inductor.path_name(torch.zeros(1)))"
+           f"mok_inductor.path_name(torch.zeros(1, device='{DEV}')))"  # (CPU: the child inherits TRITON_INTERPRET)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["triton", "triton"]
 
