@@ -28,6 +28,10 @@ from oracle import oracle_moe
 # mantissa bits than bfloat16, so the bfloat16 bound is a safe bound for it too.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
+# The Triton kernels' device: CUDA where there is one, else the CPU (the interpreter, tests/conftest.py). Tests
+# that run backend "triton" build their inputs here: on a GPU machine CPU tensors cannot reach the kernels.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 DEVICES = [
     "cpu",
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),

@@ -17,9 +17,9 @@ import torch.distributed as dist
 import mok_inductor
 from mok_inductor import functional as mf
 from mok_inductor import reference
-from _helpers import DEVICES, TOLERANCE, MoeCase, init_gloo, make_case, oracle_with_grads, random_like, rel_err
+from _helpers import (DEV, DEVICES, TOLERANCE, MoeCase, init_gloo, make_case, oracle_with_grads, random_like,
+                      rel_err)
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 T, H, I, IS, E, K = 24, 32, 16, 24, 5, 2
 
 

@@ -21,14 +21,13 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 import mok_inductor
-from _helpers import (DEVICES, TOLERANCE, MoeCase, make_case, moe_with_grads, random_like, rel_err, run_moe)
+from _helpers import (DEV, DEVICES, TOLERANCE, MoeCase, make_case, moe_with_grads, random_like, rel_err, run_moe)
 from oracle import oracle_moe
 
 GRAD_ARGS = ("x", "router_weights", "gate_up_proj", "down_proj", "shared_gate_up_proj", "shared_down_proj",
              "shared_output_gate")
 WEIGHT_NAMES = GRAD_ARGS[2:]
 SECOND_DERIVATIVE = r"^mok::moe does not support second derivatives"
-DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' tensors (CPU: the interpreter)
 
 
 def _fn(case):

@@ -10,11 +10,10 @@ import pytest
 import torch
 
 import mok_inductor
-from _helpers import TOLERANCE, rel_err, routing
+from _helpers import DEV, TOLERANCE, rel_err, routing
 from oracle import oracle_moe
 
 NAMES = ("x", "router_weights", "gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
-DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' tensors (CPU: the interpreter)
 
 
 def _inputs(T=24, H=16, I=8, E=5, K=2, *, dtype=torch.float32, seed=0, kind="random", drop=0.2):

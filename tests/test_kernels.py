@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from _helpers import TOLERANCE, check_against_oracle, make_case, oracle_with_grads, random_like, record_launches, rel_err
+from _helpers import (DEV, TOLERANCE, check_against_oracle, make_case, oracle_with_grads, random_like, record_launches,
+                      rel_err)
 
 import mok_inductor
 from mok_inductor import kernels, ops, reference
@@ -27,7 +28,6 @@ from mok_inductor.types import GradBuffers, Operand, RoutedOperands
 
 pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason="needs CUDA or TRITON_INTERPRET=1")
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 

@@ -15,6 +15,7 @@ import torch
 
 import mok_inductor
 from _helpers import (
+    DEV,
     DEVICES,
     baseline_with_grads,
     TOLERANCE,
@@ -29,7 +30,6 @@ from _helpers import (
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' tensors (CPU: the interpreter)
 
 # (shared expert, shared output gate, swiglu_limit)
 CONFIGS = {

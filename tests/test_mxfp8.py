@@ -127,7 +127,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import mok_inductor  # noqa: E402
-from _helpers import DEVICES, TOLERANCE, make_case, record_launches, rel_err  # noqa: E402
+from _helpers import DEV, DEVICES, TOLERANCE, make_case, record_launches, rel_err  # noqa: E402
 from mok_inductor import kernels  # noqa: E402
 from mok_inductor.kernels import configs  # noqa: E402
 
@@ -280,11 +280,10 @@ def _run_and_check(p, layout, dtype, quantized=("gu", "d")):
 # (path, device) pairs that exist in this process: the reference on the CPU and on CUDA; the Triton kernels on
 # CUDA, or on CPU tensors under the interpreter where there is no CUDA (tests/conftest.py sets TRITON_INTERPRET=1
 # then; a process with CUDA does not interpret)
-_TRITON_DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = [
     ("reference", "cpu"),
     pytest.param("reference", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
-    ("triton", _TRITON_DEV),
+    ("triton", DEV),
 ]
 
 
@@ -328,7 +327,7 @@ def test_dequantizing_k_loop_with_bf16_activations(monkeypatch, layout):
     _backend(monkeypatch, "triton")
     _knobs(mx_f16_dot_max_rows=0)
     launched = record_launches(monkeypatch)
-    p = _problem(torch.bfloat16, _TRITON_DEV, shared=True, limit=0.9, seed=29 + len(layout))
+    p = _problem(torch.bfloat16, DEV, shared=True, limit=0.9, seed=29 + len(layout))
     _run_and_check(p, layout, torch.bfloat16)
     assert kernels.gate_up.GATE_UP in launched and kernels.gate_up.GATE_UP_MX not in launched
     assert kernels.grouped_gemm.GROUPED_ROWS in launched and kernels.grouped_gemm.GROUPED_ROWS_MX not in launched
@@ -344,7 +343,7 @@ def test_kernels_dequantize_first_path(monkeypatch, layout, quantized, shared, l
     # bf16 kernels; forced here at a tiny shape
     _knobs(mx_dequantize_min_rows=0)
     _backend(monkeypatch, "triton")
-    p = _problem(torch.bfloat16, _TRITON_DEV, shared=shared, limit=limit, seed=len(quantized) * 10 + len(layout))
+    p = _problem(torch.bfloat16, DEV, shared=shared, limit=limit, seed=len(quantized) * 10 + len(layout))
     _run_and_check(p, layout, torch.bfloat16, quantized)
 
 
@@ -355,7 +354,7 @@ def test_kernel_dequantize_is_exact_on_strided_views():
     from mok_inductor.mxfp8 import Operand
 
     w = _weight(3, 64, 96, seed=4)
-    q = mxfp8.quantize(w.to(_TRITON_DEV))
+    q = mxfp8.quantize(w.to(DEV))
     full = mxfp8.dequantize(q, dtype=torch.bfloat16)
     for lo, n in ((0, 32), (32, 32)):
         got = kernels.dequantized(Operand(q.data[:, lo:lo + n], q.scale[:, lo:lo + n]), torch.bfloat16).data
@@ -376,7 +375,7 @@ def test_kernel_dequantize_reads_split_weights_in_place(monkeypatch):
     from mok_inductor import kernels
     from mok_inductor.mxfp8 import Operand
 
-    q = mxfp8.quantize(_weight(3, 64, 96, seed=6).to(_TRITON_DEV))
+    q = mxfp8.quantize(_weight(3, 64, 96, seed=6).to(DEV))
     full = mxfp8.dequantize(q, dtype=torch.bfloat16)
     data, scale = [t.clone() for t in q.data], [t.clone() for t in q.scale]
     stacked, real_stack = [], torch.stack
@@ -462,7 +461,7 @@ def test_row_scaled_fp16_activations(monkeypatch, dtype, one_pass):
     a[5, 3] = float("nan")
     a[6, 100] = float("inf")
     a = a.to(dtype)
-    a16, r_s = kernels.mx_loop.row_f16(a.to(_TRITON_DEV), **({} if one_pass else dict(one_pass_max=64)))
+    a16, r_s = kernels.mx_loop.row_f16(a.to(DEV), **({} if one_pass else dict(one_pass_max=64)))
     a16, r_s = a16.cpu(), r_s.cpu().double()
     assert launched == [one_pass]
     assert a16.dtype == torch.float16 and a16.shape == a.shape and a16.is_contiguous()
@@ -497,7 +496,7 @@ def test_fp16_loop_with_block_scales_far_apart(monkeypatch):
     a = torch.randn(m, kd, generator=g).bfloat16()
     offsets = torch.tensor([0, 11, m], dtype=torch.int32)
     routes = torch.arange(m, dtype=torch.int32)
-    dev = _TRITON_DEV
+    dev = DEV
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
     kernels.grouped_gemm.grouped_rows(a.to(dev), Operand(q.data.to(dev), q.scale.to(dev)), out, routes.to(dev), offsets.to(dev),
                          scatter=False)
@@ -556,11 +555,11 @@ def test_fp16_tensor_cores_at_decode_sizes_only(monkeypatch):
     _knobs(mx_f16_dot_max_rows=2)  # (small problems for the interpreter)
     g = torch.Generator().manual_seed(23)
     q1, q2 = mxfp8.quantize(_weight(E, 2 * I, H, seed=3)), mxfp8.quantize(_weight(E, H, I, seed=4))
-    q1, q2 = _to_device(q1, _TRITON_DEV), _to_device(q2, _TRITON_DEV)
+    q1, q2 = _to_device(q1, DEV), _to_device(q2, DEV)
     for t, want in ((2 * E // K, kernels.gate_up.GATE_UP_MX), (2 * E // K + 1, kernels.gate_up.GATE_UP)):
-        x = torch.randn(t, H, generator=g).bfloat16().to(_TRITON_DEV)
-        rw = (torch.rand(t, K, generator=g) + 0.1).to(_TRITON_DEV)
-        te = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]).to(_TRITON_DEV)
+        x = torch.randn(t, H, generator=g).bfloat16().to(DEV)
+        rw = (torch.rand(t, K, generator=g) + 0.1).to(DEV)
+        te = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]).to(DEV)
         launched.clear()
         with torch.no_grad():
             mok_inductor.moe(x, rw, te, q1, q2)
@@ -576,7 +575,7 @@ def test_tensor_core_path_vs_oracle(monkeypatch, dtype, layout, shared, limit):
     # float64 computation on the dequantized weights, gradients included
     _backend(monkeypatch, "triton")
     launched = _mx_dot_on(monkeypatch)
-    p = _problem(dtype, _TRITON_DEV, shared=shared, limit=limit, seed=17 + len(layout))
+    p = _problem(dtype, DEV, shared=shared, limit=limit, seed=17 + len(layout))
     _run_and_check(p, layout, dtype)
     gate_up, rows = _f16_kernels()
     assert gate_up in launched and rows in launched
@@ -596,7 +595,7 @@ def test_tensor_core_path_against_the_dequantizing_loop(monkeypatch):
     rw = torch.rand(t, k, generator=g) + 0.1
     te = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     q1, q2 = mxfp8.quantize(_weight(e, 2 * i, h, seed=1)), mxfp8.quantize(_weight(e, h, i, seed=2))
-    dev = _TRITON_DEV
+    dev = DEV
     args = [v.to(dev) for v in (rw, te)]
     q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
     w1, w2 = (mxfp8.dequantize(q, dtype=torch.float64).cpu() for q in (q1, q2))
@@ -637,7 +636,7 @@ def test_tensor_core_path_reads_no_scale_past_k(monkeypatch, kd):
     a = torch.randn(m, kd, generator=torch.Generator().manual_seed(2)).bfloat16()
     offsets = torch.tensor([0, 12, m], dtype=torch.int32)
     routes = torch.arange(m, dtype=torch.int32)
-    dev = _TRITON_DEV
+    dev = DEV
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
     kernels.grouped_gemm.grouped_rows(a.to(dev), Operand(q.data.to(dev), buf.to(dev)[..., :nb]), out, routes.to(dev),
                          offsets.to(dev), scatter=False)
@@ -723,9 +722,9 @@ def _padded_scales(q, to, fields=("scale",)):
 
 
 def _fwd_bwd(seen, x, rw, te, q1, q2, dy):
-    """(y, dx, the K-loop kernels' modes) of one forward and backward of the layer on _TRITON_DEV (q1, q2 there
+    """(y, dx, the K-loop kernels' modes) of one forward and backward of the layer on DEV (q1, q2 there
     already), `_record_modes`'s list `seen` cleared first."""
-    dev = _TRITON_DEV
+    dev = DEV
     seen.clear()
     xl = x.to(dev, copy=True).requires_grad_(True)
     y = mok_inductor.moe(xl, rw.to(dev), te.to(dev), q1, q2)
@@ -752,7 +751,7 @@ def test_scale_words_match_the_byte_loads(monkeypatch, block_k):
     # stride is not a multiple of 4), also with the gate/up scale rows padded to 16 bytes, and within bf16's
     # tolerance of the float64 computation
     seen, q1, q2, x, rw, te, _ = _spread_setup(monkeypatch, 31, 16, block_k, t=10, h=384, i=256, e=3, k=2)
-    dev = _TRITON_DEV
+    dev = DEV
 
     def run(a, b):
         seen.clear()
@@ -779,7 +778,7 @@ def test_transposed_row_tiles(monkeypatch):
     # roundings. H = 384 (3 whole K steps; gate/up's scale rows padded: bytes), I = 160 (one step and a tail
     # block, scale rows of 5 blocks: bytes), blocks 40 octaves apart, experts with more routes than a tile holds
     seen, q1, q2, x, rw, te, dy = _spread_setup(monkeypatch, 37, 8, 128, t=12, h=384, i=160, e=3, k=2)
-    dev = _TRITON_DEV
+    dev = DEV
     q1, q2 = _padded_scales(_to_device(q1, dev), 1), _to_device(q2, dev)
 
     def run(block_m):
@@ -804,7 +803,7 @@ def test_one_dot_k_steps(monkeypatch, block_k):
     # the float64 computation, and within a few roundings of the blocks one by one (MxLoop.F16: every scale row,
     # row-wise and column-wise, padded to a stride no word load takes)
     seen, q1, q2, x, rw, te, dy = _spread_setup(monkeypatch, 43, 8, block_k, t=12, h=384, i=256, e=3, k=2)
-    dev = _TRITON_DEV
+    dev = DEV
     q1, q2 = _to_device(q1, dev), _to_device(q2, dev)
     y8, dx8, modes8 = _fwd_bwd(seen, x, rw, te, q1, q2, dy)
     qb1, qb2 = (_padded_scales(q, 1, ("scale", "scale_t")) for q in (q1, q2))
@@ -834,7 +833,7 @@ def test_one_dot_k_steps_propagate_nan(monkeypatch, where):
         data[1, 3, 32 * b + 5] = float("nan")
         q1 = q1._replace(data=data)
         bad = (te == 1).any(1)
-    dev = _TRITON_DEV
+    dev = DEV
     with torch.no_grad():
         y = mok_inductor.moe(x.to(dev), rw.to(dev), te.to(dev), _to_device(q1, dev), _to_device(q2, dev)).cpu()
     assert [mode for _, mode in seen] == [F16_WORDS, F16_WORDS]
@@ -847,7 +846,7 @@ def test_tensor_core_path_propagates_nan(monkeypatch, where):
     # a NaN activation poisons its token's output rows only; a NaN weight element its expert's routes
     _backend(monkeypatch, "triton")
     _mx_dot_on(monkeypatch)
-    p = _problem(torch.bfloat16, _TRITON_DEV, drop=False)
+    p = _problem(torch.bfloat16, DEV, drop=False)
     x = p["x"].clone()
     q1, q2 = mxfp8.quantize(p["gu"]), mxfp8.quantize(p["d"])
     if where == "x":
@@ -881,10 +880,10 @@ def _decode_kernel(w_ptr, s_ptr, like_ptr, out_ptr, DOT_PREC: tl.constexpr):
 
 def test_every_e4m3_pattern_and_scale_decodes_exactly():
     patterns = torch.arange(256, dtype=torch.uint8)
-    data = patterns.repeat(256, 1).view(torch.float8_e4m3fn).to(_TRITON_DEV)  # [n, k]
-    scales = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 8).to(_TRITON_DEV)  # [n, k / 32]
-    out = torch.full((256, 256), 12345.0, device=_TRITON_DEV)  # poisoned: every element must be written
-    like = torch.empty(1, dtype=torch.bfloat16, device=_TRITON_DEV)
+    data = patterns.repeat(256, 1).view(torch.float8_e4m3fn).to(DEV)  # [n, k]
+    scales = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 8).to(DEV)  # [n, k / 32]
+    out = torch.full((256, 256), 12345.0, device=DEV)  # poisoned: every element must be written
+    like = torch.empty(1, dtype=torch.bfloat16, device=DEV)
     _decode_kernel[(4, 4)](data, scales, like, out, DOT_PREC=kernels.common.dot_precision(torch.bfloat16))
     # from the formats' definitions: e4m3 S.EEEE.MMM (bias 7, subnormals at E = 0, NaN at EEEE.MMM = 1111.111),
     # E8M0 2**(byte - 127), in float32 as the kernels build it: byte 255 is Inf, byte 0 is taken as 0 (quantize

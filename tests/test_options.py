@@ -14,9 +14,8 @@ import torch
 
 import mok_inductor
 from mok_inductor import options
-from _helpers import TOLERANCE, make_case, rel_err
+from _helpers import DEV, TOLERANCE, make_case, rel_err
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' tensors (CPU: the interpreter)
 
 
 def _case():
