@@ -84,6 +84,8 @@ def test_table_round_trip(tmp_path):
     for b, tile in per.items():
         t.put("grouped_rows", prob, b, tile)
     configs.save(t, path)
+    lines = {line.strip().rstrip(",") for line in path.read_text().splitlines()}
+    assert all(f'"{b}": {json.dumps(tile.as_list())}' in lines for b, tile in per.items())  # a pick a line
     raw = json.loads(path.read_text())
     assert raw["format"] == configs.FORMAT and raw["device"] == "NVIDIA H100 80GB HBM3"
     entry = raw["families"]["grouped_rows"][0]

@@ -251,8 +251,16 @@ def save(table: Table, path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(table.to_json(), indent=1) + "\n")
+    tmp.write_text(dumps(table))
     os.replace(tmp, path)
+
+
+def dumps(table: Table) -> str:
+    """The JSON text of `table`: indented, with each config list on its bucket's line (a diff of two tables
+    shows one line per changed pick)."""
+    text = json.dumps(table.to_json(), indent=1)
+    return re.sub(r"\[\s*(-?\d+),\s*(-?\d+),\s*(-?\d+),\s*(-?\d+),\s*(-?\d+)\s*\]",
+                  lambda m: "[" + ", ".join(m.groups()) + "]", text) + "\n"
 
 
 def shipped_tables() -> list[Path]:
