@@ -204,6 +204,10 @@ def precompile(shapes: dict, tokens: dict, args, jobs: int) -> None:
     pending = []
     for name, s in shapes.items():
         tok = regime_tokens(s, tokens[name])
+        if not tok:  # every count above the cap: the shape's tuning compiles its candidates
+            sys.stderr.write(f"not compiling {name} ahead (its token counts are all above the compile runs' cap): "
+                             "its tuning compiles\n")
+            continue
         cmd = base + ["--hidden", str(s[0]), "--intermediate", str(s[1]), "--experts", str(s[2]), "--topk",
                       str(s[3]), "--shared-intermediate", str(s[4]), "--tokens", ",".join(map(str, tok))]
         pending.append((name, cmd, _peak_bytes(s, tok, args.mxfp8)))

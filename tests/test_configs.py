@@ -524,6 +524,20 @@ def test_precompile_runs_the_shapes_side_by_side_within_the_gpu_memory(monkeypat
     assert "compiling olmoe-1b-7b failed" in err and "boom" in err and "compiled qwen3-30b-a3b" in err
 
 
+def test_precompile_skips_a_shape_tuned_only_above_the_compile_cap(monkeypatch, capsys):
+    # `tune --tokens 32768,65536 --jobs N`: no token count is small enough for a compile run (regime_tokens is
+    # empty), so no process starts for the shape and its tuning compiles (not max() of an empty list)
+    import argparse
+
+    shapes = {"mixtral-8x7b": tune.PRESETS["mixtral-8x7b"]}
+    assert tune.regime_tokens(shapes["mixtral-8x7b"], [32768, 65536]) == []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 36, 1 << 37))
+    monkeypatch.setattr(tune.subprocess, "Popen", lambda *a, **k: pytest.fail("no compile process expected"))
+    args = argparse.Namespace(dtype="bfloat16", mxfp8=False, forward_only=False)
+    tune.precompile(shapes, {"mixtral-8x7b": [32768, 65536]}, args, jobs=4)
+    assert "not compiling mixtral-8x7b ahead" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b", "qwen1.5-moe-a2.7b", "deepseek-v3-ep16"])
 def test_default_tokens_give_every_launch_a_tuned_bucket_of_its_own_variant(name):
     # every token count up to the maximum launches the same kernel variants (regime) at the same row buckets
