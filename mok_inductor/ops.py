@@ -730,6 +730,15 @@ def _moe_composite(x, router_weights, top_experts, gate_up_proj, down_proj, shar
     _checks.check_moe_args(x, router_weights, top_experts, gu_w, d_w, shared_gate_up_proj, shared_down_proj,
                            shared_output_gate, swiglu_limit)
     _checks.check_variant(x, gu_w, d_w, shared_gate_up_proj, gate_up_bias, down_bias)
+    if not quantized and _decode_eligible(x, top_experts, gate_up_proj, (
+            x, router_weights, gate_up_proj, down_proj, shared_gate_up_proj, shared_down_proj, shared_output_gate,
+            gate_up_bias, down_bias)):
+        s_gate, s_up = split_gate_up(shared_gate_up_proj)
+        with autocast_off(x):
+            return kernels_module().decode_forward(
+                x, router_weights, top_experts, gate_up_proj, down_proj, s_gate, s_up, shared_down_proj,
+                shared_output_gate, None if swiglu_limit is None else float(swiglu_limit), act, bias_E2I(gate_up_bias),
+                down_bias)
     sorted_routes, expert_offsets, route_slots = torch.ops.mok.schedule(top_experts, gate_up_proj.shape[0])
     args = (x, router_weights, top_experts, sorted_routes, expert_offsets, route_slots, gate_up_proj, down_proj,
             shared_gate_up_proj, shared_down_proj, shared_output_gate,
@@ -744,6 +753,19 @@ def _moe_composite(x, router_weights, top_experts, gate_up_proj, down_proj, shar
         with torch._C._AutoDispatchBelowAutograd():
             y, _, _ = torch.ops.mok.moe_fwd(*args)
     return y
+
+
+def _decode_eligible(x, top_experts, gate_up_proj, tensors) -> bool:
+    """Whether a call runs the decode forward (`kernels.decode_forward`): an eager call on the Triton kernels
+    that needs no gradient, of at least one and at most `options.decode_max_routes` routes, with plain weights
+    (the caller rules out MXFP8; split weights were stacked by then) and I > 0. Never while tracing (compiled
+    graphs and exports keep the ops whole)."""
+    if torch.compiler.is_compiling():
+        return False
+    n = top_experts.numel()
+    if not 0 < n <= options.current().decode_max_routes or gate_up_proj.shape[-2] == 0:
+        return False
+    return use_triton(x) and not _needs_autograd(tensors) and not kernels_module().common.traced((x,))
 
 
 def _needs_autograd(args) -> bool:

@@ -60,6 +60,9 @@ class Options:
     two_pass_min_rows: at this many and more, the SwiGLU backward runs as a second pass after the
         down-projection's data-gradient GEMM instead of in its epilogue.
     tma_min_rows: the fewest rows per expert at which the TMA loads pay for their descriptors.
+    decode_max_routes: eager calls that need no gradient with at most this many routes in all (T*K; plain
+        weights, not MXFP8 or split) run the decode forward: a GEMV per route and one that sums each token's
+        routes, without the schedule (`mok_inductor.kernels.gemv`; 0: never). Decode steps are host-bound.
     """
 
     backend: str = "auto"
@@ -72,6 +75,7 @@ class Options:
     mx_few_rows: int = 8
     two_pass_min_rows: int = 256
     tma_min_rows: int = 128
+    decode_max_routes: int = 16
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -269,6 +269,37 @@ def test_triton_kernels_against_oracle(case):
         assert rel_err(grads[n], g_ref[n]) <= tol, f"d_{n}: {rel_err(grads[n], g_ref[n]):.3e}"
 
 
+@pytest.mark.parametrize("hf", [False, True], ids=["contiguous", "hf_views"])
+def test_decode_forward_against_oracle(hf, monkeypatch):
+    """The decode forward (a call without gradient of a few routes: `kernels.gemv`) with the GPT-OSS activation,
+    its clamp and both biases, in the contiguous layouts and in GPT-OSS's checkpoint views (gate and up
+    interleaved, read as one tile): against the oracle and against the grouped path."""
+    from mok_inductor import kernels
+    from _helpers import record_launches
+
+    if not kernels.AVAILABLE:
+        pytest.fail("the Triton kernels are not available (no CUDA and no TRITON_INTERPRET=1)")
+    # T=3, K=4: 12 routes (-1 routes and a repeated expert in "repeat"), H=24 (a K-step tail), I=12
+    inp = _inputs(T=3, H=24, I=12, E=5, K=4, dtype=torch.bfloat16, seed=31, kind="repeat")
+    call = dict(inp)
+    if hf:
+        w_hf, b_hf, d_hf = _hf_layout(inp)
+        E, two_i, H = inp["gate_up_proj"].shape
+        I = two_i // 2
+        call.update(gate_up_proj=w_hf.view(E, H, I, 2).permute(0, 3, 2, 1), down_proj=d_hf.transpose(1, 2),
+                    gate_up_bias=b_hf.view(E, I, 2).transpose(1, 2))
+    launched = record_launches(monkeypatch)
+    with torch.no_grad(), mok_inductor.options.override(backend="triton"):
+        y = _mok(call, "gpt_oss", 1.0)
+        assert kernels.gemv._gemv_gate_up_kernel in launched and kernels.gate_up.GATE_UP not in launched
+        with mok_inductor.options.override(decode_max_routes=0):
+            y_grouped = _mok(call, "gpt_oss", 1.0)
+    y_ref, _ = _oracle_with_grads(inp, "gpt_oss", 1.0, (True, True), torch.zeros(inp["x"].shape))
+    tol = TOLERANCE[torch.bfloat16]
+    assert rel_err(y, y_ref) <= tol, rel_err(y, y_ref)
+    assert rel_err(y, y_grouped) <= tol, rel_err(y, y_grouped)
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_mxfp8_weights_with_biases(backend):
     """MXFP8 routed weights with the GPT-OSS variant: the biases are separate x.dtype tensors, so the forward and

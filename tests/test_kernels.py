@@ -656,6 +656,95 @@ def test_whole_op_with_triton_backend(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# The decode forward (kernels.gemv): eager calls of a few routes that need no gradient
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty and Tensor.new_empty from here on give NaN-filled float tensors and zero-filled integer ones
+    (the decode forward's id check reads 0 as "a bad id": a flag never written fails the call)."""
+    real_empty, real_new_empty = torch.empty, torch.Tensor.new_empty
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(0)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(real_new_empty(self, *a, **kw)))
+
+
+DECODE_CASES = [
+    ("t1_fp32", dict(T=1, H=40, I=24, E=5, K=2, dtype=torch.float32)),  # one token, odd H (a K step's tail)
+    ("drop_limit_bf16", dict(T=3, H=32, I=20, E=6, K=4, dtype=torch.bfloat16, limit=0.6, drop=0.3)),  # -1 routes,
+    # the clamp clips, I not a column-block multiple
+    ("shared_gate_fp32", dict(T=2, H=32, I=16, E=3, K=3, dtype=torch.float32, shared=True, gate=True, limit=0.7)),
+    ("shared_repeat_bf16", dict(T=2, H=16, I=16, E=4, K=2, dtype=torch.bfloat16, shared=True, kind="repeat")),
+    ("all_dropped_shared_fp32", dict(T=4, H=16, I=16, E=3, K=2, dtype=torch.float32, kind="none", shared=True)),
+    ("sixteen_routes_bf16", dict(T=8, H=24, I=8, E=7, K=2, dtype=torch.bfloat16)),  # options.decode_max_routes
+]
+
+
+@pytest.mark.parametrize("name,kw", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
+def test_decode_forward_vs_oracle(name, kw, monkeypatch, poisoned_empty):
+    # a call without gradient of at most decode_max_routes routes runs the two GEMV kernels (and the shared
+    # expert's), no schedule and no grouped GEMM; its output against the float64 oracle and against the grouped
+    # path's (the same arithmetic: close, within the contract's tolerance of each other)
+    case = make_case(**kw, device=DEV, requires_grad=False, seed=len(name))
+    launched = record_launches(monkeypatch)
+    with torch.no_grad(), mok_inductor.options.override(backend="triton"):
+        y = mok_inductor.moe(*case.args(), **case.kwargs())
+        assert kernels.gemv._gemv_gate_up_kernel in launched and kernels.gemv._gemv_down_kernel in launched
+        assert kernels.schedule._schedule_count_kernel not in launched and kernels.combine._combine_kernel not in launched
+        # (the shared expert, when there is one, runs the grouped kernels as one group of T rows)
+        grouped = [k for k in launched if k in (kernels.gate_up.GATE_UP, kernels.grouped_gemm.GROUPED_ROWS)]
+        assert len(grouped) == (2 if case.shared_gate_up_proj is not None else 0), launched
+        del launched[:]
+        with mok_inductor.options.override(decode_max_routes=0):
+            y_grouped = mok_inductor.moe(*case.args(), **case.kwargs())
+        assert kernels.schedule._schedule_count_kernel in launched
+    y64, _ = oracle_with_grads(case, random_like(case.x, 1))
+    tol = TOLERANCE[case.x.dtype]
+    assert y.dtype == case.x.dtype and y.shape == case.x.shape and not torch.isnan(y).any()
+    assert rel_err(y, y64) <= tol, rel_err(y, y64)
+    assert rel_err(y, y_grouped) <= tol, rel_err(y, y_grouped)
+
+
+def test_decode_forward_only_without_gradient(monkeypatch):
+    # the decode forward saves nothing: with an input that requires grad (grad mode on) the grouped path runs,
+    # and so it does past decode_max_routes
+    launched = record_launches(monkeypatch)
+    case = make_case(T=2, H=16, I=8, E=3, K=2, device=DEV, requires_grad=True, seed=4)
+    with mok_inductor.options.override(backend="triton"):
+        mok_inductor.moe(*case.args(), **case.kwargs()).sum().backward()
+        assert kernels.gemv._gemv_gate_up_kernel not in launched and kernels.gate_up.GATE_UP in launched
+        del launched[:]
+        with torch.no_grad(), mok_inductor.options.override(decode_max_routes=3):
+            mok_inductor.moe(*case.args(), **case.kwargs())
+        assert kernels.gemv._gemv_gate_up_kernel not in launched and kernels.gate_up.GATE_UP in launched
+
+
+def test_decode_forward_checks_expert_ids():
+    # an id outside [-1, E) fails the call with the schedule's message, from the gate/up kernel's flag
+    # (torch._assert_async: on CUDA a device-side assert, which ends the process's CUDA context, so the calls run
+    # in a child process; under the interpreter it raises at once)
+    import subprocess
+    import sys
+
+    for bad in (3, -2):
+        code = ("import torch, mok_inductor\n"
+                f"x = torch.randn(2, 16, device='{DEV}')\n"
+                f"te = torch.tensor([[0, 2], [{bad}, 1]], device='{DEV}')\n"
+                f"w = torch.rand(2, 2, device='{DEV}')\n"
+                f"gu, d = torch.randn(3, 16, 16, device='{DEV}'), torch.randn(3, 16, 8, device='{DEV}')\n"
+                "with torch.no_grad(), mok_inductor.options.override(backend='triton'):\n"
+                "    y = mok_inductor.moe(x, w, te, gu, d)\n"
+                "    assert mok_inductor.options.current().decode_max_routes >= 4\n"
+                "print(float(y.sum()))\n")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0, proc.stdout
+        assert "top_experts: expected expert indices in [-1, 3)" in proc.stderr, proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
 # Real sizes (CUDA only)
 
 

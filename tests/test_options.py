@@ -25,11 +25,13 @@ def _case():
 
 @pytest.fixture
 def spies(monkeypatch):
-    """Counts of the calls into the kernels' and the reference's forward and backward."""
+    """Counts of the calls into the kernels' and the reference's forward and backward (the kernels' forward: the
+    grouped one or, for a few routes without gradient, the decode one)."""
     from mok_inductor import kernels, reference
 
     calls = {"triton": 0, "reference": 0, "triton bwd": 0, "reference bwd": 0}
-    for mod, name, key in ((kernels, "forward", "triton"), (reference, "moe_forward", "reference"),
+    for mod, name, key in ((kernels, "forward", "triton"), (kernels, "decode_forward", "triton"),
+                           (reference, "moe_forward", "reference"),
                            (kernels, "backward", "triton bwd"), (reference, "moe_backward", "reference bwd")):
         def counted(*args, _real=getattr(mod, name), _key=key, **kwargs):
             calls[_key] += 1

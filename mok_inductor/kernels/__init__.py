@@ -6,6 +6,8 @@ Forward:
     top_experts --build_schedule--> sorted routes, expert offsets (a stable counting sort on the device)
     x --gate_up (gather fused)--> gu [N, 2I] (saved), h [N, I] --grouped_rows (down)--> y per route [N, H]
       --combine (router weights, shared expert, its gate; fp32 in k order)--> y [T, H]
+Decode (`decode_forward`: eager calls of a few routes that need no gradient, `options.decode_max_routes`):
+    x --gemv gate/up per route (ids checked)--> h [N, I] --gemv down, the routes summed in k order--> y [T, H]
 Backward:
     dy --bwd_act (dy @ down, SwiGLU backward from the saved g, u)--> dgu [N, 2I], d router weights, rw * h
       --wgrad (down; gate and up as one GEMM)--> weight gradients (written or added into main grads)
@@ -28,6 +30,7 @@ Families, one module each:
     bias_grad.py     the routed biases' gradients (fixed-order sums over each expert's rows)
     bwd_act.py       the down data-gradient GEMM with the SwiGLU backward (fused or a second pass)
     wgrad.py         the grouped weight-gradient GEMM with the accumulating epilogue
+    gemv.py          the decode forward: per-route GEMVs, the down GEMV summing the routes (no schedule)
 
 Shapes only decide grids, allocations and kernel choices (worst-case tile counts; idle programs exit; a
 symbolic size decides without a guard, `common.at_least`), there is no host synchronisation, and every
@@ -55,7 +58,9 @@ from __future__ import annotations
 import torch
 
 from .. import options
-from ..types import BackwardResult, ForwardResult, GradBuffers, Operand, RoutedOperands, shared_saved_dtype
+from .. import _checks
+from ..types import (BackwardResult, ForwardResult, GradBuffers, Operand, RoutedOperands, shared_saved_dtype,
+                     split_gate_up)
 
 try:
     import triton  # noqa: F401
@@ -67,14 +72,14 @@ except ImportError:  # pragma: no cover - triton is a dependency of torch on Lin
 AVAILABLE = _HAVE_TRITON and (torch.cuda.is_available() or options.INTERPRET)
 
 if _HAVE_TRITON:
-    from . import bias_grad, bwd_act, combine, common, gate_up, grouped_gemm, mx_loop, operands, wgrad  # noqa: F401
+    from . import bias_grad, bwd_act, combine, common, gate_up, gemv, grouped_gemm, mx_loop, operands, wgrad  # noqa: F401
     from .common import flat
     from .operands import ExpertTable, dequantized, plain, plain_t
     from . import schedule as _schedule
     from .schedule import build_schedule  # noqa: F401
 
     # the kernel families' modules (their `_*_kernel` objects are the Triton kernels Inductor's code names)
-    MODULES = (_schedule, operands, mx_loop, gate_up, grouped_gemm, combine, bwd_act, wgrad, bias_grad)
+    MODULES = (_schedule, operands, mx_loop, gate_up, grouped_gemm, combine, bwd_act, wgrad, bias_grad, gemv)
 
 
 def _num_experts(op) -> int:
@@ -184,6 +189,25 @@ def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperan
     y_TH = torch.empty(T, H, dtype=dtype, device=dev)
     combine.combine(y_NH, flat(top_experts_TK), y_TH, rw_N=flat(router_weights_TK), s_TH=s_TH, logit_T=logit_T)
     return ForwardResult(y_TH, gu_N2I, gu_shared)
+
+
+def decode_forward(x_TH, router_weights_TK, top_experts_TK, gate_up, down, s_gate=None, s_up=None, s_down=None,
+                   s_out_gate_1H=None, swiglu_limit=None, act=None, gate_up_bias=None, down_bias=None):
+    """y [T, H] of a call that saves nothing for backward, without the schedule (`gemv`): gate_up [E, 2I, H] or
+    [E, 2, I, H] and down [E, H, I] plain tensors of x.dtype, gate_up_bias [E, 2, I], the shared expert as in
+    `forward`. At least one route and I > 0."""
+    T, H = x_TH.shape
+    gate, up = split_gate_up(gate_up)
+    te_N = flat(top_experts_TK)
+    s_TH = logit_T = None
+    if s_gate is not None:  # (the shared expert's launches read no schedule: any int32 tensor in its place)
+        none = torch.empty(0, dtype=torch.int32, device=x_TH.device)
+        _, s_TH, logit_T = shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, none, none, swiglu_limit, act)
+    y_TH = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
+    ok = gemv.gemv_routes(x_TH, te_N, flat(router_weights_TK), gate, up, down, y_TH, swiglu_limit, act=act,
+                          gate_up_bias=gate_up_bias, down_bias=down_bias, s_TH=s_TH, logit_T=logit_T)
+    torch._assert_async(ok, _checks.expert_ids_message(gate.shape[0]))
+    return y_TH
 
 
 # ---------------------------------------------------------------------------------------------

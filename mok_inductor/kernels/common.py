@@ -174,6 +174,21 @@ def to_out(v, like_ptr, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def round_gu(acc_g, acc_u, like_ptr, limit, above, below, KEEP_CLIP: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The float32 accumulators of g and u rounded to the element type of `like_ptr` (as float32 values), never
+    across the clamp bound `limit` (KEEP_CLIP; `above`, `below`: the stored dtype's neighbours of it;
+    reference.round_keep_clip). where(), not min/max: the GPU's min/max return the non-NaN operand, and a NaN
+    must stay NaN (it compares false here)."""
+    g = to_out(acc_g, like_ptr, DOT_PREC).to(tl.float32)
+    u = to_out(acc_u, like_ptr, DOT_PREC).to(tl.float32)
+    if KEEP_CLIP:
+        g = tl.where(acc_g > limit, tl.where(g < above, above, g), tl.where(g > below, below, g))
+        u = tl.where(acc_u > limit, tl.where(u < above, above, u), tl.where(u > below, below, u))
+        u = tl.where(acc_u < -limit, tl.where(u > -above, -above, u), tl.where(u < -below, -below, u))
+    return g, u
+
+
+@triton.jit
 def _tile_rows(pid_m, offsets_ptr, M, E, SINGLE: tl.constexpr, WITH_TAIL: tl.constexpr,
                BLOCK_M: tl.constexpr, GROUPS_POW2: tl.constexpr):
     """(group, row_start, row_end) of row tile `pid_m`; row_start >= row_end for an idle program.

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..types import Operand, clip_bounds
 from . import common
-from .common import GROUP_M, _tile_ids, _tile_rows, cfg, mma, row_tiles_worst, swiglu, to_out
+from .common import GROUP_M, _tile_ids, _tile_rows, cfg, mma, round_gu, row_tiles_worst, swiglu, to_out
 from .configs import Family, dtype_name, register
 from .mx_loop import (_MX_F16_CONFIGS, MX_F16_SMALL_GATE_UP, _gate_up_mx_block, act_step_t, group_scales, mx_group, mx_one, mx_rows, mx_step_t, mx_trans, scale_step, step_scales, use_mx_loop, w_block_scales)
 from .operands import (interleaved, row_desc, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases,
@@ -159,13 +159,7 @@ def _gate_up_tile(
         b_ptrs = bias_ptr + e64 * b_e + cols * b_i
         acc_g += tl.load(b_ptrs, mask=cmask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptrs + b_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    g = to_out(acc_g, gu_ptr, DOT_PREC).to(tl.float32)
-    u = to_out(acc_u, gu_ptr, DOT_PREC).to(tl.float32)
-    if KEEP_CLIP:  # never round across a clamp bound (reference.round_keep_clip). where(), not min/max:
-        # the GPU's min/max return the non-NaN operand, and a NaN must stay NaN (it compares false here)
-        g = tl.where(acc_g > limit, tl.where(g < above, above, g), tl.where(g > below, below, g))
-        u = tl.where(acc_u > limit, tl.where(u < above, above, u), tl.where(u > below, below, u))
-        u = tl.where(acc_u < -limit, tl.where(u > -above, -above, u), tl.where(u < -below, -below, u))
+    g, u = round_gu(acc_g, acc_u, gu_ptr, limit, above, below, KEEP_CLIP, DOT_PREC)
     tl.store(g_ptrs, g.to(gu_ptr.dtype.element_ty), mask=omask)
     tl.store(g_ptrs + I * stride_gn, u.to(gu_ptr.dtype.element_ty), mask=omask)
     if WRITE_H:

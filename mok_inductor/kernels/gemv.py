@@ -1,0 +1,196 @@
+"""The decode forward: a few routes, no schedule, two launches (three with a shared expert, plus its own).
+
+    x_TH, top_experts --_gemv_gate_up_kernel (one program per route and column block)--> h_NI = act(g, u)
+        per route, in route order (the `-1` routes' rows unwritten), and the ids' check flag
+    h_NI, top_experts, router weights, shared s_TH, its gate's logits --_gemv_down_kernel (one program per
+        token and column block; routes in k order)--> y_TH
+
+At a few routes per call (generate's decode steps), the grouped path's counting sort, tile search over the
+experts and separate combine cost more host time (five launches and two custom ops) than the GPU spends on
+the weights; here each route reads its expert's rows directly and the down kernel sums the routes in k
+order. The arithmetic is the grouped path's: float32 accumulation, g and u rounded to x.dtype (without
+crossing a clamp bound) before the activation, h rounded, each route's output rounded to x.dtype before its
+router weight, the sum in k order in float32 (docs/semantics.md). No host synchronisation; bad expert ids are
+flagged on the device as the schedule does. Weights: plain 3-D (or GPT-OSS's interleaved gate/up) tensors of
+x.dtype; MXFP8 and split weights take the grouped path.
+
+Shape legend: T tokens, H hidden, I intermediate, E experts, K routes per token (TOPK), N = T*K routes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..types import clip_bounds
+from . import common
+from .common import round_gu, swiglu, to_out
+from .operands import interleaved
+
+
+@triton.jit(do_not_specialize=["N"])  # (a new token count compiles nothing)
+def _gemv_gate_up_kernel(
+    x_ptr, stride_xt, stride_xh,  # x [T, H]
+    te_ptr,  # top_experts [N] (flat, int32 or int64)
+    ok_ptr,  # int32 [1] out (program (0, 0)): 1 if every id is in [-1, E), else 0
+    wg_ptr, g_e, g_n, g_k,  # gate read as [E, I, H] (INTERLEAVED: gate and up as one [E, 2I, H])
+    wu_ptr, u_e, u_n, u_k,  # up read as [E, I, H]
+    h_ptr, stride_hr, stride_hi,  # h [N, I] out
+    bias_ptr, b_e, b_c, b_i,  # FC1 bias read as [E, 2, I] (HAS_BIAS)
+    N, H, I, E, TOPK,
+    limit, above, below, alpha, beta,  # the clamp, its rounding bounds (KEEP_CLIP), the activation
+    HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, INTERLEAVED: tl.constexpr,
+    DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHECK_BLOCK: tl.constexpr,
+):
+    limit = tl.cast(limit, tl.float32)
+    above = tl.cast(above, tl.float32)
+    below = tl.cast(below, tl.float32)
+    alpha = tl.cast(alpha, tl.float32)
+    beta = tl.cast(beta, tl.float32)
+    pid_n = tl.program_id(0)
+    r = tl.program_id(1)
+    if (pid_n == 0) & (r == 0):  # the ids' check (what the schedule's prefix kernel folds for the grouped path)
+        nbad = tl.zeros((CHECK_BLOCK,), dtype=tl.int32)
+        for r0 in range(0, N, CHECK_BLOCK):
+            rr = r0 + tl.arange(0, CHECK_BLOCK)
+            ids = tl.load(te_ptr + rr, mask=rr < N, other=0).to(tl.int32)
+            nbad += ((ids < -1) | (ids >= E)).to(tl.int32)
+        tl.store(ok_ptr, (tl.sum(nbad, axis=0) == 0).to(tl.int32))
+    e = tl.load(te_ptr + r).to(tl.int32)
+    if (e < 0) | (e >= E):  # no route (or a bad id, flagged above): the down kernel never reads this row
+        return
+    e64 = e.to(tl.int64)
+    x_row = x_ptr + (r // TOPK).to(tl.int64) * stride_xt
+    ks = tl.arange(0, BLOCK_K)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < I
+    if INTERLEAVED:  # one [2 BLOCK_N, BLOCK_K] tile along the weight's contiguous dim, rows alternating g and u
+        cols2 = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        w_rows = wg_ptr + e64 * g_e + cols2[:, None] * g_n
+        acc = tl.zeros((2 * BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + ks
+            kmask = kk < H
+            xk = tl.load(x_row + kk * stride_xh, mask=kmask, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + kk[None, :] * g_k, mask=(cols2 < 2 * I)[:, None] & kmask[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
+    else:
+        g_rows = wg_ptr + e64 * g_e + cols[:, None] * g_n
+        u_rows = wu_ptr + e64 * u_e + cols[:, None] * u_n
+        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + ks
+            kmask = kk < H
+            wmask = cmask[:, None] & kmask[None, :]
+            xk = tl.load(x_row + kk * stride_xh, mask=kmask, other=0.0).to(tl.float32)[None, :]
+            acc_g += tl.sum(tl.load(g_rows + kk[None, :] * g_k, mask=wmask, other=0.0).to(tl.float32) * xk, axis=1)
+            acc_u += tl.sum(tl.load(u_rows + kk[None, :] * u_k, mask=wmask, other=0.0).to(tl.float32) * xk, axis=1)
+    if HAS_BIAS:  # before the rounding and the clamp, as the grouped path adds it
+        b_ptrs = bias_ptr + e64 * b_e + cols * b_i
+        acc_g += tl.load(b_ptrs, mask=cmask, other=0.0).to(tl.float32)
+        acc_u += tl.load(b_ptrs + b_c, mask=cmask, other=0.0).to(tl.float32)
+    g, u = round_gu(acc_g, acc_u, h_ptr, limit, above, below, KEEP_CLIP, DOT_PREC)
+    h = swiglu(g, u, limit, alpha, beta, HAS_LIMIT)
+    tl.store(h_ptr + r.to(tl.int64) * stride_hr + cols * stride_hi, to_out(h, h_ptr, DOT_PREC), mask=cmask)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gemv_down_kernel(
+    h_ptr, stride_hr, stride_hi,  # h [N, I] (rows of `-1` routes unwritten)
+    te_ptr,  # top_experts [N]
+    rw_ptr,  # router weights [N] (any float dtype, used in float32)
+    wd_ptr, d_e, d_n, d_k,  # down read as [E, H, I]
+    bias_ptr, db_e, db_h,  # FC2 bias [E, H] (HAS_BIAS)
+    s_ptr, stride_st, stride_sh,  # the shared expert's output [T, H] (HAS_S)
+    logit_ptr,  # float32 [T]: s is scaled by sigmoid(logit) (S_SIGMOID)
+    out_ptr, stride_ot, stride_oh,  # y [T, H] out
+    T, H, I, E, TOPK,
+    HAS_BIAS: tl.constexpr, HAS_S: tl.constexpr, S_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """y[t, cols] = s[t] (* sigmoid(logit[t])) + sum over t's valid routes in k order of rw * round(h_r @ down[e]^T
+    (+ b[e])): the grouped path's down GEMM and combine in one pass."""
+    pid_n = tl.program_id(0)
+    t64 = tl.program_id(1).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_S:
+        acc = tl.load(s_ptr + t64 * stride_st + cols * stride_sh, mask=cmask, other=0.0).to(tl.float32)
+        if S_SIGMOID:
+            acc = acc * tl.sigmoid(tl.load(logit_ptr + t64))
+    for k in range(0, TOPK):
+        r = t64 * TOPK + k
+        e = tl.load(te_ptr + r).to(tl.int32)
+        if (e >= 0) & (e < E):
+            w_rows = wd_ptr + e.to(tl.int64) * d_e + cols[:, None] * d_n
+            h_row = h_ptr + r * stride_hr
+            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                kk = k0 + ks
+                kmask = kk < I
+                hk = tl.load(h_row + kk * stride_hi, mask=kmask, other=0.0).to(tl.float32)
+                w = tl.load(w_rows + kk[None, :] * d_k, mask=cmask[:, None] & kmask[None, :], other=0.0)
+                y += tl.sum(w.to(tl.float32) * hk[None, :], axis=1)
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + e.to(tl.int64) * db_e + cols * db_h, mask=cmask, other=0.0).to(tl.float32)
+            y = to_out(y, out_ptr, DOT_PREC).to(tl.float32)  # the route's output in x.dtype, as the grouped path's
+            acc = tl.fma(y, tl.load(rw_ptr + r).to(tl.float32), acc)
+    tl.store(out_ptr + t64 * stride_ot + cols * stride_oh, to_out(acc, out_ptr, DOT_PREC), mask=cmask)
+
+
+def _blocks(cols: int, programs_per_col_block: int, k_len: int) -> tuple:
+    """(BLOCK_N, BLOCK_K): column blocks of 32 (16 when that leaves fewer than about two programs per SM's
+    worth, 264), K steps of up to 8192 elements a tile (the weights stream through few programs at decode: wide
+    loads keep more bytes in flight); the interpreter: small tiles."""
+    if common.INTERPRET:
+        return 16, 32
+    block_n = 32 if programs_per_col_block * common.cdiv(cols, 32) >= 264 else 16
+    return block_n, min(8192 // block_n, common.next_pow2(k_len))
+
+
+def gemv_routes(x_TH, te_N, rw_N, gate, up, down, out_TH, limit, *, act=None, gate_up_bias=None, down_bias=None,
+                s_TH=None, logit_T=None):
+    """out_TH = the routed experts' sum (+ the shared expert's s_TH, gated by sigmoid(logit_T)) of T tokens
+    with K = N / T routes each: gate, up read as [E, I, H], down as [E, H, I] (plain tensors, x.dtype); the
+    optional biases [E, 2, I], [E, H]; at least one route. Returns the ids' check flag (int32 [1]) for
+    torch._assert_async."""
+    T, H = x_TH.shape
+    N = te_N.numel()
+    E, I, _ = gate.shape
+    ok = torch.empty(1, dtype=torch.int32, device=x_TH.device)
+    topk = N // T
+    h = x_TH.new_empty(N, I)
+    both = interleaved(gate, up, 1)  # [E, 2I, H] (GPT-OSS's layout)
+    wg, wu = (both, both) if both is not None else (gate, up)
+    keep_clip = limit is not None and x_TH.dtype in (torch.bfloat16, torch.float16)
+    above, below = (float(v) for v in clip_bounds(limit, x_TH.dtype)) if keep_clip else (0.0, 0.0)
+    prec = common.dot_precision(x_TH.dtype)
+    bn, bk = _blocks(I, N, H)
+    common.launch(
+        _gemv_gate_up_kernel, (common.cdiv(I, bn), N),
+        x_TH, x_TH.stride(0), x_TH.stride(1), te_N, ok,
+        wg, *wg.stride(), wu, *wu.stride(), h, h.stride(0), h.stride(1),
+        *((x_TH, 0, 0, 0) if gate_up_bias is None else (gate_up_bias, *gate_up_bias.stride())),
+        N, H, I, E, topk, 0.0 if limit is None else float(limit), above, below,
+        1.0 if act is None else act.alpha, 0.0 if act is None else act.beta,
+        HAS_BIAS=gate_up_bias is not None, HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip,
+        INTERLEAVED=both is not None, DOT_PREC=prec, BLOCK_N=bn, BLOCK_K=bk, CHECK_BLOCK=64, num_warps=4,
+    )
+    bn, bk = _blocks(H, T, I)
+    dummy = x_TH  # (absent inputs: a read-only input in their place, `common.launch`)
+    common.launch(
+        _gemv_down_kernel, (common.cdiv(H, bn), T),
+        h, h.stride(0), h.stride(1), te_N, rw_N, down, *down.stride(),
+        *((dummy, 0, 0) if down_bias is None else (down_bias, *down_bias.stride())),
+        *((dummy, 0, 0) if s_TH is None else (s_TH, *s_TH.stride())),
+        logit_T if logit_T is not None else dummy,
+        out_TH, out_TH.stride(0), out_TH.stride(1), T, H, I, E, topk,
+        HAS_BIAS=down_bias is not None, HAS_S=s_TH is not None, S_SIGMOID=logit_T is not None, DOT_PREC=prec,
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+    )
+    return ok
