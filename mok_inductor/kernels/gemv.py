@@ -143,14 +143,15 @@ def _gemv_down_kernel(
     tl.store(out_ptr + t64 * stride_ot + cols * stride_oh, to_out(acc, out_ptr, DOT_PREC), mask=cmask)
 
 
-def _blocks(cols: int, programs_per_col_block: int, k_len: int) -> tuple:
+def _blocks(cols: int, programs_per_col_block: int, k_len: int, matrices: int) -> tuple:
     """(BLOCK_N, BLOCK_K): column blocks of 32 (16 when that leaves fewer than about two programs per SM's
-    worth, 264), K steps of up to 8192 elements a tile (the weights stream through few programs at decode: wide
-    loads keep more bytes in flight); the interpreter: small tiles."""
+    worth, 264), K steps of 8192 weight elements in all over the `matrices` tiles a step loads (the weights
+    stream through few programs at decode: wide loads keep more bytes in flight; 64 float32 values a thread at 4
+    warps); the interpreter: small tiles."""
     if common.INTERPRET:
         return 16, 32
     block_n = 32 if programs_per_col_block * common.cdiv(cols, 32) >= 264 else 16
-    return block_n, min(8192 // block_n, common.next_pow2(k_len))
+    return block_n, min(8192 // (matrices * block_n), common.next_pow2(k_len))
 
 
 def gemv_routes(x_TH, te_N, rw_N, gate, up, down, out_TH, limit, *, act=None, gate_up_bias=None, down_bias=None,
@@ -170,7 +171,7 @@ def gemv_routes(x_TH, te_N, rw_N, gate, up, down, out_TH, limit, *, act=None, ga
     keep_clip = limit is not None and x_TH.dtype in (torch.bfloat16, torch.float16)
     above, below = (float(v) for v in clip_bounds(limit, x_TH.dtype)) if keep_clip else (0.0, 0.0)
     prec = common.dot_precision(x_TH.dtype)
-    bn, bk = _blocks(I, N, H)
+    bn, bk = _blocks(I, N, H, 2)
     common.launch(
         _gemv_gate_up_kernel, (common.cdiv(I, bn), N),
         x_TH, x_TH.stride(0), x_TH.stride(1), te_N, ok,
@@ -181,7 +182,7 @@ def gemv_routes(x_TH, te_N, rw_N, gate, up, down, out_TH, limit, *, act=None, ga
         HAS_BIAS=gate_up_bias is not None, HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip,
         INTERLEAVED=both is not None, DOT_PREC=prec, BLOCK_N=bn, BLOCK_K=bk, CHECK_BLOCK=64, num_warps=4,
     )
-    bn, bk = _blocks(H, T, I)
+    bn, bk = _blocks(H, T, I, 1)
     dummy = x_TH  # (absent inputs: a read-only input in their place, `common.launch`)
     common.launch(
         _gemv_down_kernel, (common.cdiv(H, bn), T),
