@@ -48,8 +48,8 @@ def _gemv_gate_up_kernel(
     below = tl.cast(below, tl.float32)
     alpha = tl.cast(alpha, tl.float32)
     beta = tl.cast(beta, tl.float32)
-    pid_n = tl.program_id(0)
-    r = tl.program_id(1)
+    r = tl.program_id(0)  # (routes along the grid's first dim: up to 2^31 - 1 of them)
+    pid_n = tl.program_id(1)
     if (pid_n == 0) & (r == 0):  # the ids' check (what the schedule's prefix kernel folds for the grouped path)
         nbad = tl.zeros((CHECK_BLOCK,), dtype=tl.int32)
         for r0 in range(0, N, CHECK_BLOCK):
@@ -113,8 +113,8 @@ def _gemv_down_kernel(
 ):
     """y[t, cols] = s[t] (* sigmoid(logit[t])) + sum over t's valid routes in k order of rw * round(h_r @ down[e]^T
     (+ b[e])): the grouped path's down GEMM and combine in one pass."""
-    pid_n = tl.program_id(0)
-    t64 = tl.program_id(1).to(tl.int64)
+    t64 = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < H
     ks = tl.arange(0, BLOCK_K)
@@ -173,7 +173,7 @@ def gemv_routes(x_TH, te_N, rw_N, gate, up, down, out_TH, limit, *, act=None, ga
     prec = common.dot_precision(x_TH.dtype)
     bn, bk = _blocks(I, N, H, 2)
     common.launch(
-        _gemv_gate_up_kernel, (common.cdiv(I, bn), N),
+        _gemv_gate_up_kernel, (N, common.cdiv(I, bn)),
         x_TH, x_TH.stride(0), x_TH.stride(1), te_N, ok,
         wg, *wg.stride(), wu, *wu.stride(), h, h.stride(0), h.stride(1),
         *((x_TH, 0, 0, 0) if gate_up_bias is None else (gate_up_bias, *gate_up_bias.stride())),
@@ -185,7 +185,7 @@ def gemv_routes(x_TH, te_N, rw_N, gate, up, down, out_TH, limit, *, act=None, ga
     bn, bk = _blocks(H, T, I, 1)
     dummy = x_TH  # (absent inputs: a read-only input in their place, `common.launch`)
     common.launch(
-        _gemv_down_kernel, (common.cdiv(H, bn), T),
+        _gemv_down_kernel, (T, common.cdiv(H, bn)),
         h, h.stride(0), h.stride(1), te_N, rw_N, down, *down.stride(),
         *((dummy, 0, 0) if down_bias is None else (down_bias, *down_bias.stride())),
         *((dummy, 0, 0) if s_TH is None else (s_TH, *s_TH.stride())),
