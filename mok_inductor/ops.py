@@ -757,13 +757,14 @@ def _moe_composite(x, router_weights, top_experts, gate_up_proj, down_proj, shar
 
 def _decode_eligible(x, top_experts, gate_up_proj, tensors) -> bool:
     """Whether a call runs the decode forward (`kernels.decode_forward`): an eager call on the Triton kernels
-    that needs no gradient, of at least one and at most `options.decode_max_routes` routes, with plain weights
+    that needs no gradient, of at least one and at most `options.decode_max_routes` routes and no more routes than
+    experts (each route reads its expert's weights: repeats would read them again), with plain weights
     (the caller rules out MXFP8; split weights were stacked by then) and I > 0. Never while tracing (compiled
     graphs and exports keep the ops whole)."""
     if torch.compiler.is_compiling():
         return False
     n = top_experts.numel()
-    if not 0 < n <= options.current().decode_max_routes or gate_up_proj.shape[-2] == 0:
+    if not 0 < n <= min(options.current().decode_max_routes, gate_up_proj.shape[0]) or gate_up_proj.shape[-2] == 0:
         return False
     return use_triton(x) and not _needs_autograd(tensors) and not kernels_module().common.traced((x,))
 

@@ -60,8 +60,8 @@ class Options:
     two_pass_min_rows: at this many and more, the SwiGLU backward runs as a second pass after the
         down-projection's data-gradient GEMM instead of in its epilogue.
     tma_min_rows: the fewest rows per expert at which the TMA loads pay for their descriptors.
-    decode_max_routes: eager calls that need no gradient with at most this many routes in all (T*K; plain
-        weights, not MXFP8 or split) run the decode forward: a GEMV per route and one that sums each token's
+    decode_max_routes: eager calls that need no gradient with at most this many routes in all (T*K, and at most
+        E; plain weights, not MXFP8 or split) run the decode forward: a GEMV per route and one that sums each token's
         routes, without the schedule (`mok_inductor.kernels.gemv`; 0: never). Decode steps are host-bound.
     """
 

@@ -508,12 +508,12 @@ class TestBadInput(expecttest.TestCase):
     @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA (the Triton schedule's device-side check)")
     def test_bad_expert_id_on_the_gpu_names_the_argument(self):
         # a device-side assert ends the process's CUDA context, so the call runs in a child process; what the
-        # user sees must name the argument and the valid range. 8 routes: the decode forward's check (its
+        # user sees must name the argument and the valid range. 4 routes: the decode forward's check (its
         # gate/up kernel's); 128: the schedule's
-        for T in (4, 64):
+        for T in (2, 64):
             code = ("import torch, mok_inductor\n"
                     f"x = torch.randn({T}, 64, device='cuda', dtype=torch.bfloat16)\n"
-                    f"te = torch.randint(0, 4, ({T}, 2), device='cuda'); te[3, 1] = 9\n"
+                    f"te = torch.randint(0, 4, ({T}, 2), device='cuda'); te[1, 1] = 9\n"
                     f"w = torch.randn({T}, 2, device='cuda').softmax(-1)\n"
                     "gu = torch.randn(4, 64, 64, device='cuda', dtype=torch.bfloat16)\n"
                     "d = torch.randn(4, 64, 32, device='cuda', dtype=torch.bfloat16)\n"

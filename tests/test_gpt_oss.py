@@ -279,8 +279,8 @@ def test_decode_forward_against_oracle(hf, monkeypatch):
 
     if not kernels.AVAILABLE:
         pytest.fail("the Triton kernels are not available (no CUDA and no TRITON_INTERPRET=1)")
-    # T=3, K=4: 12 routes (-1 routes and a repeated expert in "repeat"), H=24 (a K-step tail), I=12
-    inp = _inputs(T=3, H=24, I=12, E=5, K=4, dtype=torch.bfloat16, seed=31, kind="repeat")
+    # T=3, K=4: 12 routes (-1 routes and a repeated expert in "repeat"), H=24 (a K-step tail), I=12, E=12
+    inp = _inputs(T=3, H=24, I=12, E=12, K=4, dtype=torch.bfloat16, seed=31, kind="repeat")
     call = dict(inp)
     if hf:
         w_hf, b_hf, d_hf = _hf_layout(inp)

@@ -674,12 +674,12 @@ def poisoned_empty(monkeypatch):
 
 DECODE_CASES = [
     ("t1_fp32", dict(T=1, H=40, I=24, E=5, K=2, dtype=torch.float32)),  # one token, odd H (a K step's tail)
-    ("drop_limit_bf16", dict(T=3, H=32, I=20, E=6, K=4, dtype=torch.bfloat16, limit=0.6, drop=0.3)),  # -1 routes,
+    ("drop_limit_bf16", dict(T=3, H=32, I=20, E=12, K=4, dtype=torch.bfloat16, limit=0.6, drop=0.3)),  # -1 routes,
     # the clamp clips, I not a column-block multiple
-    ("shared_gate_fp32", dict(T=2, H=32, I=16, E=3, K=3, dtype=torch.float32, shared=True, gate=True, limit=0.7)),
+    ("shared_gate_fp32", dict(T=2, H=32, I=16, E=6, K=3, dtype=torch.float32, shared=True, gate=True, limit=0.7)),
     ("shared_repeat_bf16", dict(T=2, H=16, I=16, E=4, K=2, dtype=torch.bfloat16, shared=True, kind="repeat")),
-    ("all_dropped_shared_fp32", dict(T=4, H=16, I=16, E=3, K=2, dtype=torch.float32, kind="none", shared=True)),
-    ("sixteen_routes_bf16", dict(T=8, H=24, I=8, E=7, K=2, dtype=torch.bfloat16)),  # options.decode_max_routes
+    ("all_dropped_shared_fp32", dict(T=4, H=16, I=16, E=8, K=2, dtype=torch.float32, kind="none", shared=True)),
+    ("sixteen_routes_bf16", dict(T=8, H=24, I=8, E=16, K=2, dtype=torch.bfloat16)),  # decode_max_routes routes, E
 ]
 
 
@@ -710,15 +710,20 @@ def test_decode_forward_vs_oracle(name, kw, monkeypatch, poisoned_empty):
 
 def test_decode_forward_only_without_gradient(monkeypatch):
     # the decode forward saves nothing: with an input that requires grad (grad mode on) the grouped path runs,
-    # and so it does past decode_max_routes
+    # and so it does past decode_max_routes, and with more routes than experts
     launched = record_launches(monkeypatch)
-    case = make_case(T=2, H=16, I=8, E=3, K=2, device=DEV, requires_grad=True, seed=4)
+    case = make_case(T=2, H=16, I=8, E=5, K=2, device=DEV, requires_grad=True, seed=4)
     with mok_inductor.options.override(backend="triton"):
         mok_inductor.moe(*case.args(), **case.kwargs()).sum().backward()
         assert kernels.gemv._gemv_gate_up_kernel not in launched and kernels.gate_up.GATE_UP in launched
         del launched[:]
         with torch.no_grad(), mok_inductor.options.override(decode_max_routes=3):
             mok_inductor.moe(*case.args(), **case.kwargs())
+        assert kernels.gemv._gemv_gate_up_kernel not in launched and kernels.gate_up.GATE_UP in launched
+        del launched[:]
+        few = make_case(T=2, H=16, I=8, E=3, K=2, device=DEV, requires_grad=False, seed=6)  # 4 routes, 3 experts
+        with torch.no_grad():
+            mok_inductor.moe(*few.args(), **few.kwargs())
         assert kernels.gemv._gemv_gate_up_kernel not in launched and kernels.gate_up.GATE_UP in launched
 
 
@@ -729,19 +734,19 @@ def test_decode_forward_checks_expert_ids():
     import subprocess
     import sys
 
-    for bad in (3, -2):
+    for bad in (4, -2):
         code = ("import torch, mok_inductor\n"
                 f"x = torch.randn(2, 16, device='{DEV}')\n"
                 f"te = torch.tensor([[0, 2], [{bad}, 1]], device='{DEV}')\n"
                 f"w = torch.rand(2, 2, device='{DEV}')\n"
-                f"gu, d = torch.randn(3, 16, 16, device='{DEV}'), torch.randn(3, 16, 8, device='{DEV}')\n"
+                f"gu, d = torch.randn(4, 16, 16, device='{DEV}'), torch.randn(4, 16, 8, device='{DEV}')\n"
                 "with torch.no_grad(), mok_inductor.options.override(backend='triton'):\n"
                 "    y = mok_inductor.moe(x, w, te, gu, d)\n"
                 "    assert mok_inductor.options.current().decode_max_routes >= 4\n"
                 "print(float(y.sum()))\n")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         assert proc.returncode != 0, proc.stdout
-        assert "top_experts: expected expert indices in [-1, 3)" in proc.stderr, proc.stderr[-2000:]
+        assert "top_experts: expected expert indices in [-1, 4)" in proc.stderr, proc.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,8 +25,11 @@ import triton.language as tl
 
 from ..types import clip_bounds
 from . import common
-from .common import round_gu, swiglu, to_out
+from .common import mma, round_gu, swiglu, to_out
 from .operands import interleaved
+
+# the rows of the tensor-core tiles (the smallest a dot takes): row 0 is the route's, the others zero
+ROWS: tl.constexpr = tl.constexpr(16)
 
 
 @triton.jit(do_not_specialize=["N"])  # (a new token count compiles nothing)
@@ -43,6 +46,9 @@ def _gemv_gate_up_kernel(
     HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr, KEEP_CLIP: tl.constexpr, INTERLEAVED: tl.constexpr,
     DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHECK_BLOCK: tl.constexpr,
 ):
+    """Route r's x row as row 0 of a [ROWS, BLOCK_K] tile (the other rows zero) times the expert's weight tiles on
+    the tensor cores: the loads pipeline as a GEMM's do, and every output element is one thread's (a reduction
+    across lanes would leave lanes holding differently rounded copies of one sum). Row 0 is stored."""
     limit = tl.cast(limit, tl.float32)
     above = tl.cast(above, tl.float32)
     below = tl.cast(below, tl.float32)
@@ -61,40 +67,45 @@ def _gemv_gate_up_kernel(
     if (e < 0) | (e >= E):  # no route (or a bad id, flagged above): the down kernel never reads this row
         return
     e64 = e.to(tl.int64)
+    rows = tl.arange(0, ROWS)
+    first = rows == 0
     x_row = x_ptr + (r // TOPK).to(tl.int64) * stride_xt
     ks = tl.arange(0, BLOCK_K)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < I
-    if INTERLEAVED:  # one [2 BLOCK_N, BLOCK_K] tile along the weight's contiguous dim, rows alternating g and u
+    if INTERLEAVED:  # one [BLOCK_K, 2 BLOCK_N] tile along the weight's contiguous dim, columns alternating g and u
         cols2 = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-        w_rows = wg_ptr + e64 * g_e + cols2[:, None] * g_n
-        acc = tl.zeros((2 * BLOCK_N,), dtype=tl.float32)
+        w_cols = wg_ptr + e64 * g_e + cols2[None, :] * g_n
+        acc = tl.zeros((ROWS, 2 * BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             kk = k0 + ks
             kmask = kk < H
-            xk = tl.load(x_row + kk * stride_xh, mask=kmask, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + kk[None, :] * g_k, mask=(cols2 < 2 * I)[:, None] & kmask[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
-        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
+            a = tl.load(x_row + kk[None, :] * stride_xh + rows[:, None] * 0, mask=first[:, None] & kmask[None, :],
+                        other=0.0)
+            w = tl.load(w_cols + kk[:, None] * g_k, mask=kmask[:, None] & (cols2 < 2 * I)[None, :], other=0.0)
+            acc = mma(a, w, acc, DOT_PREC)
+        acc_g, acc_u = tl.split(tl.reshape(acc, (ROWS, BLOCK_N, 2)))
     else:
-        g_rows = wg_ptr + e64 * g_e + cols[:, None] * g_n
-        u_rows = wu_ptr + e64 * u_e + cols[:, None] * u_n
-        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        g_cols = wg_ptr + e64 * g_e + cols[None, :] * g_n
+        u_cols = wu_ptr + e64 * u_e + cols[None, :] * u_n
+        acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             kk = k0 + ks
             kmask = kk < H
-            wmask = cmask[:, None] & kmask[None, :]
-            xk = tl.load(x_row + kk * stride_xh, mask=kmask, other=0.0).to(tl.float32)[None, :]
-            acc_g += tl.sum(tl.load(g_rows + kk[None, :] * g_k, mask=wmask, other=0.0).to(tl.float32) * xk, axis=1)
-            acc_u += tl.sum(tl.load(u_rows + kk[None, :] * u_k, mask=wmask, other=0.0).to(tl.float32) * xk, axis=1)
+            wmask = kmask[:, None] & cmask[None, :]
+            a = tl.load(x_row + kk[None, :] * stride_xh + rows[:, None] * 0, mask=first[:, None] & kmask[None, :],
+                        other=0.0)
+            acc_g = mma(a, tl.load(g_cols + kk[:, None] * g_k, mask=wmask, other=0.0), acc_g, DOT_PREC)
+            acc_u = mma(a, tl.load(u_cols + kk[:, None] * u_k, mask=wmask, other=0.0), acc_u, DOT_PREC)
     if HAS_BIAS:  # before the rounding and the clamp, as the grouped path adds it
         b_ptrs = bias_ptr + e64 * b_e + cols * b_i
-        acc_g += tl.load(b_ptrs, mask=cmask, other=0.0).to(tl.float32)
-        acc_u += tl.load(b_ptrs + b_c, mask=cmask, other=0.0).to(tl.float32)
+        acc_g += tl.load(b_ptrs, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptrs + b_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
     g, u = round_gu(acc_g, acc_u, h_ptr, limit, above, below, KEEP_CLIP, DOT_PREC)
     h = swiglu(g, u, limit, alpha, beta, HAS_LIMIT)
-    tl.store(h_ptr + r.to(tl.int64) * stride_hr + cols * stride_hi, to_out(h, h_ptr, DOT_PREC), mask=cmask)
+    h_ptrs = h_ptr + r.to(tl.int64) * stride_hr + cols[None, :] * stride_hi + rows[:, None] * 0
+    tl.store(h_ptrs, to_out(h, h_ptr, DOT_PREC), mask=first[:, None] & cmask[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -112,46 +123,53 @@ def _gemv_down_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """y[t, cols] = s[t] (* sigmoid(logit[t])) + sum over t's valid routes in k order of rw * round(h_r @ down[e]^T
-    (+ b[e])): the grouped path's down GEMM and combine in one pass."""
+    (+ b[e])): the grouped path's down GEMM and combine in one pass, h_r as row 0 of a tile as in
+    `_gemv_gate_up_kernel`."""
     t64 = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
+    rows = tl.arange(0, ROWS)
+    first = rows == 0
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < H
     ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     if HAS_S:
-        acc = tl.load(s_ptr + t64 * stride_st + cols * stride_sh, mask=cmask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + t64 * stride_st + cols * stride_sh, mask=cmask, other=0.0).to(tl.float32)
         if S_SIGMOID:
-            acc = acc * tl.sigmoid(tl.load(logit_ptr + t64))
+            s = s * tl.sigmoid(tl.load(logit_ptr + t64))
+        acc += s[None, :]
     for k in range(0, TOPK):
         r = t64 * TOPK + k
         e = tl.load(te_ptr + r).to(tl.int32)
         if (e >= 0) & (e < E):
-            w_rows = wd_ptr + e.to(tl.int64) * d_e + cols[:, None] * d_n
+            w_cols = wd_ptr + e.to(tl.int64) * d_e + cols[None, :] * d_n
             h_row = h_ptr + r * stride_hr
-            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            y = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
                 kk = k0 + ks
                 kmask = kk < I
-                hk = tl.load(h_row + kk * stride_hi, mask=kmask, other=0.0).to(tl.float32)
-                w = tl.load(w_rows + kk[None, :] * d_k, mask=cmask[:, None] & kmask[None, :], other=0.0)
-                y += tl.sum(w.to(tl.float32) * hk[None, :], axis=1)
+                a = tl.load(h_row + kk[None, :] * stride_hi + rows[:, None] * 0, mask=first[:, None] & kmask[None, :],
+                            other=0.0)
+                w = tl.load(w_cols + kk[:, None] * d_k, mask=kmask[:, None] & cmask[None, :], other=0.0)
+                y = mma(a, w, y, DOT_PREC)
             if HAS_BIAS:
-                y += tl.load(bias_ptr + e.to(tl.int64) * db_e + cols * db_h, mask=cmask, other=0.0).to(tl.float32)
+                y += tl.load(bias_ptr + e.to(tl.int64) * db_e + cols * db_h, mask=cmask,
+                             other=0.0).to(tl.float32)[None, :]
             y = to_out(y, out_ptr, DOT_PREC).to(tl.float32)  # the route's output in x.dtype, as the grouped path's
             acc = tl.fma(y, tl.load(rw_ptr + r).to(tl.float32), acc)
-    tl.store(out_ptr + t64 * stride_ot + cols * stride_oh, to_out(acc, out_ptr, DOT_PREC), mask=cmask)
+    out_ptrs = out_ptr + t64 * stride_ot + cols[None, :] * stride_oh + rows[:, None] * 0
+    tl.store(out_ptrs, to_out(acc, out_ptr, DOT_PREC), mask=first[:, None] & cmask[None, :])
 
 
-def _blocks(cols: int, programs_per_col_block: int, k_len: int, matrices: int) -> tuple:
-    """(BLOCK_N, BLOCK_K): column blocks of 32 (16 when that leaves fewer than about two programs per SM's
-    worth, 264), K steps of 8192 weight elements in all over the `matrices` tiles a step loads (the weights
-    stream through few programs at decode: wide loads keep more bytes in flight; 64 float32 values a thread at 4
-    warps); the interpreter: small tiles."""
+def _blocks(cols: int, programs_per_col_block: int) -> tuple:
+    """(BLOCK_N, BLOCK_K): the widest column block of 64, 32, 16 that still gives about two programs per SM
+    (264; decode streams the weights through few programs), K steps of 128; the interpreter: small tiles."""
     if common.INTERPRET:
         return 16, 32
-    block_n = 32 if programs_per_col_block * common.cdiv(cols, 32) >= 264 else 16
-    return block_n, min(8192 // (matrices * block_n), common.next_pow2(k_len))
+    for block_n in (64, 32):
+        if programs_per_col_block * common.cdiv(cols, block_n) >= 264:
+            return block_n, 128
+    return 16, 128
 
 
 def gemv_routes(x_TH, te_N, rw_N, gate, up, down, out_TH, limit, *, act=None, gate_up_bias=None, down_bias=None,
@@ -171,7 +189,7 @@ def gemv_routes(x_TH, te_N, rw_N, gate, up, down, out_TH, limit, *, act=None, ga
     keep_clip = limit is not None and x_TH.dtype in (torch.bfloat16, torch.float16)
     above, below = (float(v) for v in clip_bounds(limit, x_TH.dtype)) if keep_clip else (0.0, 0.0)
     prec = common.dot_precision(x_TH.dtype)
-    bn, bk = _blocks(I, N, H, 2)
+    bn, bk = _blocks(I, N)
     common.launch(
         _gemv_gate_up_kernel, (N, common.cdiv(I, bn)),
         x_TH, x_TH.stride(0), x_TH.stride(1), te_N, ok,
@@ -181,8 +199,9 @@ def gemv_routes(x_TH, te_N, rw_N, gate, up, down, out_TH, limit, *, act=None, ga
         1.0 if act is None else act.alpha, 0.0 if act is None else act.beta,
         HAS_BIAS=gate_up_bias is not None, HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip,
         INTERLEAVED=both is not None, DOT_PREC=prec, BLOCK_N=bn, BLOCK_K=bk, CHECK_BLOCK=64, num_warps=4,
+        num_stages=3,
     )
-    bn, bk = _blocks(H, T, I, 1)
+    bn, bk = _blocks(H, T)
     dummy = x_TH  # (absent inputs: a read-only input in their place, `common.launch`)
     common.launch(
         _gemv_down_kernel, (T, common.cdiv(H, bn)),
@@ -192,6 +211,6 @@ def gemv_routes(x_TH, te_N, rw_N, gate, up, down, out_TH, limit, *, act=None, ga
         logit_T if logit_T is not None else dummy,
         out_TH, out_TH.stride(0), out_TH.stride(1), T, H, I, E, topk,
         HAS_BIAS=down_bias is not None, HAS_S=s_TH is not None, S_SIGMOID=logit_T is not None, DOT_PREC=prec,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3,
     )
     return ok
