@@ -5,10 +5,11 @@
 
 For each shape and token count: the wall time per call in a loop that synchronises only every 200 calls (generate()
 runs ahead of the GPU until the host's launch work is the bound: at decode sizes it is), and the kernels' time alone
-(their durations summed by torch.profiler): the gap between the two is the host's work per call. Contenders: mok
-(`mok_inductor.moe`: the schedule, the grouped GEMMs and the combine, five Triton launches and three custom ops) and
-`torch._grouped_mm` eager (bench_moe.py's sort, gather, grouped GEMMs, combine), checked against mok on the same
-inputs. The weight-read floor is the routed weights the call touches over the copy bandwidth measured on the card.
+(their durations summed by torch.profiler). Contenders: mok's decode forward (the default at these sizes,
+`options.decode_max_routes`), mok's grouped kernels (`decode_max_routes=0`: the schedule, the grouped GEMMs, the
+combine) and `torch._grouped_mm` eager (bench_moe.py's sort, gather, grouped GEMMs, combine), each checked against
+the first on the same inputs. The weight-read floor is the routed weights the call touches over the copy bandwidth
+measured on the card.
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ SHAPES = {
 }
 
 
-CONTENDERS = {"mok": bench_moe.moe_mok, "grouped_mm": bench_moe.moe_grouped_mm}
+def mok_grouped(x, rw, te, w_gu, w_d):
+    with mok_inductor.options.override(decode_max_routes=0):
+        return mok_inductor.moe(x, rw, te, w_gu, w_d)
+
+
+CONTENDERS = {"mok": bench_moe.moe_mok, "mok_grouped": mok_grouped, "grouped_mm": bench_moe.moe_grouped_mm}
 
 
 def wall_us(f, n=1000, sync_every=200):
