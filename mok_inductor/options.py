@@ -61,8 +61,8 @@ class Options:
         down-projection's data-gradient GEMM instead of in its epilogue.
     tma_min_rows: the fewest rows per expert at which the TMA loads pay for their descriptors.
     decode_max_routes: eager calls that need no gradient with at most this many routes in all (T*K, and at most
-        E; plain weights, not MXFP8 or split) run the decode forward: a GEMV per route and one that sums each token's
-        routes, without the schedule (`mok_inductor.kernels.gemv`; 0: never). Decode steps are host-bound.
+        E; plain weights, not MXFP8 or split) run the decode forward: gate/up and down a route per program, then
+        the combine, without the schedule (`mok_inductor.kernels.gemv`; 0: never). Decode steps are host-bound.
     """
 
     backend: str = "auto"

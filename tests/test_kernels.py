@@ -685,15 +685,16 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("name,kw", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
 def test_decode_forward_vs_oracle(name, kw, monkeypatch, poisoned_empty):
-    # a call without gradient of at most decode_max_routes routes runs the two GEMV kernels (and the shared
-    # expert's), no schedule and no grouped GEMM; its output against the float64 oracle and against the grouped
+    # a call without gradient of at most decode_max_routes routes runs the two per-route kernels and the combine
+    # (and the shared expert's), no schedule and no grouped GEMM; its output against the float64 oracle and the grouped
     # path's (the same arithmetic: close, within the contract's tolerance of each other)
     case = make_case(**kw, device=DEV, requires_grad=False, seed=len(name))
     launched = record_launches(monkeypatch)
     with torch.no_grad(), mok_inductor.options.override(backend="triton"):
         y = mok_inductor.moe(*case.args(), **case.kwargs())
-        assert kernels.gemv._gemv_gate_up_kernel in launched and kernels.gemv._gemv_down_kernel in launched
-        assert kernels.schedule._schedule_count_kernel not in launched and kernels.combine._combine_kernel not in launched
+        assert launched[-3:] == [kernels.gemv._gemv_gate_up_kernel, kernels.gemv._gemv_down_kernel,
+                                 kernels.combine._combine_kernel], launched
+        assert kernels.schedule._schedule_count_kernel not in launched
         # (the shared expert, when there is one, runs the grouped kernels as one group of T rows)
         grouped = [k for k in launched if k in (kernels.gate_up.GATE_UP, kernels.grouped_gemm.GROUPED_ROWS)]
         assert len(grouped) == (2 if case.shared_gate_up_proj is not None else 0), launched

@@ -7,7 +7,7 @@ Forward:
     x --gate_up (gather fused)--> gu [N, 2I] (saved), h [N, I] --grouped_rows (down)--> y per route [N, H]
       --combine (router weights, shared expert, its gate; fp32 in k order)--> y [T, H]
 Decode (`decode_forward`: eager calls of a few routes that need no gradient, `options.decode_max_routes`):
-    x --gemv gate/up per route (ids checked)--> h [N, I] --gemv down, the routes summed in k order--> y [T, H]
+    x --gate/up per route (ids checked)--> h [N, I] --down per route--> y per route [N, H] --combine--> y [T, H]
 Backward:
     dy --bwd_act (dy @ down, SwiGLU backward from the saved g, u)--> dgu [N, 2I], d router weights, rw * h
       --wgrad (down; gate and up as one GEMM)--> weight gradients (written or added into main grads)
@@ -30,7 +30,7 @@ Families, one module each:
     bias_grad.py     the routed biases' gradients (fixed-order sums over each expert's rows)
     bwd_act.py       the down data-gradient GEMM with the SwiGLU backward (fused or a second pass)
     wgrad.py         the grouped weight-gradient GEMM with the accumulating epilogue
-    gemv.py          the decode forward: per-route GEMVs, the down GEMV summing the routes (no schedule)
+    gemv.py          the decode forward: gate/up and down per route, no schedule
 
 Shapes only decide grids, allocations and kernel choices (worst-case tile counts; idle programs exit; a
 symbolic size decides without a guard, `common.at_least`), there is no host synchronisation, and every

@@ -1,18 +1,20 @@
-"""The decode forward: a few routes, no schedule, two launches (three with a shared expert, plus its own).
+"""The decode forward: a few routes, no schedule, three launches (with a shared expert, its own besides).
 
     x_TH, top_experts --_gemv_gate_up_kernel (one program per route and column block)--> h_NI = act(g, u)
         per route, in route order (the `-1` routes' rows unwritten), and the ids' check flag
-    h_NI, top_experts, router weights, shared s_TH, its gate's logits --_gemv_down_kernel (one program per
-        token and column block; routes in k order)--> y_TH
+    h_NI, top_experts --_gemv_down_kernel (one program per route and column block)--> y_NH per route
+    y_NH, router weights, shared s_TH, its gate's logits --combine._combine_kernel (k order)--> y_TH
 
-At a few routes per call (generate's decode steps), the grouped path's counting sort, tile search over the
-experts and separate combine cost more host time (five launches and two custom ops) than the GPU spends on
-the weights; here each route reads its expert's rows directly and the down kernel sums the routes in k
-order. The arithmetic is the grouped path's: float32 accumulation, g and u rounded to x.dtype (without
-crossing a clamp bound) before the activation, h rounded, each route's output rounded to x.dtype before its
-router weight, the sum in k order in float32 (docs/semantics.md). No host synchronisation; bad expert ids are
-flagged on the device as the schedule does. Weights: plain 3-D (or GPT-OSS's interleaved gate/up) tensors of
-x.dtype; MXFP8 and split weights take the grouped path.
+At a few routes per call (generate's decode steps), the grouped path's counting sort and its tile search over
+the experts cost more host time (five launches and two custom ops) than the GPU spends on the weights; here
+each route's program reads its expert's rows directly, the route's row as row 0 of a 16-row tensor-core tile
+(the other rows zero): the weight loads pipeline as a GEMM's, and no float is reduced across lanes (lanes of a
+butterfly reduction hold differently rounded copies of one sum and race writing it). The arithmetic is the
+grouped path's: float32 accumulation, g and u rounded to x.dtype (without crossing a clamp bound) before the
+activation, h rounded, each route's output rounded to x.dtype, the combine's float32 sum in k order
+(docs/semantics.md). No host synchronisation; bad expert ids are flagged on the device as the schedule does.
+Weights: plain 3-D (or GPT-OSS's interleaved gate/up) tensors of x.dtype; MXFP8 and split weights take the
+grouped path.
 
 Shape legend: T tokens, H hidden, I intermediate, E experts, K routes per token (TOPK), N = T*K routes.
 """
@@ -24,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..types import clip_bounds
-from . import common
+from . import combine, common
 from .common import mma, round_gu, swiglu, to_out
 from .operands import interleaved
 
@@ -108,57 +110,44 @@ def _gemv_gate_up_kernel(
     tl.store(h_ptrs, to_out(h, h_ptr, DOT_PREC), mask=first[:, None] & cmask[None, :])
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["N"])
 def _gemv_down_kernel(
     h_ptr, stride_hr, stride_hi,  # h [N, I] (rows of `-1` routes unwritten)
     te_ptr,  # top_experts [N]
-    rw_ptr,  # router weights [N] (any float dtype, used in float32)
     wd_ptr, d_e, d_n, d_k,  # down read as [E, H, I]
     bias_ptr, db_e, db_h,  # FC2 bias [E, H] (HAS_BIAS)
-    s_ptr, stride_st, stride_sh,  # the shared expert's output [T, H] (HAS_S)
-    logit_ptr,  # float32 [T]: s is scaled by sigmoid(logit) (S_SIGMOID)
-    out_ptr, stride_ot, stride_oh,  # y [T, H] out
-    T, H, I, E, TOPK,
-    HAS_BIAS: tl.constexpr, HAS_S: tl.constexpr, S_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    y_ptr, stride_yr, stride_yh,  # y [N, H] out, per route (rows of `-1` routes unwritten)
+    N, H, I, E,
+    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """y[t, cols] = s[t] (* sigmoid(logit[t])) + sum over t's valid routes in k order of rw * round(h_r @ down[e]^T
-    (+ b[e])): the grouped path's down GEMM and combine in one pass, h_r as row 0 of a tile as in
-    `_gemv_gate_up_kernel`."""
-    t64 = tl.program_id(0).to(tl.int64)
+    """y[r, cols] = round(h_r @ down[e]^T (+ b[e])) for route r (expert e), h_r as row 0 of a tile as in
+    `_gemv_gate_up_kernel`; every route's program runs at once (the combine then sums each token's routes in k
+    order: `combine._combine_kernel`)."""
+    r = tl.program_id(0)
     pid_n = tl.program_id(1)
+    e = tl.load(te_ptr + r).to(tl.int32)
+    if (e < 0) | (e >= E):
+        return
+    e64 = e.to(tl.int64)
     rows = tl.arange(0, ROWS)
     first = rows == 0
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < H
     ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    if HAS_S:
-        s = tl.load(s_ptr + t64 * stride_st + cols * stride_sh, mask=cmask, other=0.0).to(tl.float32)
-        if S_SIGMOID:
-            s = s * tl.sigmoid(tl.load(logit_ptr + t64))
-        acc += s[None, :]
-    for k in range(0, TOPK):
-        r = t64 * TOPK + k
-        e = tl.load(te_ptr + r).to(tl.int32)
-        if (e >= 0) & (e < E):
-            w_cols = wd_ptr + e.to(tl.int64) * d_e + cols[None, :] * d_n
-            h_row = h_ptr + r * stride_hr
-            y = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                kk = k0 + ks
-                kmask = kk < I
-                a = tl.load(h_row + kk[None, :] * stride_hi + rows[:, None] * 0, mask=first[:, None] & kmask[None, :],
-                            other=0.0)
-                w = tl.load(w_cols + kk[:, None] * d_k, mask=kmask[:, None] & cmask[None, :], other=0.0)
-                y = mma(a, w, y, DOT_PREC)
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + e.to(tl.int64) * db_e + cols * db_h, mask=cmask,
-                             other=0.0).to(tl.float32)[None, :]
-            y = to_out(y, out_ptr, DOT_PREC).to(tl.float32)  # the route's output in x.dtype, as the grouped path's
-            acc = tl.fma(y, tl.load(rw_ptr + r).to(tl.float32), acc)
-    out_ptrs = out_ptr + t64 * stride_ot + cols[None, :] * stride_oh + rows[:, None] * 0
-    tl.store(out_ptrs, to_out(acc, out_ptr, DOT_PREC), mask=first[:, None] & cmask[None, :])
+    w_cols = wd_ptr + e64 * d_e + cols[None, :] * d_n
+    h_row = h_ptr + r.to(tl.int64) * stride_hr
+    y = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + ks
+        kmask = kk < I
+        a = tl.load(h_row + kk[None, :] * stride_hi + rows[:, None] * 0, mask=first[:, None] & kmask[None, :],
+                    other=0.0)
+        w = tl.load(w_cols + kk[:, None] * d_k, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        y = mma(a, w, y, DOT_PREC)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + e64 * db_e + cols * db_h, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + r.to(tl.int64) * stride_yr + cols[None, :] * stride_yh + rows[:, None] * 0
+    tl.store(y_ptrs, to_out(y, y_ptr, DOT_PREC), mask=first[:, None] & cmask[None, :])
 
 
 def _blocks(cols: int, programs_per_col_block: int) -> tuple:
@@ -201,16 +190,14 @@ def gemv_routes(x_TH, te_N, rw_N, gate, up, down, out_TH, limit, *, act=None, ga
         INTERLEAVED=both is not None, DOT_PREC=prec, BLOCK_N=bn, BLOCK_K=bk, CHECK_BLOCK=64, num_warps=4,
         num_stages=3,
     )
-    bn, bk = _blocks(H, T)
-    dummy = x_TH  # (absent inputs: a read-only input in their place, `common.launch`)
+    bn, bk = _blocks(H, N)
+    y_NH = x_TH.new_empty(N, H)
     common.launch(
-        _gemv_down_kernel, (T, common.cdiv(H, bn)),
-        h, h.stride(0), h.stride(1), te_N, rw_N, down, *down.stride(),
-        *((dummy, 0, 0) if down_bias is None else (down_bias, *down_bias.stride())),
-        *((dummy, 0, 0) if s_TH is None else (s_TH, *s_TH.stride())),
-        logit_T if logit_T is not None else dummy,
-        out_TH, out_TH.stride(0), out_TH.stride(1), T, H, I, E, topk,
-        HAS_BIAS=down_bias is not None, HAS_S=s_TH is not None, S_SIGMOID=logit_T is not None, DOT_PREC=prec,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3,
+        _gemv_down_kernel, (N, common.cdiv(H, bn)),
+        h, h.stride(0), h.stride(1), te_N, down, *down.stride(),
+        *((x_TH, 0, 0) if down_bias is None else (down_bias, *down_bias.stride())),
+        y_NH, y_NH.stride(0), y_NH.stride(1), N, H, I, E,
+        HAS_BIAS=down_bias is not None, DOT_PREC=prec, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3,
     )
+    combine.combine(y_NH, te_N, out_TH, rw_N=rw_N, s_TH=s_TH, logit_T=logit_T)
     return ok
