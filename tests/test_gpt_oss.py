@@ -281,12 +281,9 @@ def test_decode_forward_against_oracle(hf, monkeypatch):
         pytest.fail("the Triton kernels are not available (no CUDA and no TRITON_INTERPRET=1)")
     # T=3, K=4: 12 routes (-1 routes and a repeated expert in "repeat"), H=24 (a K-step tail), I=12, E=12
     inp = _inputs(T=3, H=24, I=12, E=12, K=4, dtype=torch.bfloat16, seed=31, kind="repeat")
-    # the kernels' device: CUDA where there is one (backend="triton" launches compiled kernels there), else the
-    # interpreter's CPU tensors
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    call = {n: t.to(dev) for n, t in inp.items()}
+    call = {n: t.to(DEV) for n, t in inp.items()}
     if hf:
-        w_hf, b_hf, d_hf = (t.to(dev) for t in _hf_layout(inp))
+        w_hf, b_hf, d_hf = (t.to(DEV) for t in _hf_layout(inp))
         E, two_i, H = inp["gate_up_proj"].shape
         I = two_i // 2
         call.update(gate_up_proj=w_hf.view(E, H, I, 2).permute(0, 3, 2, 1), down_proj=d_hf.transpose(1, 2),
