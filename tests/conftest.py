@@ -7,6 +7,7 @@
 - The `cuda` marker (pyproject.toml) is kept true both ways: a test marked `cuda` is skipped without CUDA, with
   that reason, and every test skipped for "needs CUDA" carries the marker, so `pytest -m cuda` on a GPU
   machine selects exactly the tests CI never runs, and `-m "not cuda"` the ones it does.
+- `poisoned_empty`: a fixture for tests whose kernels write into buffers from torch.empty (NaN-filled there).
 """
 
 import os
@@ -59,3 +60,16 @@ def pytest_runtest_logreport(report):
     if path and report.failed:
         with open(path, "a") as f:
             f.write(f"\n===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty and Tensor.new_empty from here on give NaN-filled float tensors and zero-filled integer ones
+    (the decode forward's id check reads 0 as "a bad id": a flag never written fails the call)."""
+    real_empty, real_new_empty = torch.empty, torch.Tensor.new_empty
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(0)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(real_new_empty(self, *a, **kw)))

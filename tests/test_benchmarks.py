@@ -86,10 +86,11 @@ def test_bench_moe_check_every_contender_runs_and_agrees():
 
 def test_bench_decode_check_contenders_agree():
     # --check: mok's decode forward, mok's grouped kernels and torch._grouped_mm at a tiny decode shape, under the
-    # interpreter, each against mok's output; exit 0 only if all agree
+    # interpreter, each against a float64 loop, mok through the decode forward; exit 0 only if all agree
     out = _check_run("bench_decode.py")
     assert [line.split(":")[0] for line in out.splitlines() if line.endswith(" ok")] == [
         "mok", "mok_grouped", "grouped_mm"], out
+    assert "mok: " in out and out.split("mok: ")[1].split("\n")[0].endswith("decode forward ran ok"), out
 
 
 def test_interleaved_rounds_cover_every_mode_and_routing(monkeypatch):

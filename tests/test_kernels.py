@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from _helpers import (DEV, TOLERANCE, check_against_oracle, make_case, oracle_with_grads, random_like, record_launches,
-                      rel_err)
+from _helpers import (DEV, TOLERANCE, assert_same_arithmetic, check_against_oracle, make_case, oracle_with_grads,
+                      random_like, record_launches, rel_err)
 
 import mok_inductor
 from mok_inductor import kernels, ops, reference
@@ -659,19 +659,6 @@ def test_whole_op_with_triton_backend(monkeypatch):
 # The decode forward (kernels.gemv): eager calls of a few routes that need no gradient
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """torch.empty and Tensor.new_empty from here on give NaN-filled float tensors and zero-filled integer ones
-    (the decode forward's id check reads 0 as "a bad id": a flag never written fails the call)."""
-    real_empty, real_new_empty = torch.empty, torch.Tensor.new_empty
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(0)
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
-    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(real_new_empty(self, *a, **kw)))
-
-
 DECODE_CASES = [
     ("t1_fp32", dict(T=1, H=40, I=24, E=5, K=2, dtype=torch.float32)),  # one token, odd H (a K step's tail)
     ("drop_limit_bf16", dict(T=3, H=32, I=20, E=12, K=4, dtype=torch.bfloat16, limit=0.6, drop=0.3)),  # -1 routes,
@@ -706,7 +693,7 @@ def test_decode_forward_vs_oracle(name, kw, monkeypatch, poisoned_empty):
     tol = TOLERANCE[case.x.dtype]
     assert y.dtype == case.x.dtype and y.shape == case.x.shape and not torch.isnan(y).any()
     assert rel_err(y, y64) <= tol, rel_err(y, y64)
-    assert rel_err(y, y_grouped) <= tol, rel_err(y, y_grouped)
+    assert_same_arithmetic(y, y_grouped)
 
 
 def test_decode_forward_only_without_gradient(monkeypatch):
@@ -736,17 +723,27 @@ def test_decode_forward_checks_expert_ids():
     import sys
 
     for bad in (4, -2):
-        code = ("import torch, mok_inductor\n"
+        code = ("import sys, torch, mok_inductor\n"
+                "from mok_inductor import kernels\n"
+                "def no_schedule(*a, **k):\n"
+                "    raise AssertionError('the schedule ran: not the decode forward')\n"
+                "kernels.build_schedule = kernels.schedule.build_schedule = no_schedule\n"
+                "real = kernels.gemv.gemv_routes\n"
+                "def spy(*a, **k):\n"
+                "    print('decode forward ran', file=sys.stderr, flush=True)\n"
+                "    return real(*a, **k)\n"
+                "kernels.gemv.gemv_routes = spy\n"
                 f"x = torch.randn(2, 16, device='{DEV}')\n"
                 f"te = torch.tensor([[0, 2], [{bad}, 1]], device='{DEV}')\n"
                 f"w = torch.rand(2, 2, device='{DEV}')\n"
                 f"gu, d = torch.randn(4, 16, 16, device='{DEV}'), torch.randn(4, 16, 8, device='{DEV}')\n"
+                "assert mok_inductor.options.current().decode_max_routes >= 4\n"
                 "with torch.no_grad(), mok_inductor.options.override(backend='triton'):\n"
                 "    y = mok_inductor.moe(x, w, te, gu, d)\n"
-                "    assert mok_inductor.options.current().decode_max_routes >= 4\n"
                 "print(float(y.sum()))\n")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         assert proc.returncode != 0, proc.stdout
+        assert "decode forward ran" in proc.stderr and "the schedule ran" not in proc.stderr, proc.stderr[-2000:]
         assert "top_experts: expected expert indices in [-1, 4)" in proc.stderr, proc.stderr[-2000:]
 
 
