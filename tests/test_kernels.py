@@ -715,6 +715,67 @@ def test_decode_forward_only_without_gradient(monkeypatch):
         assert kernels.gemv._gemv_gate_up_kernel not in launched and kernels.gate_up.GATE_UP in launched
 
 
+def test_decode_forward_under_inference_mode_and_where_it_does_not_run(monkeypatch):
+    # inference_mode takes the decode forward as no_grad does (same output); MXFP8 routed weights and a call
+    # traced by torch.compile's AOTAutograd (Inductor's front end; "aot_eager" runs the traced graph as is) keep
+    # the grouped kernels
+    from mok_inductor import mxfp8
+
+    launched = record_launches(monkeypatch)
+    case = make_case(T=2, H=32, I=32, E=4, K=2, dtype=torch.bfloat16, device=DEV, requires_grad=False, seed=21)
+    with mok_inductor.options.override(backend="triton"):
+        with torch.no_grad():
+            y = mok_inductor.moe(*case.args(), **case.kwargs())
+        del launched[:]
+        with torch.inference_mode():
+            assert torch.equal(mok_inductor.moe(*case.args(), **case.kwargs()), y)
+        assert kernels.gemv._gemv_gate_up_kernel in launched
+        del launched[:]
+        with torch.no_grad():
+            mok_inductor.moe(case.x, case.router_weights, case.top_experts, mxfp8.quantize(case.gate_up_proj),
+                             mxfp8.quantize(case.down_proj))
+        assert kernels.gemv._gemv_gate_up_kernel not in launched and kernels.gate_up.GATE_UP_MX in launched
+        del launched[:]
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda *a: mok_inductor.moe(*a), backend="aot_eager", fullgraph=True)
+        with torch.no_grad():
+            compiled(case.x, case.router_weights, case.top_experts, case.gate_up_proj, case.down_proj)
+        assert kernels.gemv._gemv_gate_up_kernel not in launched and kernels.gate_up.GATE_UP in launched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_forward_propagates_nan_where_it_is_routed_only(dtype):
+    # T=2, K=2, E=6 (4 routes: the decode forward): a NaN in x reaches its token only; a NaN in the gate/up or
+    # down weight of an expert only token 0 routes to reaches token 0 only (down row 0: output column 0); a NaN in
+    # an unrouted expert's weights or in a -1 route's router weight reaches nothing
+    def case():
+        c = make_case(T=2, H=16, I=16, E=6, K=2, dtype=dtype, device=DEV, requires_grad=False, seed=23)
+        c.top_experts = torch.tensor([[0, 1], [2, -1]], device=DEV)
+        return c
+
+    def run(c):
+        with torch.no_grad(), mok_inductor.options.override(backend="triton"):
+            return mok_inductor.moe(*c.args(), **c.kwargs()).cpu()
+
+    c = case()
+    c.x[1, 3] = float("nan")
+    y = run(c)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all()
+    c = case()
+    c.gate_up_proj[1, 0, 0] = float("nan")
+    y = run(c)
+    assert torch.isnan(y[0]).all() and torch.isfinite(y[1]).all()
+    c = case()
+    c.down_proj[0, 0, 0] = float("nan")
+    y = run(c)
+    assert torch.isnan(y[0, 0]) and torch.isfinite(y[0, 1:]).all() and torch.isfinite(y[1]).all()
+    c = case()
+    c.gate_up_proj[5] = float("nan")
+    c.down_proj[4] = float("nan")
+    c.router_weights[1, 1] = float("nan")
+    assert torch.isfinite(run(c)).all()
+
+
 def test_decode_forward_checks_expert_ids():
     # an id outside [-1, E) fails the call with the schedule's message, from the gate/up kernel's flag
     # (torch._assert_async: on CUDA a device-side assert, which ends the process's CUDA context, so the calls run
