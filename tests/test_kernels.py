@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import zlib
 
 import pytest
 import torch
@@ -268,7 +269,8 @@ CASES = [
 
 @pytest.mark.parametrize("name,kw", CASES, ids=[c[0] for c in CASES])
 def test_forward_backward_vs_oracle(name, kw):
-    case = make_case(**kw, device=DEV, requires_grad=False, seed=hash(name) % 1000)
+    # (a seed of the name's crc32: hash() of a str changes per process, so a failure would not reproduce)
+    case = make_case(**kw, device=DEV, requires_grad=False, seed=zlib.crc32(name.encode()) % 1000)
     _check_all(case)
 
 

@@ -359,7 +359,7 @@ def test_inference_runs_the_forward_op_alone(device, backend, monkeypatch):
 
     with mok_inductor.options.override(backend=backend):
         case = make_case(T=9, H=32, I=16, E=5, K=2, dtype=torch.bfloat16, device=device, shared=True, gate=True,
-                         limit=0.6, drop=0.2, seed=int(torch.randint(0, 2 ** 31, ())))
+                         limit=0.6, drop=0.2, seed=361)
         applied = []
         real_apply = ops._MoeFwdFunction.apply
         monkeypatch.setattr(ops._MoeFwdFunction, "apply", lambda *a: applied.append(1) or real_apply(*a))

@@ -6,6 +6,7 @@ Each check derives what is right from the format's definition (e4m3: 3 mantissa 
 
 import contextlib
 import math
+import zlib
 
 import pytest
 import torch
@@ -316,7 +317,8 @@ def _backend(monkeypatch, path):
 def test_moe_equals_the_computation_on_dequantized_weights(monkeypatch, device, path, layout, dtype, quantized,
                                                           shared, limit):
     _backend(monkeypatch, path)
-    p = _problem(dtype, device, shared=shared, limit=limit, seed=hash((layout, dtype, quantized)) % 1000)
+    seed = zlib.crc32(repr((layout, dtype, quantized)).encode()) % 1000  # (not hash(): it changes per process)
+    p = _problem(dtype, device, shared=shared, limit=limit, seed=seed)
     _run_and_check(p, layout, dtype, quantized)
 
 
