@@ -10,6 +10,7 @@ Shape legend: T tokens, H hidden, I intermediate, Is shared intermediate, E expe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import zlib
 
@@ -743,6 +744,27 @@ def test_decode_forward_under_inference_mode_and_where_it_does_not_run(monkeypat
         with torch.no_grad():
             compiled(case.x, case.router_weights, case.top_experts, case.gate_up_proj, case.down_proj)
         assert kernels.gemv._gemv_gate_up_kernel not in launched and kernels.gate_up.GATE_UP in launched
+
+
+def test_decode_forward_under_autocast(monkeypatch):
+    # float32 inputs and weights under torch.autocast(bfloat16): the decode forward runs on the cast values as the
+    # grouped path does (bf16 output, the same arithmetic), and the explicit bf16 call gives the same output
+    launched = record_launches(monkeypatch)
+    case = make_case(T=2, H=32, I=16, E=5, K=2, dtype=torch.float32, device=DEV, requires_grad=False, seed=27,
+                     shared=True, gate=True)
+    dev_type = torch.device(DEV).type
+    with torch.no_grad(), mok_inductor.options.override(backend="triton"):
+        with torch.autocast(dev_type, dtype=torch.bfloat16):
+            y = mok_inductor.moe(*case.args(), **case.kwargs())
+            assert kernels.gemv._gemv_gate_up_kernel in launched
+            with mok_inductor.options.override(decode_max_routes=0):
+                y_grouped = mok_inductor.moe(*case.args(), **case.kwargs())
+        cast = dataclasses.replace(case, **{n: getattr(case, n).to(torch.bfloat16) for n in (
+            "x", "gate_up_proj", "down_proj", "shared_gate_up_proj", "shared_down_proj", "shared_output_gate")})
+        y_cast = mok_inductor.moe(*cast.args(), **cast.kwargs())
+    assert y.dtype == torch.bfloat16
+    assert_same_arithmetic(y, y_grouped)
+    assert torch.equal(y, y_cast)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
