@@ -101,20 +101,6 @@ def run(shapes, tokens, names, log):
     return rows
 
 
-def _float64_loop(x, rw, te, w_gu, w_d):
-    """y [T, H] in float64: each token's routes through their experts' SwiGLU MLPs, weighted."""
-    x, w_gu, w_d = x.double(), w_gu.double(), w_d.double()
-    I = w_d.shape[-1]
-    y = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for k in range(te.shape[1]):
-            e = int(te[t, k])
-            if e >= 0:
-                gu = w_gu[e] @ x[t]
-                y[t] += float(rw[t, k]) * (w_d[e] @ (torch.nn.functional.silu(gu[:I]) * gu[I:]))
-    return y
-
-
 def check():
     """CPU smoke run under the interpreter, at a tiny decode shape: each contender's output against a float64
     loop, and "mok" ran the decode forward (its gate/up kernel launched)."""
@@ -122,7 +108,7 @@ def check():
 
     T, H, I, E, K = 2, 32, 16, 8, 2
     x, rw, te, w_gu, w_d = bench_moe.make_inputs(T, H, I, E, K, "balanced", device="cpu")
-    ref = _float64_loop(x, rw, te, w_gu, w_d)
+    ref = bench_moe.moe_eager(x.double(), rw.double(), te, w_gu.double(), w_d.double())  # HF's loop in float64
     ok = True
     launches = []
     real = gemv.gemv_routes

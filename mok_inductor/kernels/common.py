@@ -18,11 +18,14 @@ kernel), G groups (E, or E + 1 with the `-1` tail).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ..options import INTERPRET
+from ..types import clip_bounds
 from . import configs
 from .configs import Tile
 
@@ -130,6 +133,19 @@ def dot_precision(dtype: torch.dtype) -> str:
     if INTERPRET:
         return "interp"
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=None)
+def clamp_args(limit, dtype: torch.dtype) -> tuple:
+    """(limit, above, below, KEEP_CLIP) as the gate/up kernels take them (`round_gu`): the clamp bound as a float
+    (0.0 without one) and, for bf16/fp16 outputs, its neighbours in that dtype (`types.clip_bounds`). Memoised:
+    clip_bounds runs torch ops (about 40 us of host time, a decode call's worth)."""
+    if limit is None:
+        return 0.0, 0.0, 0.0, False
+    if dtype not in (torch.bfloat16, torch.float16):
+        return float(limit), 0.0, 0.0, False
+    above, below = clip_bounds(limit, dtype)
+    return float(limit), float(above), float(below), True
 
 
 # Host-side integer helpers in plain Python: Triton 3.6's triton.cdiv and triton.next_power_of_2 are

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..types import Operand, clip_bounds
+from ..types import Operand
 from . import common
 from .common import GROUP_M, _tile_ids, _tile_rows, cfg, mma, round_gu, row_tiles_worst, swiglu, to_out
 from .configs import Family, dtype_name, register
@@ -262,15 +262,14 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
     h = h_out if h_out is not None else x_TH  # (no h: a read-only input in its place, `common.launch`)
     dtype = dtype_name(x_TH.dtype)
     x_TH, xr, mx_loop = mx_rows(x_TH, mx_loop, gate, up)
-    keep_clip = limit is not None and gu_out.dtype in (torch.bfloat16, torch.float16)
-    above, below = (float(v) for v in clip_bounds(limit, gu_out.dtype)) if keep_clip else (0.0, 0.0)
+    lim, above, below, keep_clip = common.clamp_args(limit, gu_out.dtype)
     common.launch(
         GATE_UP_MX if mx_loop else GATE_UP, lambda meta: (tiles(meta),),
         x_TH, x_TH.stride(0), x_TH.stride(1), xr, routes_N, offsets_E1,
         *w_args(gate), *w_args(up),
         gu_out, gu_out.stride(0), gu_out.stride(1), h, h.stride(0), h.stride(1),
         *((None, None, 1) if tma is None else (*tma[0], tma[1])), a_desc,
-        M, H, I, E, topk, 0.0 if limit is None else float(limit), above, below,
+        M, H, I, E, topk, lim, above, below,
         # (without a bias: a read-only input in its place, never read; an output there would alias a written one)
         *((x_TH, 0, 0, 0) if bias_E2I is None else (bias_E2I, *bias_E2I.stride())),
         1.0 if act is None else act.alpha, 0.0 if act is None else act.beta, HAS_BIAS=bias_E2I is not None,

@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..types import clip_bounds
 from . import combine, common
 from .common import mma, round_gu, swiglu, to_out
 from .operands import interleaved
@@ -175,8 +174,7 @@ def gemv_routes(x_TH, te_N, rw_N, gate, up, down, out_TH, limit, *, act=None, ga
     h = x_TH.new_empty(N, I)
     both = interleaved(gate, up, 1)  # [E, 2I, H] (GPT-OSS's layout)
     wg, wu = (both, both) if both is not None else (gate, up)
-    keep_clip = limit is not None and x_TH.dtype in (torch.bfloat16, torch.float16)
-    above, below = (float(v) for v in clip_bounds(limit, x_TH.dtype)) if keep_clip else (0.0, 0.0)
+    lim, above, below, keep_clip = common.clamp_args(limit, x_TH.dtype)
     prec = common.dot_precision(x_TH.dtype)
     bn, bk = _blocks(I, N)
     common.launch(
@@ -184,7 +182,7 @@ def gemv_routes(x_TH, te_N, rw_N, gate, up, down, out_TH, limit, *, act=None, ga
         x_TH, x_TH.stride(0), x_TH.stride(1), te_N, ok,
         wg, *wg.stride(), wu, *wu.stride(), h, h.stride(0), h.stride(1),
         *((x_TH, 0, 0, 0) if gate_up_bias is None else (gate_up_bias, *gate_up_bias.stride())),
-        N, H, I, E, topk, 0.0 if limit is None else float(limit), above, below,
+        N, H, I, E, topk, lim, above, below,
         1.0 if act is None else act.alpha, 0.0 if act is None else act.beta,
         HAS_BIAS=gate_up_bias is not None, HAS_LIMIT=limit is not None, KEEP_CLIP=keep_clip,
         INTERLEAVED=both is not None, DOT_PREC=prec, BLOCK_N=bn, BLOCK_K=bk, CHECK_BLOCK=64, num_warps=4,
