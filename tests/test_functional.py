@@ -168,6 +168,41 @@ def test_expert_parallel_workspace_records_its_group(monkeypatch, gloo_group):
     assert ws.group is gloo_group and ws.ep_size == 4
 
 
+
+def test_ep_workspace_cache_is_per_group_object(monkeypatch):
+    """The cache of expert-parallel workspaces goes with its group: once the group is freed, its workspaces
+    are too (no group made later, even at the freed one's address, can be handed one of them), and while it
+    lives the group is never kept alive by them. Plain objects stand in for process groups here (their
+    size patched to 2); the gloo ranks' version of the check, with real groups, is test_distributed's."""
+    import gc
+    import weakref
+
+    class Group:  # a weak-referenceable stand-in, as ProcessGroup is
+        pass
+
+    monkeypatch.setattr(mf.distributed, "group_size", lambda group: 2)
+    cfg = mf.MoKConfig()
+    shape = dict(device="cpu", num_local_tokens=8, hidden_size=H, topk=K)
+    group, other = Group(), Group()
+    ws = mf.get_workspace(cfg, group, **shape)
+    assert mf.get_workspace(cfg, group, **shape) is ws and ws.group is group
+    ws_other = mf.get_workspace(cfg, other, **shape)
+    assert ws_other is not ws and ws_other.group is other
+    group_alive, ws_alive = weakref.ref(group), weakref.ref(ws)
+    del group
+    gc.collect()
+    assert group_alive() is None, "the workspace cache kept its group alive"
+    with pytest.raises(RuntimeError, match="^workspace: its expert-parallel process group no longer exists"):
+        ws.group
+    del ws
+    gc.collect()
+    assert ws_alive() is None, "the cache kept a freed group's workspace"
+    assert mf.get_workspace(cfg, other, **shape) is ws_other  # the living group's entry stays
+    new = Group()
+    ws_new = mf.get_workspace(cfg, new, **shape)
+    assert ws_new is not ws_other and ws_new.group is new
+
+
 # ---------------------------------------------------------------------------------------------- schedule
 
 
