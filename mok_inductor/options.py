@@ -15,6 +15,8 @@ Environment variables, read once when this module is imported (later changes to 
     MOK_TMA=0|1                          `tma`
     MOK_PATTERNS_LOG=0|1                 `log_patterns`
 
+(A switch also takes true/false, yes/no, on/off, in any case; anything else is an error at import.)
+
 Overrides are process-wide, not per thread: the autograd engine runs CUDA backward passes on its own
 threads, and they must see the options the forward ran with. Kernels and ops read `current()` when they
 run; torch.compile reads it while tracing, and the compile-cache key covers it (`mok_inductor.enable()`).
@@ -102,7 +104,17 @@ class Options:
 _ENV = {"backend": "MOK_BACKEND", "autotune": "MOK_AUTOTUNE", "tma": "MOK_TMA", "log_patterns": "MOK_PATTERNS_LOG",
         "tables_dir": "MOK_TABLES_DIR"}
 _STRINGS = ("backend", "tables_dir")
-_FALSE = ("0", "false", "False", "no", "off", "")
+_TRUE = ("1", "true", "yes", "on", "y")
+_FALSE = ("0", "false", "no", "off", "n", "")
+
+
+def _env_bool(var: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{var}={raw!r}: expected 1/true/yes/on or 0/false/no/off (any case)")
 
 
 def default_tables_dir(environ: Mapping[str, str] = os.environ):
@@ -119,7 +131,7 @@ def from_env(environ: Mapping[str, str] = os.environ) -> Options:
     for name, var in _ENV.items():
         if var in environ:
             raw = environ[var]
-            changes[name] = raw if name in _STRINGS else raw not in _FALSE
+            changes[name] = raw if name in _STRINGS else _env_bool(var, raw)
     try:
         return Options().replace(**changes)
     except (ValueError, TypeError) as e:

@@ -48,16 +48,20 @@ PRESETS = {
 def shape_from_config(path: str, expert_parallel: int = 1) -> tuple:
     """(hidden, intermediate, local experts, topk, shared intermediate) from a transformers config (a
     config.json, a folder holding one, or a model id transformers can resolve)."""
+    if isinstance(expert_parallel, bool) or not isinstance(expert_parallel, int) or expert_parallel < 1:
+        raise ValueError(f"expert parallelism: expected a number of ranks >= 1, got {expert_parallel!r}")
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
     if p.is_file():
         cfg = json.loads(p.read_text())
+    elif p.suffix == ".json":
+        raise FileNotFoundError(f"{p}: no such config file")
     else:
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(path).to_dict()
-    cfg = {**cfg.get("text_config", {}), **cfg}
+    cfg = {**(cfg.get("text_config") or {}), **cfg}
 
     def first(*names, default=None):
         for n in names:
@@ -85,7 +89,11 @@ def _layer(T, H, I, E, K, Is, dtype, device, gen):
 
     x = rand(T, H)
     logits = torch.randn(T, E, generator=gen, device=device)
-    rw, te = torch.topk(logits.softmax(-1), K)
+    if K <= E:
+        rw, te = torch.topk(logits.softmax(-1), K)
+    else:  # a rank's few local experts under expert parallelism: a token's routes repeat them
+        te = torch.randint(0, E, (T, K), generator=gen, device=device)
+        rw = torch.rand(T, K, generator=gen, device=device).softmax(-1)
     w = dict(gate_up_proj=rand(E, 2 * I, H, scale=H ** -0.5), down_proj=rand(E, H, I, scale=I ** -0.5))
     if Is:
         w.update(shared_gate_up_proj=rand(2 * Is, H, scale=H ** -0.5), shared_down_proj=rand(H, Is, scale=Is ** -0.5),
@@ -93,17 +101,20 @@ def _layer(T, H, I, E, K, Is, dtype, device, gen):
     return x, rw, te, w
 
 
-def _regime(shape: tuple, T: int, o) -> tuple:
-    """Which kernels and variants a layer of `shape` launches at T tokens: the routes per expert and the
-    shared expert's rows against `options`' thresholds (never the exact count)."""
+def _regime(shape: tuple, T: int, o, mxfp8: bool = False) -> tuple:
+    """Which kernels and variants a layer of `shape` launches at T tokens, as the kernels decide it from the
+    routes M = T*K against `options`' thresholds times the experts (the shared expert: T rows, one expert):
+    TMA loads, the two-pass SwiGLU backward, and with `mxfp8` the MXFP8 forward's K loop (fp16 up to
+    mx_f16_dot_max_rows per expert, dequantizing below mx_dequantize_min_rows, dequantized up front from it)."""
     H, I, E, K, Is = shape
-    per_expert = T * K / E
-    regime = tuple(per_expert >= b for b in (o.mx_few_rows + 1, o.mx_f16_dot_max_rows + 1, o.tma_min_rows,
-                                             o.two_pass_min_rows, o.mx_dequantize_min_rows))
+    M = T * K
+    regime = (M >= o.tma_min_rows * E, M >= o.two_pass_min_rows * E)
+    if mxfp8:
+        regime += (M > o.mx_f16_dot_max_rows * E, M >= o.mx_dequantize_min_rows * E)
     return regime + (bool(Is) and T >= o.tma_min_rows, bool(Is) and T >= o.two_pass_min_rows)
 
 
-def regime_tokens(shape: tuple, tokens: list, cap: int = 8192) -> list:
+def regime_tokens(shape: tuple, tokens: list, cap: int = 8192, mxfp8: bool = False) -> list:
     """The first token count (up to `cap`) of each kernel-selection regime (`_regime`) among `tokens`: these
     compile every kernel the others launch."""
     from mok_inductor import options
@@ -113,11 +124,11 @@ def regime_tokens(shape: tuple, tokens: list, cap: int = 8192) -> list:
     for T in sorted(tokens):
         if T > cap:
             break
-        firsts.setdefault(_regime(shape, T, o), T)
+        firsts.setdefault(_regime(shape, T, o, mxfp8), T)
     return list(firsts.values())
 
 
-def default_tokens(shape: tuple, max_tokens: int) -> list:
+def default_tokens(shape: tuple, max_tokens: int, mxfp8: bool = False) -> list:
     """The token counts a shape is tuned at: the powers of two up to `max_tokens`, and the last count before
     each regime change (`_regime`). A regime's kernel variant is its own problem in the tables, so its row
     buckets need picks of their own: e.g. mixtral's routed GEMMs load through TMA from 512 tokens on (1024
@@ -127,9 +138,9 @@ def default_tokens(shape: tuple, max_tokens: int) -> list:
 
     o = options.current()
     tokens = {1 << i for i in range(max_tokens.bit_length()) if 1 << i <= max_tokens}
-    prev = _regime(shape, 1, o)
+    prev = _regime(shape, 1, o, mxfp8)
     for T in range(2, max_tokens + 1):
-        now = _regime(shape, T, o)
+        now = _regime(shape, T, o, mxfp8)
         if now != prev:
             tokens.add(T - 1)
             prev = now
@@ -157,7 +168,7 @@ def tune_shape(shape: tuple, tokens: list, folder: Path, *, dtype=torch.bfloat16
             y = mok_inductor.moe(x, rw, te, **w)
             if backward:
                 y.backward(torch.randn_like(y))
-            if mxfp8 and T * K <= options.current().mx_dequantize_min_rows * E:
+            if mxfp8 and T * K < options.current().mx_dequantize_min_rows * E:  # (from there: bf16, dequantized)
                 q = {k: mx.quantize(w[k].detach(), columnwise=False) for k in ("gate_up_proj", "down_proj")}
                 with torch.no_grad():
                     mok_inductor.moe(x.detach(), rw, te, q["gate_up_proj"], q["down_proj"],
@@ -203,7 +214,7 @@ def precompile(shapes: dict, tokens: dict, args, jobs: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     pending = []
     for name, s in shapes.items():
-        tok = regime_tokens(s, tokens[name])
+        tok = regime_tokens(s, tokens[name], mxfp8=args.mxfp8)
         if not tok:  # every count above the cap: the shape's tuning compiles its candidates
             sys.stderr.write(f"not compiling {name} ahead (its token counts are all above the compile runs' cap): "
                              "its tuning compiles\n")
@@ -256,7 +267,7 @@ class Progress:
 
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mok_inductor.tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int)
+    p.add_argument("--hidden", type=int, help="the model's hidden size")
     p.add_argument("--intermediate", type=int, help="the routed experts' intermediate size")
     p.add_argument("--experts", type=int, help="local experts (after expert parallelism)")
     p.add_argument("--topk", type=int, help="routes per token")
@@ -267,7 +278,7 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--list-presets", action="store_true")
     p.add_argument("--tokens", help="comma-separated token counts (default: powers of two up to --max-tokens and "
                                     "the last count before each change of kernel variant)")
-    p.add_argument("--max-tokens", type=int, default=65536)
+    p.add_argument("--max-tokens", type=int, default=65536, help="the largest token count tuned (default 65536)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--mxfp8", action="store_true", help="also tune the MXFP8 decode kernels (forward)")
     p.add_argument("--forward-only", action="store_true")
@@ -290,7 +301,10 @@ def main(argv: Optional[list] = None) -> int:
             p.error(f"unknown preset(s) {unknown}; --list-presets shows them")
         shapes.update({n: PRESETS[n] for n in names})
     if args.model:
-        shapes[args.model] = shape_from_config(args.model, args.expert_parallel)
+        try:
+            shapes[args.model] = shape_from_config(args.model, args.expert_parallel)
+        except (ValueError, OSError) as e:
+            p.error(str(e))
     if args.hidden or args.intermediate or args.experts or args.topk:
         if not (args.hidden and args.intermediate and args.experts and args.topk):
             p.error("--hidden, --intermediate, --experts and --topk go together")
@@ -300,10 +314,15 @@ def main(argv: Optional[list] = None) -> int:
     if not torch.cuda.is_available():
         p.error("tuning needs a CUDA GPU")
     if args.tokens:
-        explicit = [int(t) for t in args.tokens.split(",")]
+        try:
+            explicit = [int(t) for t in args.tokens.split(",")]
+        except ValueError:
+            p.error(f"--tokens: expected comma-separated token counts, got {args.tokens!r}")
+        if min(explicit) < 1:
+            p.error(f"--tokens: token counts must be >= 1, got {args.tokens!r}")
         tokens = {name: explicit for name in shapes}
     else:
-        tokens = {name: default_tokens(shape, args.max_tokens) for name, shape in shapes.items()}
+        tokens = {name: default_tokens(shape, args.max_tokens, args.mxfp8) for name, shape in shapes.items()}
 
     from mok_inductor.kernels import configs
 

@@ -23,8 +23,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"  # (the toy kernel's tensor
 GATE_UP = kernels.gate_up.GATE_UP
 
 
-def _problem(H=2048, I=768, E=128, tma=True, dtype="bfloat16"):
-    return (dtype, H, I, E, tma)
+def _problem(H=2048, I=768, E=128, tma=True, dtype="bfloat16", mx=False):
+    return (dtype, H, I, E, tma, mx)
 
 
 def _table(device, capability, entries):
@@ -77,7 +77,7 @@ def test_every_family_is_registered_with_valid_candidates():
 
 def test_table_round_trip(tmp_path):
     fam = configs.FAMILIES["grouped_rows"]
-    prob = ("bfloat16", 2048, 768, 128, False, True, True)
+    prob = ("bfloat16", 2048, 768, 128, False, True, True, False)
     per = {1: fam.candidates[3], 64: fam.candidates[1], 65536: fam.candidates[0]}
     path = tmp_path / "t.json"
     t = configs.Table("NVIDIA H100 80GB HBM3", "9.0")
@@ -106,7 +106,19 @@ def _valid():
     (lambda d: d["families"].update(nope=[]), "unknown kernel family 'nope'"),
     (lambda d: d["families"]["gate_up"][0]["problem"].pop("TMA"), "exactly the fields"),
     (lambda d: d["families"]["gate_up"][0]["problem"].update(H=-1), "size 'H'"),
-    (lambda d: d["families"]["gate_up"][0]["problem"].update(dtype="bfloat17"), "not a torch dtype"),
+    (lambda d: d["families"]["gate_up"][0]["problem"].update(dtype="bfloat17"), "not one the kernels take"),
+    (lambda d: d["families"]["gate_up"][0]["problem"].update(dtype="half"), "not one the kernels take"),
+    (lambda d: d["families"]["gate_up"][0]["problem"].update(dtype="int32"), "not one the kernels take"),
+    (lambda d: d["families"]["gate_up"][0]["problem"].update(E=0), "size 'E' must be a positive int"),
+    (lambda d: d["families"]["gate_up"][0]["problem"].update(TMA=7), "flag 'TMA' must be true or false"),
+    (lambda d: d["families"]["gate_up"][0]["problem"].update(MX=1), "flag 'MX' must be true or false"),
+    (lambda d: d["families"].update(gate_up_mx=[{"problem": {"dtype": "bfloat16", "H": 64, "I": 32, "E": 4,
+                                                             "MX_LOOP": 0}, "configs": {"8": [8, 32, 256, 2, 3]}}]),
+     "MX_LOOP must be one of"),
+    (lambda d: d["families"]["gate_up"].append(d["families"]["gate_up"][0]), "has an earlier entry"),
+    (lambda d: d["families"]["gate_up"][0]["configs"].update({"064": [128, 128, 64, 8, 3]}), "not a power of two"),
+    (lambda d: d["families"]["gate_up"][0]["configs"].update({"\u0664": [128, 128, 64, 8, 3]}), "not a power of two"),
+    (lambda d: d["families"]["gate_up"][0]["configs"].update({"\u00b2": [128, 128, 64, 8, 3]}), "not a power of two"),
     (lambda d: d["families"]["gate_up"][0]["configs"].update({"48": [128, 128, 64, 8, 3]}), "not a power of two"),
     (lambda d: d["families"]["gate_up"][0]["configs"].update({"64": [128, 128, 64, 8]}), "a config is"),
     (lambda d: d["families"]["gate_up"][0]["configs"].update({"64": [128, 128, 64, 8, 7]}),
@@ -138,6 +150,26 @@ def test_not_json_is_an_error(tmp_path):
     path.write_text("{")
     with pytest.raises(configs.TableError, match="not valid JSON"):
         configs.load(path)
+    path.write_bytes(b'{"format": "\xff"}')  # not UTF-8
+    with pytest.raises(configs.TableError, match=f"{path}: not valid JSON text"):
+        configs.load(path)
+
+
+def test_a_key_twice_in_one_object_is_an_error(tmp_path):
+    text = json.dumps(_valid()).replace('"64": [', '"64": [128, 128, 64, 8, 3], "64": [', 1)
+    path = tmp_path / "dup.json"
+    path.write_text(text)
+    with pytest.raises(configs.TableError, match=f"{path}: the key '64' appears twice"):
+        configs.load(path)
+
+
+def test_a_table_without_the_mx_flag_reads_as_bf16_weights(tmp_path):
+    # tables written before the MX field: their problems are the bf16 weights' (MX false), not an error
+    data = _valid()
+    del data["families"]["gate_up"][0]["problem"]["MX"]
+    got = configs.parse(data)
+    assert got.get("gate_up", _problem()) == {64: GATE_UP.candidates[0]}
+    assert configs.parse(_valid()).entries == got.entries
 
 
 def test_lookup_exact_bucket_then_nearest_bucket(tables):
@@ -179,8 +211,11 @@ def test_lookup_nearest_problem_same_flags_and_rows_per_expert(tables):
     # 64 experts with 512 rows: 8 rows per expert, as the E=128 entry's bucket 1024 (and not its bucket 512)
     assert configs.lookup(state, GATE_UP, _problem(H=4096, I=1536, E=64), 512)[0] == c[1]
     assert configs.lookup(state, GATE_UP, _problem(H=4096, I=1536, E=64), 32)[0] == c[3]
-    # another dtype has no neighbour: the default
+    # float32 has no neighbour: the default; float16 takes bfloat16's problem (the same tiles fit)
     assert configs.lookup(state, GATE_UP, _problem(dtype="float32"), 64) == (GATE_UP.candidates[0], "default")
+    assert configs.lookup(state, GATE_UP, _problem(H=4096, I=1536, dtype="float16"), 1024) == (c[1], "nearest")
+    # MXFP8 weights read in the K loop are another variant: the bf16 weights' picks are not theirs
+    assert configs.lookup(state, GATE_UP, _problem(H=4096, I=1536, mx=True), 1024)[1] == "default"
 
 
 def test_defaults_without_tables(tables):
@@ -206,8 +241,9 @@ def test_user_table_before_shipped_by_name_then_capability(tables):
     _write(shipped / "nvidia-a100.json", _table("NVIDIA A100-SXM4-80GB", "8.0", [("gate_up", p, {64: c[4]})]))
     assert configs.lookup(configs.tables_for(*H100), GATE_UP, p, 64)[0] == c[1]
     assert configs.lookup(configs.tables_for("NVIDIA H200", "9.0"), GATE_UP, p, 64)[0] == c[2]
-    # a GPU without a table of its own: the same compute capability's (either sm_90 table is a fair pick)
-    assert configs.lookup(configs.tables_for("NVIDIA H100 PCIe", "9.0"), GATE_UP, p, 64)[0] in (c[1], c[2])
+    # a GPU without a table of its own: the same compute capability's, the most alike by name first
+    assert configs.lookup(configs.tables_for("NVIDIA H100 PCIe", "9.0"), GATE_UP, p, 64)[0] == c[1]
+    assert configs.lookup(configs.tables_for("NVIDIA H200 NVL", "9.0"), GATE_UP, p, 64)[0] == c[2]
     assert configs.lookup(configs.tables_for("NVIDIA A100 80GB PCIe", "8.0"), GATE_UP, p, 64)[0] == c[4]
     assert configs.lookup(configs.tables_for("Some GPU", "12.0"), GATE_UP, p, 64)[1] == "default"
     # a problem only the other sm_90 GPU's table holds: its exact entry, not the nearest problem of this GPU's
@@ -220,9 +256,27 @@ def test_user_table_before_shipped_by_name_then_capability(tables):
     _write(user / "nvidia-h100-80gb-hbm3.json", _table(*H100, [("gate_up", p, {64: c[3]})]))
     configs.reset()
     assert configs.lookup(configs.tables_for(*H100), GATE_UP, p, 64)[0] == c[3]  # the user's first
-    with options.override(autotune=True):  # searching: the user's picks only
+    with options.override(autotune=True):
+        # searching or not, a launch that cannot search (compiled) reads the shipped tables too
         state = configs.tables_for(*H100)
-        assert [t.source for t in state.chain()] == [str(user / "nvidia-h100-80gb-hbm3.json")]
+        assert [t.source for t in state.chain()][0] == str(user / "nvidia-h100-80gb-hbm3.json")
+        assert configs.lookup(state, GATE_UP, q, 64) == (c[5], "table")
+
+
+def test_user_table_overrides_the_shipped_pick_by_pick(tables):
+    # a user's table holding some buckets of a problem: those win, the shipped table's others still answer
+    # (not the user's nearest bucket for every row count)
+    user, shipped = tables
+    c = GATE_UP.candidates
+    p = _problem()
+    _write(shipped / "nvidia-h100-80gb-hbm3.json", _table(*H100, [("gate_up", p, {64: c[1], 16384: c[2],
+                                                                                  131072: c[3]})]))
+    _write(user / "nvidia-h100-80gb-hbm3.json", _table(*H100, [("gate_up", p, {16384: c[4]})]))
+    state = configs.tables_for(*H100)
+    assert configs.lookup(state, GATE_UP, p, 16384) == (c[4], "table")
+    assert configs.lookup(state, GATE_UP, p, 131072) == (c[3], "table")
+    assert configs.lookup(state, GATE_UP, p, 64) == (c[1], "table")
+    assert configs.lookup(state, GATE_UP, p, 8192)[0] == c[4]  # nearest over both: 16384
 
 
 def test_shipped_tables_load_and_name_their_gpu():
@@ -446,8 +500,8 @@ def test_tune_shape_records_a_pick_for_every_launch(tmp_path, monkeypatch):
             for b, tile in per.items():
                 assert tile == min(configs.FAMILIES[fam].candidates, key=lambda t: hash(t) % 97)
     # the routed launches at 2 and 8 rows, the shared expert's (E = 1) at 1 and 4
-    assert set(table.get("gate_up", ("float32", 32, 16, 4, False))) == {2, 8}
-    assert set(table.get("gate_up", ("float32", 32, 24, 1, False))) == {1, 4}
+    assert set(table.get("gate_up", ("float32", 32, 16, 4, False, False))) == {2, 8}
+    assert set(table.get("gate_up", ("float32", 32, 24, 1, False, False))) == {1, 4}
     assert len(seen) == sum(len(configs.FAMILIES[f].candidates) * len(per)
                             for f, probs in table.entries.items() for per in probs.values())
 
@@ -487,7 +541,7 @@ def test_precompile_runs_the_shapes_side_by_side_within_the_gpu_memory(monkeypat
 
     shapes = {n: tune.PRESETS[n] for n in ("gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x22b", "olmoe-1b-7b")}
     tokens = [1 << i for i in range(17)]
-    peaks = {n: tune._peak_bytes(s, tune.regime_tokens(s, tokens), True) for n, s in shapes.items()}
+    peaks = {n: tune._peak_bytes(s, tune.regime_tokens(s, tokens, mxfp8=True), True) for n, s in shapes.items()}
     free = peaks["gpt-oss-120b"] / 0.85 + 1  # the largest fits alone, nothing beside it
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(free), int(2 * free)))
     live, seen, most = [], [], []
@@ -500,7 +554,8 @@ def test_precompile_runs_the_shapes_side_by_side_within_the_gpu_memory(monkeypat
             live.append(self)
             seen.append(self.name)
             most.append((sum(peaks[p.name] for p in live), len(live)))
-            assert cmd[cmd.index("--tokens") + 1] == ",".join(map(str, tune.regime_tokens(shapes[self.name], tokens)))
+            want = tune.regime_tokens(shapes[self.name], tokens, mxfp8=True)
+            assert cmd[cmd.index("--tokens") + 1] == ",".join(map(str, want))
             assert "--compile-only" in cmd and "--mxfp8" in cmd
             kw["stderr"].write(b"boom" if self.name == "olmoe-1b-7b" else b"")
 
@@ -566,3 +621,116 @@ def test_docs_list_the_presets_each_shipped_table_covers():
                     for e in json.loads(path.read_text())["families"]["gate_up"]}
         covered = sorted(name for name, (H, I, E, _, _) in tune.PRESETS.items() if (H, I, E) in problems)
         assert listed[path.name].split(", ") == covered, path.name
+
+
+@pytest.mark.parametrize("E, K", [(3, 1), (60, 4), (7, 2), (128, 1), (32, 4)])
+def test_default_tokens_with_mxfp8_cross_the_kernels_own_mx_loop_edges(E, K):
+    # the MXFP8 forward's K loop as the kernels decide it (the fp16 loop, the dequantizing loop, the weights
+    # dequantized up front) changes only between a token count and the next where `tune --mxfp8`'s default
+    # counts hold the earlier one: each variant's last bucket is tuned (E not a power of two included)
+    import types
+
+    from mok_inductor.kernels import mx_loop
+
+    o = options.current()
+    q = types.SimpleNamespace(quantized=True)
+
+    def decided(T):
+        M = T * K
+        return (mx_loop.use_mx_loop(torch.bfloat16, M, E, q, q) != mx_loop.MxLoop.DEQUANTIZE,
+                kernels.common.at_least(M, o.mx_dequantize_min_rows * E, False))
+
+    shape = (64, 32, E, K, 0)
+    top = 2 * o.mx_dequantize_min_rows * E // K
+    tokens = set(tune.default_tokens(shape, top, mxfp8=True))
+    edges = [T - 1 for T in range(2, top + 1) if decided(T) != decided(T - 1)]
+    assert len(edges) == 2 and set(edges) <= tokens, (edges, sorted(tokens))
+    # without --mxfp8 the fp16 loop's edge is not added (it tunes nothing new; the dequantization's edge can
+    # coincide with the two-pass backward's)
+    f16_edge = edges[0]
+    assert f16_edge in tokens and (f16_edge not in tune.default_tokens(shape, top) or f16_edge & (f16_edge - 1) == 0)
+
+
+def _record_launches(monkeypatch):
+    seen = []
+    real = kernels.common._launch_tuned
+
+    def spy(family, grid, args, kwargs, problem, rows):
+        seen.append((family.name, problem))
+        return real(family, grid, args, kwargs, problem, rows)
+
+    monkeypatch.setattr(kernels.common, "_launch_tuned", spy)
+    return seen
+
+
+def test_mxfp8_weights_read_in_the_k_loop_are_their_own_problem(monkeypatch):
+    # between the fp16 loop and the up-front dequantization, MXFP8 weights run the plain kernels with the weights
+    # dequantized in the K loop: their table key says so (MX true), apart from the same launch on bf16 weights
+    from mok_inductor import mxfp8 as mx
+
+    seen = _record_launches(monkeypatch)
+    H, I, E, K, T = 64, 32, 4, 2, 12  # 24 routes, 6 per expert: above 2 (fp16 loop), below 8 (dequantized)
+    with options.override(backend="triton", mx_f16_dot_max_rows=2, mx_dequantize_min_rows=8, decode_max_routes=0):
+        x, rw, te, w = tune._layer(T, H, I, E, K, 0, torch.bfloat16, DEV, torch.Generator(DEV).manual_seed(0))
+        q = {k: mx.quantize(w[k].detach(), columnwise=False) for k in ("gate_up_proj", "down_proj")}
+        with torch.no_grad():
+            mok_inductor.moe(x.detach(), rw, te, q["gate_up_proj"], q["down_proj"])
+            mx_launches = set(seen)
+            seen.clear()
+            mok_inductor.moe(x.detach(), rw, te, w["gate_up_proj"].detach(), w["down_proj"].detach())
+    assert mx_launches == {("gate_up", ("bfloat16", H, I, E, False, True)),
+                           ("grouped_rows", ("bfloat16", H, I, E, False, True, False, True))}
+    assert set(seen) == {("gate_up", ("bfloat16", H, I, E, False, False)),
+                         ("grouped_rows", ("bfloat16", H, I, E, False, True, False, False))}
+
+
+def test_record_keeps_picks_another_process_wrote_since(tables, monkeypatch):
+    # a searching process read the table, another rewrote a pick since: recording a new pick puts only that
+    # one into the file as it is on disk (the other's change stays)
+    user, _ = tables
+    c = GATE_UP.candidates
+    path = user / "nvidia-h100-80gb-hbm3.json"
+    _write(path, _table(*H100, [("gate_up", _problem(), {64: c[1]})]))
+    with options.override(autotune=True):
+        state = configs.tables_for(*H100)
+        _write(path, _table(*H100, [("gate_up", _problem(), {64: c[2]}), ("gate_up", _problem(E=64), {8: c[3]})]))
+        configs.record(state, GATE_UP, _problem(), 1000, c[4])
+    got = configs.load(path)
+    assert got.get("gate_up", _problem()) == {64: c[2], 1024: c[4]}
+    assert got.get("gate_up", _problem(E=64)) == {8: c[3]}
+    assert state.user.get("gate_up", _problem()) == {64: c[2], 1024: c[4]}  # the memory follows the file
+
+
+def test_autotuned_kernels_search_per_problem_not_per_row_count():
+    # Inductor's max-autotune launches `Family.autotuned()`: Triton's autotuner caches a pick per value of its key,
+    # which must name the problem (sizes, variant flags) so that two problems of one family do not share one
+    for fam in configs.FAMILIES.values():
+        key = fam.autotune_key
+        assert set(key) <= set(fam.arg_names) and {"E", *[f for f in fam.fields if f in fam.arg_names]} <= set(key)
+        assert "M" not in key and not any(k.startswith("BLOCK") for k in key)
+    assert {"H", "I", "E", "TMA", "MX_G", "MX_U"} <= set(GATE_UP.autotune_key)
+
+
+def test_tuning_layer_repeats_experts_when_a_rank_has_fewer_than_topk():
+    # `--model ... --expert-parallel N` can leave fewer local experts than routes per token (mixtral over 8 ranks:
+    # one expert, top-2): the layer's ids repeat experts instead of failing in torch.topk
+    x, rw, te, w = tune._layer(5, 16, 8, 1, 2, 0, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    assert te.shape == (5, 2) and te.eq(0).all() and torch.allclose(rw.sum(-1), torch.ones(5))
+    x, rw, te, w = tune._layer(64, 16, 8, 3, 4, 0, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    assert set(te.unique().tolist()) == {0, 1, 2}
+
+
+def test_tune_config_errors_are_clear(tmp_path, capsys):
+    path = _write(tmp_path / "config.json", {"hidden_size": 8, "moe_intermediate_size": 8, "num_experts": 4,
+                                             "num_experts_per_tok": 2, "text_config": None})
+    assert tune.shape_from_config(str(path)) == (8, 8, 4, 2, 0)
+    with pytest.raises(ValueError, match="expected a number of ranks >= 1, got 0"):
+        tune.shape_from_config(str(path), 0)
+    with pytest.raises(FileNotFoundError, match="no such config file"):
+        tune.shape_from_config(str(tmp_path / "missing.json"))
+    with pytest.raises(SystemExit):
+        tune.main(["--model", str(tmp_path / "missing.json")])
+    assert "no such config file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune.main(["--model", str(path), "--expert-parallel", "3"])
+    assert "4 experts do not divide over 3 ranks" in capsys.readouterr().err

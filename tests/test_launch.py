@@ -38,9 +38,9 @@ def _blocks(c):
 
 
 def _problem(family) -> tuple:
-    """A problem of `family`: bf16, its sizes 64 (E experts), its flags off."""
-    return tuple("bfloat16" if f == "dtype" else E if f == "E" else 64 if f in family.sizes else 0
-                 for f in family.fields)
+    """A problem of `family`: bf16, its sizes 64 (E experts), its flags off (the fp16 K loop for MX_LOOP)."""
+    return tuple("bfloat16" if f == "dtype" else E if f == "E" else 64 if f in family.sizes else
+                 1 if f == "MX_LOOP" else False for f in family.fields)
 
 
 @pytest.fixture

@@ -158,6 +158,20 @@ def test_from_env():
         options.from_env({"MOK_BACKEND": "gpu"})
 
 
+@pytest.mark.parametrize("raw, want", [("1", True), ("TRUE", True), (" yes ", True), ("On", True), ("y", True),
+                                       ("0", False), ("FALSE", False), ("No", False), ("OFF", False), ("n", False),
+                                       ("", False)])
+def test_env_switches_read_in_any_case(raw, want):
+    got = options.from_env({"MOK_AUTOTUNE": raw, "MOK_TMA": raw})
+    assert got.autotune is want and got.tma is want
+
+
+def test_env_switch_with_another_value_is_an_error():
+    # not silently "on" (MOK_TMA=disabled used to turn TMA on)
+    with pytest.raises(ValueError, match=r"^MOK_TMA='disabled': expected 1/true/yes/on or 0/false/no/off"):
+        options.from_env({"MOK_TMA": "disabled"})
+
+
 def test_the_environment_is_read_once(monkeypatch):
     # a variable set after import changes nothing; one set before import is the process default
     monkeypatch.setenv("MOK_BACKEND", "triton")

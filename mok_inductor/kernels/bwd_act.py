@@ -121,13 +121,15 @@ def _bwd_act_body(
     tl.store(dscale_ptr + pid_n * stride_sp + route, part, mask=rmask)
 
 
-_FIELDS = ("dtype", "H", "I", "E", "TMA")
+_FIELDS = ("dtype", "H", "I", "E", "TMA", "MX")  # MX: MXFP8 down weights dequantized in the K loop
 _OUTPUTS = ("dgu_ptr", "dscale_ptr", "hs_ptr", "dh_ptr")
 _tma_hook = tma_pre_hook((), ("wd_desc",))
 BWD_ACT = register(Family("bwd_act", _bwd_act_body, _BWD_ACT_CONFIGS, fields=_FIELDS, sizes=("H", "I", "E"),
-                          outputs=_OUTPUTS, interpret=_BWD_ACT_INTERPRET, pre_hook=_tma_hook))
+                          outputs=_OUTPUTS, field_defaults={"MX": False}, interpret=_BWD_ACT_INTERPRET,
+                          pre_hook=_tma_hook))
 BWD_GEMM = register(Family("bwd_gemm", _bwd_act_body, _BWD_GEMM_CONFIGS, fields=_FIELDS, sizes=("H", "I", "E"),
-                           outputs=_OUTPUTS, interpret=_BWD_ACT_INTERPRET, pre_hook=_tma_hook))
+                           outputs=_OUTPUTS, field_defaults={"MX": False}, interpret=_BWD_ACT_INTERPRET,
+                          pre_hook=_tma_hook))
 
 
 @triton.jit
@@ -253,7 +255,7 @@ def bwd_act(dy_TH, down_t, gu_M2I, scale, routes_N, offsets_E1, topk, limit, *, 
         M, H, I, E, topk, lim, *ab, MX_D=down_t.quantized, STORE_ACC=two_pass,
         TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
         GROUPS_POW2=common.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(down_t), **flags,
-        rows=M, problem=(dtype_name(dtype), H, I, E, tma is not None),
+        rows=M, problem=(dtype_name(dtype), H, I, E, tma is not None, bool(down_t.quantized)),
     )
     if two_pass:
         bm, bn = _SWIGLU_BWD_BLOCK

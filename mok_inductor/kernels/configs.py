@@ -3,7 +3,10 @@
 A tuned kernel family (`Family`: the grouped GEMMs, the fused SwiGLU backward, the weight gradient) takes its
 tile config (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from a table keyed on
 
-- the problem: the family's `fields` (the dtype, the GEMM's sizes, the flags that select another kernel), and
+- the problem: the family's `fields` (the dtype, the GEMM's sizes, and the flags that select a variant whose
+  costs differ: TMA loads, MXFP8 weights read in the K loop, two-operand or scattering launches, ...; variants
+  that only change the epilogue or the weights' layout, such as the activation, biases or GPT-OSS's interleaved
+  gate/up, share their plain problem's picks), and
 - the bucket of its row count: the smallest power of two >= rows (bucket b holds rows in (b/2, b]).
 
 Tables are JSON files, one per GPU name (`table_name`): the ones shipped in `kernels/tables/` and the user's in
@@ -13,9 +16,12 @@ A problem no table holds takes the configs of the nearest problem of the same fa
 (sizes compared on a log scale), at the bucket nearest in rows per expert; with no tables at all, the family's
 `default` (its first candidate; `small` at few rows per expert where the family has one).
 
-With `options.autotune`, a launch whose (problem, bucket) the user's table lacks times every candidate on
+A user's table overrides the shipped ones pick by pick: a (problem, bucket) it holds wins, the shipped
+tables still answer the buckets it lacks.
+
+With `options.autotune`, an eager launch whose (problem, bucket) the user's table lacks times every candidate on
 scratch copies of the outputs, runs the fastest and records it in the user's table (so later processes
-read it like a tuned table); the shipped tables are then not consulted.
+read it like a tuned table). Launches that cannot search (in compiled graphs) take the tables as without it.
 
 Every config a table names must be one of its family's `candidates` (the configs the kernels are tested and
 tuned with): anything else is an error when the table is loaded, not a silent fallback. Row counts never
@@ -83,8 +89,12 @@ class Family:
     (host TMA descriptors take their block shapes from the config)."""
 
     def __init__(self, name: str, fn, candidates: list, *, fields: tuple, sizes: tuple, outputs: tuple,
-                 interpret: Tile, small: Optional[Tile] = None, pre_hook: Optional[Callable] = None):
+                 interpret: Tile, small: Optional[Tile] = None, pre_hook: Optional[Callable] = None,
+                 field_defaults: Optional[dict] = None):
         assert fields[0] == "dtype" and set(sizes) <= set(fields[1:]), (fields, sizes)
+        # fields added after tables were written: a table entry without one reads as this value
+        self.field_defaults = dict(field_defaults or {})
+        assert set(self.field_defaults) <= set(fields) - set(sizes) - {"dtype"}, (name, field_defaults)
         assert small is None or small in candidates, (name, small)
         self.name, self.fn, self.candidates, self.sizes = name, fn, tuple(candidates), tuple(sizes)
         self.fields, self.outputs, self.interpret, self.small, self.pre_hook = fields, outputs, interpret, small, pre_hook
@@ -100,12 +110,20 @@ class Family:
             return self.small
         return self.candidates[0]
 
+    @property
+    def autotune_key(self) -> list:
+        """The kernel arguments `autotuned` searches per value of: the problem's sizes and variant flags, and the
+        MXFP8 operand flags (never the row count: one search a problem)."""
+        return [n for n in self.arg_names if n in self.fields or n.startswith("MX")]
+
     def autotuned(self):
-        """The kernel with every candidate as a `triton.autotune` config (for Inductor's max-autotune)."""
+        """The kernel with every candidate as a `triton.autotune` config (for Inductor's max-autotune), searched
+        once per problem (`autotune_key`; the argument dtypes too, as Triton keys them)."""
         if self._all is None:
             import triton
 
-            self._all = triton.autotune(configs=[c.triton_config() for c in self.candidates], key=[])(self.fn)
+            self._all = triton.autotune(configs=[c.triton_config() for c in self.candidates],
+                                        key=self.autotune_key)(self.fn)
         return self._all
 
     def __repr__(self):
@@ -182,22 +200,42 @@ class TableError(ValueError):
     pass
 
 
+_DTYPES = ("bfloat16", "float16", "float32")  # the activation dtypes the kernels take
+
+
 def _problem_from_json(family: Family, raw, where: str) -> tuple:
+    if isinstance(raw, dict):
+        raw = {**{f: v for f, v in family.field_defaults.items() if f not in raw}, **raw}
     if not isinstance(raw, dict) or set(raw) != set(family.fields):
         raise TableError(f"{where}: problem must have exactly the fields {list(family.fields)}, got {raw!r}")
     values = []
     for f in family.fields:
         v = raw[f]
         if f == "dtype":
-            if not isinstance(v, str) or not isinstance(getattr(torch, v, None), torch.dtype):
-                raise TableError(f"{where}: dtype {v!r} is not a torch dtype name")
+            if v not in _DTYPES:
+                raise TableError(f"{where}: dtype {v!r} is not one the kernels take ({', '.join(_DTYPES)})")
         elif f in family.sizes:
-            if type(v) is not int or v < 0:
-                raise TableError(f"{where}: size {f!r} must be a non-negative int, got {v!r}")
-        elif type(v) not in (bool, int):
-            raise TableError(f"{where}: field {f!r} must be a bool or an int, got {v!r}")
+            if type(v) is not int or v < 1:
+                raise TableError(f"{where}: size {f!r} must be a positive int, got {v!r}")
+        elif f == "MX_LOOP":
+            if type(v) is not int or v not in _MX_LOOPS:
+                raise TableError(f"{where}: MX_LOOP must be one of {list(_MX_LOOPS)} (the fp16 K loops), got {v!r}")
+        elif type(v) is not bool:
+            raise TableError(f"{where}: flag {f!r} must be true or false, got {v!r}")
         values.append(v)
     return tuple(values)
+
+
+_MX_LOOPS = (1, 2)  # mx_loop.MxLoop.F16, F16_WORDS: the loops the `_mx` families run (checked by the tests)
+
+
+def _no_duplicate_keys(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise TableError(f"the key {k!r} appears twice in one object")
+        out[k] = v
+    return out
 
 
 def parse(data, source: str = "<table>") -> Table:
@@ -208,7 +246,7 @@ def parse(data, source: str = "<table>") -> Table:
     families = data.get("families")
     if not isinstance(families, dict):
         raise TableError(f"{source}: \"families\" must be an object")
-    table = Table(str(data.get("device", "")), str(data.get("capability", "")), source=source)
+    table = Table(str(data.get("device") or ""), str(data.get("capability") or ""), source=source)
     for name, rows in families.items():
         family = FAMILIES.get(name)
         if family is None:
@@ -220,12 +258,14 @@ def parse(data, source: str = "<table>") -> Table:
             if not isinstance(row, dict) or set(row) != {"problem", "configs"}:
                 raise TableError(f"{where}: an entry is {{\"problem\": ..., \"configs\": ...}}")
             problem = _problem_from_json(family, row["problem"], where)
+            if table.get(name, problem) is not None:
+                raise TableError(f"{where}: problem {dict(zip(family.fields, problem))} has an earlier entry")
             configs = row["configs"]
             if not isinstance(configs, dict) or not configs:
                 raise TableError(f"{where}: \"configs\" must map row buckets to configs")
             for key, value in configs.items():
-                if not key.isdigit() or int(key) < 1 or int(key) & (int(key) - 1):
-                    raise TableError(f"{where}: row bucket {key!r} is not a power of two")
+                if not re.fullmatch(r"[1-9][0-9]*", key) or int(key) & (int(key) - 1):
+                    raise TableError(f"{where}: row bucket {key!r} is not a power of two (decimal digits)")
                 if not (isinstance(value, list) and len(value) == 5 and all(type(v) is int for v in value)):
                     raise TableError(f"{where}: bucket {key}: a config is [BLOCK_M, BLOCK_N, BLOCK_K, num_warps, "
                                      f"num_stages], got {value!r}")
@@ -240,9 +280,11 @@ def parse(data, source: str = "<table>") -> Table:
 def load(path) -> Table:
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TableError(f"{path}: not valid JSON ({e})") from None
+        data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TableError(f"{path}: not valid JSON text ({e})") from None
+    except TableError as e:
+        raise TableError(f"{path}: {e}") from None
     return parse(data, str(path))
 
 
@@ -282,7 +324,8 @@ def user_dir(opts=None) -> Path:
 @dataclasses.dataclass
 class _Tables:
     """The tables one (device, user folder, autotune) sees: the user's first, then the shipped one of this
-    GPU's name, then those of other GPUs of its compute capability; and the memo of picks."""
+    GPU's name, then those of other GPUs of its compute capability; and the memo of picks (with autotune, the
+    searched ones and those of launches that cannot search)."""
 
     device: str
     capability: str
@@ -293,7 +336,7 @@ class _Tables:
     picks: dict = dataclasses.field(default_factory=dict)
 
     def chain(self) -> list:
-        return [self.user] if self.autotune else [self.user, *self.shipped]
+        return [self.user, *self.shipped]
 
 
 _lock = threading.Lock()
@@ -325,8 +368,13 @@ def tables_for(device_name: str, capability: str, opts=None) -> _Tables:
             user_path = folder / f"{stem}.json"
             user = load(user_path) if user_path.is_file() else Table(device_name, capability, source=str(user_path))
             shipped = [load(p) for p in shipped_tables()]
-            same = [t for t in shipped if table_name(t.device) == stem]  # (then the other GPUs of this capability)
-            shipped = same + [t for t in shipped if table_name(t.device) != stem and t.capability == capability]
+            same = [t for t in shipped if table_name(t.device) == stem]
+            # then the other GPUs of this capability, the most alike by name first (an "H200 NVL" reads the
+            # H200's table before the H100's)
+            others = [t for t in shipped if table_name(t.device) != stem and t.capability == capability]
+            others.sort(key=lambda t: (-len(os.path.commonprefix([table_name(t.device), stem])),
+                                       table_name(t.device)))
+            shipped = same + others
             state = _states[key] = _Tables(device_name, capability, user_path, user, shipped, opts.autotune)
     return state
 
@@ -344,11 +392,16 @@ def _nearest_bucket(per: dict, bkt: int, scale: float = 1.0) -> Tile:
     return per[best]
 
 
+_HALF = ("bfloat16", "float16")  # the same tiles fit both: each takes the other's picks before a default
+
+
 def _problem_distance(family: Family, a: tuple, b: tuple) -> float:
     d = 0.0
     for f, x, y in zip(family.fields, a, b):
         if f in family.sizes:
             d += abs(math.log2(max(x, 1)) - math.log2(max(y, 1)))
+        elif f == "dtype" and x != y and x in _HALF and y in _HALF:
+            d += 0.5  # (another 16-bit dtype's problem is as far as sizes 1.4x apart)
         elif x != y:
             return math.inf
     return d
@@ -361,10 +414,11 @@ def _experts(family: Family, problem: tuple) -> int:
 def lookup(state: _Tables, family: Family, problem: tuple, rows: int) -> tuple:
     """(tile, where it came from: "table", "nearest" or "default") for `rows` rows of `problem`, without search."""
     bkt = bucket(rows)
-    for table in state.chain():
-        per = table.get(family.name, problem)
-        if per:
-            return per.get(bkt) or _nearest_bucket(per, bkt), "table"
+    per = {}
+    for table in reversed(state.chain()):  # (each bucket from the first table that holds it)
+        per.update(table.get(family.name, problem) or {})
+    if per:
+        return per.get(bkt) or _nearest_bucket(per, bkt), "table"
     best, best_d = None, math.inf
     for table in state.chain():
         for other, per in table.entries.get(family.name, {}).items():
@@ -405,15 +459,35 @@ def needs_search(family: Family, problem: tuple, rows: int, device: torch.device
     return state
 
 
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Holds an exclusive lock on `path`.lock between processes (where the OS has fcntl) while the table file's
+    read-modify-write runs, so two searching processes do not lose each other's picks."""
+    try:
+        import fcntl
+    except ImportError:  # (no fcntl: the write is still atomic, a concurrent pick can be lost)
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def record(state: _Tables, family: Family, problem: tuple, rows: int, tile: Tile) -> None:
-    """Keep a searched pick in memory and in the user's table file (read again first: other processes may have
-    added entries since)."""
+    """Keep a searched pick in memory and put it, alone, into the user's table file as it is on disk now (other
+    processes may have changed it since this one read it: their picks stay)."""
     bkt = bucket(rows)
+    # (a key the table format cannot hold back, an int flag say, fails here, not when the file is next read)
+    _problem_from_json(family, dict(zip(family.fields, problem)), f"{family.name} launch")
     state.picks[(family.name, problem, bkt)] = tile
-    with _lock:
-        state.user.put(family.name, problem, bkt, tile)
+    with _lock, _file_lock(state.user_path):
         if state.user_path.is_file():
-            state.user.merge(load(state.user_path), replace=False)
+            state.user = load(state.user_path)
+        state.user.put(family.name, problem, bkt, tile)
         state.user.device, state.user.capability = state.device, state.capability
         save(state.user, state.user_path)
 

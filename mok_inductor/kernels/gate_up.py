@@ -222,10 +222,11 @@ def _gate_up_kernel(
 
 # one jitted body (its name is the one Inductor's code and profiles show), tuned as two families: the MXFP8 fp16
 # K loops' row tiles are not the dequantizing loop's
-_FIELDS = ("dtype", "H", "I", "E", "TMA")
+# MX: MXFP8 weights dequantized in the K loop (no TMA then), tuned apart from bf16 weights' loads
+_FIELDS = ("dtype", "H", "I", "E", "TMA", "MX")
 _OUTPUTS = ("gu_ptr", "h_ptr")
 GATE_UP = register(Family("gate_up", _gate_up_kernel, _GATE_UP_CONFIGS, fields=_FIELDS, sizes=("H", "I", "E"),
-                          outputs=_OUTPUTS, interpret=cfg(16, 16, 32, 1, 1),
+                          outputs=_OUTPUTS, interpret=cfg(16, 16, 32, 1, 1), field_defaults={"MX": False},
                           pre_hook=tma_pre_hook(("a_desc",), ("g_desc", "u_desc"))))
 GATE_UP_MX = register(Family("gate_up_mx", _gate_up_kernel, _MX_F16_CONFIGS, fields=("dtype", "H", "I", "E", "MX_LOOP"),
                              sizes=("H", "I", "E"), outputs=_OUTPUTS, interpret=cfg(16, 16, 32, 1, 1),
@@ -247,6 +248,7 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         return row_tiles_worst(M, E, meta["BLOCK_M"], single) * common.cdiv(I, meta["BLOCK_N"])
 
     mx_loop = use_mx_loop(x_TH.dtype, M, E, gate, up)
+    mx_weights = bool(gate.quantized or up.quantized)
     both = None if mx_loop else interleaved(gate, up, 1)  # [E, 2I, H] (GPT-OSS's layout)
     if both is not None:
         gate = up = Operand(both, None)
@@ -278,6 +280,6 @@ def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=
         MX_LOOP=int(mx_loop), TMA=tma is not None, W_KMAJOR=tma is not None and tma[2],
         INTERLEAVED=both is not None, SORTED_X=a_desc is not None,
         GROUPS_POW2=common.next_pow2(E + 1), GROUP_M=GROUP_M, **w_meta(gate, up), rows=M,
-        problem=(dtype, H, I, E, int(mx_loop)) if mx_loop else (dtype, H, I, E, tma is not None),
+        problem=(dtype, H, I, E, int(mx_loop)) if mx_loop else (dtype, H, I, E, tma is not None, mx_weights),
     )
     return gu_out

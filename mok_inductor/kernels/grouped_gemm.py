@@ -144,7 +144,8 @@ def _grouped_rows_kernel(
 # TWO and SCATTER in the problem: the down GEMM and the dx GEMM have the same sizes at some shapes
 GROUPED_ROWS = register(Family(
     "grouped_rows", _grouped_rows_kernel, _GROUPED_ROWS_CONFIGS,
-    fields=("dtype", "NCOL", "KD", "E", "TWO", "SCATTER", "TMA"), sizes=("NCOL", "KD", "E"), outputs=("out_ptr",),
+    fields=("dtype", "NCOL", "KD", "E", "TWO", "SCATTER", "TMA", "MX"), field_defaults={"MX": False},
+    sizes=("NCOL", "KD", "E"), outputs=("out_ptr",),
     interpret=cfg(16, 16, 32, 1, 1), pre_hook=tma_pre_hook(("a_desc",), ("w1_desc", "w2_desc"))))
 GROUPED_ROWS_MX = register(Family(
     "grouped_rows_mx", _grouped_rows_kernel, _MX_F16_CONFIGS, fields=("dtype", "NCOL", "KD", "E", "TWO", "MX_LOOP"),
@@ -197,6 +198,6 @@ def grouped_rows(a_MK, w1, out, routes_N, offsets_E1, *, w2=None, scatter=True, 
         DOT_PREC=dot_prec, MX_LOOP=int(mx_loop), GROUP_M=GROUP_M, GROUPS_POW2=common.next_pow2(E + 1),
         **tma_meta, **w_meta(w1, w2), rows=M,
         problem=((dtype, NCOL, KD, E, two, int(mx_loop)) if mx_loop
-                 else (dtype, NCOL, KD, E, two, scatter, tma_meta["TMA"])),
+                 else (dtype, NCOL, KD, E, two, scatter, tma_meta["TMA"], bool(w1.quantized or w2.quantized))),
     )
     return out
