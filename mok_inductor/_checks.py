@@ -162,7 +162,7 @@ def check_moe_args(
     require_tensor("top_experts", top_experts)
     require_dtype("top_experts", top_experts, INDEX_DTYPES)
     require_device("top_experts", top_experts, device)
-    require_shape("top_experts", top_experts, (T, K), "(the shape of router_weights)")
+    require_shape("top_experts", top_experts, (T, K), "(router_weights' shape [T, K]: the two must match)")
 
     require_tensor("gate_up_proj", gate_up_proj)
     require_dtype("gate_up_proj", gate_up_proj, (x.dtype,))

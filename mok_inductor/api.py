@@ -109,8 +109,8 @@ def moe(
         )
     if top_experts.shape != router_weights.shape:
         raise ValueError(
-            f"top_experts: expected shape {list(router_weights.shape)} (the shape of router_weights), got "
-            f"{list(top_experts.shape)}"
+            f"top_experts: expected shape {list(router_weights.shape)} (router_weights' shape: the two must match), "
+            f"got {list(top_experts.shape)}"
         )
     H = x.shape[-1]
     K = router_weights.shape[-1]

@@ -155,8 +155,10 @@ def _resolve(opts: Union[None, Options, Mapping], changes: dict) -> Options:
     base = current()
     if isinstance(opts, Options):
         base = opts
+    elif isinstance(opts, Mapping):
+        changes = {**opts, **changes}
     elif opts is not None:
-        changes = {**dict(opts), **changes}
+        raise TypeError(f"options: expected an Options or a dict of option changes, got {type(opts).__name__}")
     return base.replace(**changes) if changes else base
 
 

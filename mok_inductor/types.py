@@ -56,6 +56,9 @@ def activation(name) -> Activation:
     if name is None:
         return SWIGLU
     if isinstance(name, Activation):
+        if ACTIVATIONS.get(name.name) != name:  # (the op takes a variant by name: other numbers would be dropped)
+            known = ", ".join(map(str, ACTIVATIONS.values()))
+            raise ValueError(f"activation: {name} is not a declared variant ({known}); pass one of them or its name")
         return name
     if not isinstance(name, str):
         raise TypeError(f"activation: expected one of {sorted(ACTIVATIONS)} (a str), got {type(name).__name__}")

@@ -185,7 +185,7 @@ class TestBadInput(expecttest.TestCase):
 
     def test_top_experts_shape(self):
         self.assertExpectedInline(self.bad(ValueError, "top_experts", top_experts=_good()["top_experts"][:, :1]),
-            """top_experts: expected shape [4, 2] (the shape of router_weights), got [4, 1]""")
+            """top_experts: expected shape [4, 2] (router_weights' shape: the two must match), got [4, 1]""")
 
     def test_gate_up_proj_rank(self):
         self.assertExpectedInline(self.bad(ValueError, "gate_up_proj", gate_up_proj=_good()["gate_up_proj"][0]),
@@ -551,6 +551,29 @@ def test_triton_backend_on_cpu_tensors_without_the_interpreter(monkeypatch):
     assert "TRITON_INTERPRET=1" in str(err.value) and launched == []
     assert mok_inductor.path_name(kw["x"]) == "reference"
     assert _call(kw).shape == kw["x"].shape
+
+
+@pytest.mark.parametrize("opts", ["reference", 42, ["backend"]])
+def test_options_of_another_kind_name_the_argument(opts):
+    with pytest.raises(TypeError, match=r"^options: expected an Options or a dict of option changes, got "):
+        _call(_good(options=opts))
+
+
+def test_an_activation_with_other_numbers_is_refused_not_replaced():
+    # the op takes a declared variant by name: an Activation("gpt_oss", 1.0, 0.0) would silently run 1.702 and 1
+    from mok_inductor.types import ACTIVATIONS, Activation
+
+    with pytest.raises(ValueError, match=r"^activation: Activation\(name='gpt_oss', alpha=1.0, beta=0.0\) is not a "
+                                         r"declared variant"):
+        _call(_good(activation=Activation("gpt_oss", 1.0, 0.0)))
+    assert torch.equal(_call(_good(activation=ACTIVATIONS["gpt_oss"])), _call(_good(activation="gpt_oss")))
+
+
+def test_module_float64_x_under_autocast_is_a_type_error_naming_x():
+    # autocast casts float32/16-bit inputs, not float64: the module says so before its router's Linear fails
+    m = mok_inductor.MoE(8, 4, 3, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="^x: expected dtype float32"):
+        m(torch.randn(5, 8, dtype=torch.float64))
 
 
 if __name__ == "__main__":
