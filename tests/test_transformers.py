@@ -693,7 +693,8 @@ def test_fallback_messages_say_what_happened_and_what_to_do():
     msg = hf.fallback_message("MyExperts", plans["float64"])
     assert msg.startswith('experts_implementation="mok": MyExperts falls back to "eager": MoK cannot run it because '
                           "its expert weights are float64 and MoK computes in float32, bfloat16 or float16")
-    assert "the class's own eager forward (transformers' grouped_mm takes this dtype only under torch.compile" in msg
+    assert ("so the class's own eager forward (under torch.compile: transformers' grouped_mm, which takes this dtype "
+            "only there) runs it instead.") in msg
     assert "To use MoK: cast the model to float32, bfloat16 or float16, e.g. model.to(torch.float32)" in msg
     assert msg.endswith('To silence this warning, set experts_implementation="eager" for this model.')
     msg = hf.fallback_message("MyExperts", plans["mixed"])
@@ -980,6 +981,28 @@ def test_gpt_oss_experts_run_natively(monkeypatch):
     assert max(bf16) <= 1e-2, bf16
 
 
+def test_gpt_oss_alpha_changed_after_the_first_call_is_seen():
+    """The cached plan is keyed on what the gate reads: a GptOssExperts whose alpha is changed after a first mok
+    call is probed again (MoK's "gpt_oss" is alpha 1.702: it falls back) and equals its own eager forward, not
+    the stale plan's 1.702."""
+    model = _tiny_gpt_oss(seed=2)
+    ex = model.model.layers[0].mlp.experts
+    hf._PLANS.clear()
+    hf._WARNED.clear()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, ex.gate_up_proj.shape[1], generator=g)
+    idx = torch.randint(0, ex.num_experts, (6, 2), generator=g)
+    w = torch.rand(6, 2, generator=g)
+    assert hf.experts_plan(ex).activation == "gpt_oss"
+    hf.mok_experts_forward(ex, x, idx, w)
+    ex.alpha = 1.0
+    with pytest.warns(UserWarning, match="alpha = 1.0"):
+        got = hf.mok_experts_forward(ex, x, idx, w)
+    assert not hf.experts_plan(ex).supported
+    model.set_experts_implementation("eager")
+    torch.testing.assert_close(got, ex(x, idx, w), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 def test_generate_with_mok_matches_eager(device, family, request):
@@ -1020,6 +1043,34 @@ def test_prepare_stores_plans_that_compiled_code_reads(monkeypatch):
     ids = torch.randint(0, 32, (1, 5))
     got = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
     torch.testing.assert_close(got, model(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_without_prepare_decides_the_plan_and_holds_the_op(strict):
+    """torch.export of a fresh "mok" model (no eager call, no prepare()): the plan is decided outside the trace
+    (non-strict export traces with a mode Dynamo's folding does not cover: the probe's comparison would be a
+    data-dependent branch), the program holds a mok::moe per layer and equals eager at another length."""
+    model = _tiny_qwen3_moe(seed=3).eval()
+    for m in model.modules():  # experts that matter next to the residual stream
+        if hasattr(m, "down_proj") and hasattr(m, "has_bias"):
+            m.down_proj.data.mul_(20)
+    assert not any(m in hf._PLANS for m in model.modules())
+
+    class Logits(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, use_cache=False).logits
+
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 32, (1, 8), generator=gen)
+    seq = torch.export.Dim("seq", min=2, max=64)
+    ep = torch.export.export(Logits(model), (ids,), dynamic_shapes=({1: seq},), strict=strict)
+    assert sum(n.target is torch.ops.mok.moe.default for n in ep.graph.nodes) == 2
+    other = torch.randint(0, 32, (1, 13), generator=gen)
+    torch.testing.assert_close(ep.module()(other), Logits(model)(other), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

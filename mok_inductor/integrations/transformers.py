@@ -330,7 +330,7 @@ def _signature(module) -> tuple:
         getattr(module, "has_gate", True), getattr(module, "has_bias", False),
         getattr(module, "has_post_expert_norm", False), getattr(module, "is_concatenated", True),
         getattr(module, "is_transposed", False), id(getattr(module, "act_fn", None)),
-        tuple(_limit_candidates(module)),
+        tuple(_limit_candidates(module)), getattr(module, "alpha", None),  # (GPT-OSS's gate reads its alpha)
         tuple(getattr(getattr(module, n, None), "dtype", None) for n in ("gate_up_proj", "up_proj", "down_proj")),
     )
 
@@ -382,8 +382,8 @@ def experts_plan(module) -> ExpertsPlan:
 def fallback_message(class_name: str, plan: ExpertsPlan) -> str:
     """The one-time warning of an unsupported plan: what happened, what runs instead, what the user can do."""
     runs = ('transformers\' "grouped_mm" experts function' if plan.fallback == "grouped_mm"
-            else "the class's own eager forward (transformers' grouped_mm takes this dtype only under torch.compile, "
-                 "where it runs instead)")
+            else "the class's own eager forward (under torch.compile: transformers' grouped_mm, which takes this "
+                 "dtype only there)")
     todo = (f"To use MoK: {plan.remedy}." if plan.remedy
             else "MoK has no kernel for what these experts compute; the fallback computes what eager computes.")
     return (f'experts_implementation="mok": {class_name} falls back to "{plan.fallback}": MoK cannot run it because '
@@ -426,10 +426,21 @@ def _experts_plan_at_trace_time(module_id: int) -> ExpertsPlan:
     return experts_plan(ctypes.cast(module_id, ctypes.py_object).value)
 
 
+def _experts_plan_outside_the_trace(module) -> ExpertsPlan:
+    """experts_plan under a tracer other than Dynamo (torch.export's default non-strict mode, make_fx): the
+    probe runs on real tensors with the tracer's modes set aside (traced, its comparison would be a
+    data-dependent branch the tracer cannot take), and nothing of it enters the traced graph."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return experts_plan(module)
+
+
 def prepare(model: torch.nn.Module) -> int:
     """Decide, eagerly, the plan of every experts module of `model` (returns how many). A traced call then
     gets the cached plan and never runs the probe while tracing. Optional: a compiled first call decides the
-    plan at trace time anyway (`_experts_plan_at_trace_time`)."""
+    plan at trace time anyway (`_experts_plan_at_trace_time`), and so does torch.export, strict or not
+    (`_experts_plan_outside_the_trace`)."""
     n = 0
     for module in model.modules():
         if hasattr(module, "down_proj") and hasattr(module, "has_bias"):
@@ -477,11 +488,13 @@ def mok_experts_forward(
 ) -> torch.Tensor:
     """transformers' experts function signature: hidden_states [T, H], top_k_index [T, K] expert ids,
     top_k_weights [T, K] routing weights -> [T, H] in hidden_states.dtype."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         # Always the folded call, never "the stored plan if any": Dynamo may restart a trace (a graph break, a
         # float it made symbolic), and the first attempt's call stores the plan, so a branch on it would take
         # another path in the restarted trace (SpeculationLogDivergence). A stored plan is what it returns.
         plan = _experts_plan_at_trace_time(id(self))
+    elif torch.compiler.is_compiling():
+        plan = _experts_plan_outside_the_trace(self)
     else:
         plan = experts_plan(self)
     group = getattr(self, _EP_GROUP_ATTR, None)
