@@ -72,6 +72,8 @@ def moe(
     Returns:
         [..., H] in x.dtype: shared(x) * gate(x) + sum_k router_weights[k] * expert_{top_experts[k]}(x).
     """
+    if torch.compiler.is_dynamo_compiling():
+        _options.guard_in_trace()
     if options is not None:
         if torch.compiler.is_compiling():
             raise ValueError(

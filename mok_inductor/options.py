@@ -19,7 +19,8 @@ Environment variables, read once when this module is imported (later changes to 
 
 Overrides are process-wide, not per thread: the autograd engine runs CUDA backward passes on its own
 threads, and they must see the options the forward ran with. Kernels and ops read `current()` when they
-run; torch.compile reads it while tracing, and the compile-cache key covers it (`mok_inductor.enable()`).
+run; torch.compile reads it while tracing, and the compile-cache key covers it (`mok_inductor.enable()`);
+Dynamo guards a traced `mok_inductor.moe` on every option (`guard_in_trace`).
 `TRITON_INTERPRET` is Triton's own switch; `INTERPRET` mirrors it for the code that must know.
 """
 
@@ -173,6 +174,22 @@ def override(opts: Union[None, Options, Mapping] = None, **changes) -> Iterator[
     finally:
         with _lock:  # by identity: an equal Options pushed by another block is not this one
             del _stack[max(i for i, o in enumerate(_stack) if o is new)]
+
+
+_DEFAULTS = Options()
+_NAMES = tuple(f.name for f in dataclasses.fields(Options))
+
+
+def guard_in_trace() -> None:
+    """Called where Dynamo traces (`mok_inductor.moe`): each option's value compared, one by one (a tuple
+    comparison would stop at the first difference), makes Dynamo guard the compiled frame on every value, so
+    a call under other options (an `override` around the compiled function, a `set_default`) compiles again
+    instead of running a graph whose kernels, tile configs and decomposition were chosen under the old ones.
+    A no-op when run eagerly."""
+    opts = current()
+    for name in _NAMES:
+        if getattr(opts, name) == getattr(_DEFAULTS, name):
+            pass
 
 
 def set_default(opts: Optional[Options] = None, **changes) -> Options:

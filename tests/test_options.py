@@ -97,6 +97,39 @@ def test_per_call_options_are_refused_under_torch_compile():
         torch.compile(f, backend="eager", fullgraph=True)(c.x)
 
 
+def test_a_compiled_call_recompiles_under_other_options():
+    # the options decide what a compiled graph holds (kernels, tile configs, the decomposition): a compiled
+    # mok_inductor.moe is guarded on them, so an override around the compiled function, or a new default,
+    # traces again, and equal options (another object) reuse the graph
+    c = _case()
+    traces = []
+
+    def backend(gm, example_inputs):
+        traces.append(options.current())
+        return gm.forward
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: mok_inductor.moe(x, *c.args()[1:], **c.kwargs()), backend=backend, fullgraph=True)
+    old = options.current()
+    try:
+        y = f(c.x)
+        f(c.x)
+        with options.override(tma=not old.tma):
+            f(c.x)
+        with options.override(backend="reference", tma_min_rows=old.tma_min_rows + 1):
+            f(c.x)
+        f(c.x)
+        options.set_default(old.replace())  # equal values, another object
+        f(c.x)
+        options.set_default(two_pass_min_rows=old.two_pass_min_rows + 1)
+        torch.testing.assert_close(f(c.x), y, rtol=0, atol=0)
+    finally:
+        options.set_default(old)
+        torch._dynamo.reset()
+    assert [t.tma for t in traces] == [old.tma, not old.tma, old.tma, old.tma]
+    assert traces[2].tma_min_rows == old.tma_min_rows + 1 and traces[3].two_pass_min_rows == old.two_pass_min_rows + 1
+
+
 def test_override_nesting_and_restore():
     base = options.current()
     flip = not base.autotune  # (a change from the default)
