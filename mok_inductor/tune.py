@@ -75,9 +75,11 @@ def shape_from_config(path: str, expert_parallel: int = 1) -> tuple:
     inter = first("moe_intermediate_size", "intermediate_size")
     experts = first("num_experts", "num_local_experts", "n_routed_experts")
     topk = first("num_experts_per_tok", "experts_per_token", "top_k")
-    shared = first("shared_expert_intermediate_size", default=0)
+    shared = first("shared_expert_intermediate_size", "shared_intermediate_size", default=0)  # (GraniteMoeShared)
     if not shared and cfg.get("n_shared_experts"):
         shared = int(cfg["n_shared_experts"]) * inter
+    if not shared and str(cfg.get("model_type", "")).startswith("llama4"):
+        shared = inter  # Llama 4's MoE layers always add a shared expert of the routed experts' size
     if experts % expert_parallel:
         raise ValueError(f"{experts} experts do not divide over {expert_parallel} ranks")
     return int(hidden), int(inter), experts // expert_parallel, int(topk), int(shared)

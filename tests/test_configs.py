@@ -431,6 +431,11 @@ def test_options_tables_dir_from_the_environment(tmp_path):
       "num_experts_per_tok": 8, "n_shared_experts": 1}, 8, (7168, 2048, 32, 8, 2048)),
     ({"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_local_experts": 32,
       "experts_per_token": 4}, 1, (2880, 2880, 32, 4, 0)),
+    ({"model_type": "granitemoeshared", "hidden_size": 1024, "intermediate_size": 512, "num_local_experts": 32,
+      "num_experts_per_tok": 8, "shared_intermediate_size": 1024}, 1, (1024, 512, 32, 8, 1024)),
+    ({"model_type": "llama4", "text_config": {"model_type": "llama4_text", "hidden_size": 5120,
+      "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_local_experts": 16,
+      "num_experts_per_tok": 1}}, 1, (5120, 8192, 16, 1, 8192)),
 ])
 def test_tune_reads_transformers_configs(tmp_path, cfg, ep, want):
     path = _write(tmp_path / "m" / "config.json", cfg)
