@@ -189,6 +189,31 @@ def test_cuda_no_graph_break_and_no_recompile_across_T():
 
 
 @needs_cuda
+def test_cuda_override_around_an_inlined_compiled_graph_takes_effect(monkeypatch):
+    """A graph compiled with the Triton launches inlined (100 tokens, no TMA), then called under
+    override(backend="reference"): it compiles again, the op stays opaque and the reference runs (the first
+    graph's inlined kernels would have ignored the override); back under the default the first graph serves."""
+    from mok_inductor import ops, options, reference
+
+    torch._dynamo.reset()
+    inputs = make_inputs(T=100, dtype=torch.bfloat16, device="cuda")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    want = layer(**inputs)
+    torch.testing.assert_close(compiled(**inputs), want, rtol=0, atol=0)
+    ran = []
+    real = reference.moe_forward
+    monkeypatch.setattr(reference, "moe_forward", lambda *a, **k: ran.append(1) or real(*a, **k))
+    with options.override(backend="reference"):
+        got = compiled(**inputs)
+    assert counter.frame_count == 2 and ran, "the override did not reach the compiled call"
+    assert rel_err(got, want) <= 1e-2
+    ran.clear()
+    compiled(**inputs)
+    assert counter.frame_count == 2 and not ran
+
+
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_graphs_replay_equals_eager(dtype):
     torch._dynamo.reset()
