@@ -59,7 +59,8 @@ class Options:
     mx_dequantize_min_rows: MXFP8 weights are dequantized once per call into a transient copy at this many
         routes per expert and more, and read by the GEMMs' K loops below it (decode: weight bytes dominate).
     mx_f16_dot_max_rows: up to this many, the MXFP8 K loops run on the fp16 tensor cores (decode).
-    mx_few_rows: up to this many, MXFP8 launches that no table covers use the few-rows tile configs.
+    mx_few_rows: up to this many, MXFP8 launches that no table covers use the few-rows tile configs (counted
+        on the launch's row bucket, the power of two above T*K: with E not a power of two it cuts in lower).
     two_pass_min_rows: at this many and more, the SwiGLU backward runs as a second pass after the
         down-projection's data-gradient GEMM instead of in its epilogue.
     tma_min_rows: the fewest rows per expert at which the TMA loads pay for their descriptors.
