@@ -191,10 +191,11 @@ def merge_into(src: Path, dst: Path) -> int:
     for f in sorted(src.glob("*.json")):
         new = configs.load(f)
         target = dst / f.name
-        table = configs.load(target) if target.is_file() else configs.Table(new.device, new.capability)
-        n += table.merge(new)
-        table.device, table.capability = new.device or table.device, new.capability or table.capability
-        configs.save(table, target)
+        with configs.file_lock(target):  # (a search or another tuning run may write it meanwhile)
+            table = configs.load(target) if target.is_file() else configs.Table(new.device, new.capability)
+            n += table.merge(new)
+            table.device, table.capability = new.device or table.device, new.capability or table.capability
+            configs.save(table, target)
     return n
 
 

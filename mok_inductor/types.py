@@ -59,7 +59,7 @@ def activation(name) -> Activation:
         if ACTIVATIONS.get(name.name) != name:  # (the op takes a variant by name: other numbers would be dropped)
             known = ", ".join(map(str, ACTIVATIONS.values()))
             raise ValueError(f"activation: {name} is not a declared variant ({known}); pass one of them or its name")
-        return name
+        return ACTIVATIONS[name.name]  # (the declared object: code compares variants by identity)
     if not isinstance(name, str):
         raise TypeError(f"activation: expected one of {sorted(ACTIVATIONS)} (a str), got {type(name).__name__}")
     if name not in ACTIVATIONS:

@@ -89,9 +89,14 @@ def test_table_round_trip(tmp_path):
     raw = json.loads(path.read_text())
     assert raw["format"] == configs.FORMAT and raw["device"] == "NVIDIA H100 80GB HBM3"
     entry = raw["families"]["grouped_rows"][0]
-    assert entry["problem"] == dict(zip(fam.fields, prob))
+    assert entry["problem"] == dict(zip(fam.fields[:-1], prob[:-1]))  # MX left out at its default (false)
     back = configs.load(path)
     assert back.get("grouped_rows", prob) == per and back.capability == "9.0"
+    mx = prob[:-1] + (True,)  # written where true
+    t.put("grouped_rows", mx, 64, fam.candidates[2])
+    configs.save(t, path)
+    assert {"MX": True}.items() <= json.loads(path.read_text())["families"]["grouped_rows"][1]["problem"].items()
+    assert configs.load(path).get("grouped_rows", mx) == {64: fam.candidates[2]}
 
 
 def _valid():
@@ -214,8 +219,8 @@ def test_lookup_nearest_problem_same_flags_and_rows_per_expert(tables):
     # float32 has no neighbour: the default; float16 takes bfloat16's problem (the same tiles fit)
     assert configs.lookup(state, GATE_UP, _problem(dtype="float32"), 64) == (GATE_UP.candidates[0], "default")
     assert configs.lookup(state, GATE_UP, _problem(H=4096, I=1536, dtype="float16"), 1024) == (c[1], "nearest")
-    # MXFP8 weights read in the K loop are another variant: the bf16 weights' picks are not theirs
-    assert configs.lookup(state, GATE_UP, _problem(H=4096, I=1536, mx=True), 1024)[1] == "default"
+    # MXFP8 weights read in the K loop, with no pick of their own: their bf16 twin's
+    assert configs.lookup(state, GATE_UP, _problem(H=4096, I=1536, mx=True), 1024) == (c[1], "table")
 
 
 def test_defaults_without_tables(tables):
@@ -261,6 +266,64 @@ def test_user_table_before_shipped_by_name_then_capability(tables):
         state = configs.tables_for(*H100)
         assert [t.source for t in state.chain()][0] == str(user / "nvidia-h100-80gb-hbm3.json")
         assert configs.lookup(state, GATE_UP, q, 64) == (c[5], "table")
+
+
+def test_an_mxfp8_launch_takes_its_bf16_twin_where_it_has_no_bucket(tables):
+    # the MXFP8 K-loop problem's own buckets win; elsewhere its bf16 twin's picks, not its one tuned bucket's
+    user, _ = tables
+    c = GATE_UP.candidates
+    p, mx = _problem(tma=False), _problem(tma=False, mx=True)
+    _write(user / "nvidia-h100-80gb-hbm3.json", _table(*H100, [("gate_up", p, {256: c[1], 2048: c[2], 16384: c[3]}),
+                                                                ("gate_up", mx, {16384: c[4]})]))
+    state = configs.tables_for(*H100)
+    assert configs.lookup(state, GATE_UP, mx, 16384) == (c[4], "table")
+    assert configs.lookup(state, GATE_UP, mx, 2048) == (c[2], "table")
+    assert configs.lookup(state, GATE_UP, mx, 300)[0] == c[1]
+    assert configs.lookup(state, GATE_UP, p, 16384)[0] == c[3]  # the twin keeps its own
+    # an MXFP8 problem alone (no twin tabled) is a table of its own
+    assert configs.lookup(state, GATE_UP, _problem(E=64, tma=False, mx=True), 300)[1] == "nearest"
+
+
+def test_a_compiled_launchs_table_pick_does_not_stop_the_eager_search(tables, monkeypatch):
+    # under autotune, a traced launch takes a table pick (memoised by `pick`) without searching: the first eager
+    # launch of that (problem, bucket) must still search, and once recorded it does not search again
+    c = GATE_UP.candidates
+    monkeypatch.setattr(configs, "INTERPRET", False)
+    monkeypatch.setattr(configs, "_device_facts", lambda dev: H100)
+    cpu = torch.device("cpu")
+    with options.override(autotune=True):
+        state = configs.tables_for(*H100)
+        state.user.put("gate_up", _problem(), 512, c[1])  # a bucket nearby: the traced launch's pick
+        assert configs.pick(GATE_UP, _problem(), 64, cpu) == c[1]
+        assert ("gate_up", _problem(), 64) in state.picks
+        assert configs.needs_search(GATE_UP, _problem(), 64, cpu) is state
+        configs.record(state, GATE_UP, _problem(), 64, c[2])
+        assert configs.needs_search(GATE_UP, _problem(), 64, cpu) is None
+        assert configs.pick(GATE_UP, _problem(), 64, cpu) == c[2]
+
+
+def _record_in_a_process(args):
+    folder, worker, n = args
+    from mok_inductor import options as opts
+    from mok_inductor.kernels import configs as cf
+
+    with opts.override(tables_dir=folder, autotune=True):
+        state = cf.tables_for(*H100)
+        fam = cf.FAMILIES["gate_up"]
+        for i in range(n):
+            cf.record(state, fam, _problem(E=2 + worker), 1 << i, fam.candidates[i % len(fam.candidates)])
+
+
+def test_searching_processes_side_by_side_keep_each_others_picks(tmp_path):
+    # four processes record picks into one user table at once: every pick is in the file at the end (the file's
+    # read-modify-write is under a lock)
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        pool.map(_record_in_a_process, [(str(tmp_path), w, 24) for w in range(4)])
+    table = configs.load(tmp_path / "nvidia-h100-80gb-hbm3.json")
+    for w in range(4):
+        assert sorted(table.get("gate_up", _problem(E=2 + w))) == [1 << i for i in range(24)]
 
 
 def test_user_table_overrides_the_shipped_pick_by_pick(tables):

@@ -427,7 +427,7 @@ def _experts_plan_at_trace_time(module_id: int) -> ExpertsPlan:
 
 
 def _experts_plan_outside_the_trace(module) -> ExpertsPlan:
-    """experts_plan under a tracer other than Dynamo (torch.export's default non-strict mode, make_fx): the
+    """experts_plan under a tracer other than Dynamo (torch.export's default non-strict mode): the
     probe runs on real tensors with the tracer's modes set aside (traced, its comparison would be a
     data-dependent branch the tracer cannot take), and nothing of it enters the traced graph."""
     from torch.utils._python_dispatch import _disable_current_modes

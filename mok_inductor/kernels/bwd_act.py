@@ -129,7 +129,7 @@ BWD_ACT = register(Family("bwd_act", _bwd_act_body, _BWD_ACT_CONFIGS, fields=_FI
                           pre_hook=_tma_hook))
 BWD_GEMM = register(Family("bwd_gemm", _bwd_act_body, _BWD_GEMM_CONFIGS, fields=_FIELDS, sizes=("H", "I", "E"),
                            outputs=_OUTPUTS, field_defaults={"MX": False}, interpret=_BWD_ACT_INTERPRET,
-                          pre_hook=_tma_hook))
+                           pre_hook=_tma_hook))
 
 
 @triton.jit

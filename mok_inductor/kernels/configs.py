@@ -112,13 +112,14 @@ class Family:
 
     @property
     def autotune_key(self) -> list:
-        """The kernel arguments `autotuned` searches per value of: the problem's sizes and variant flags, and the
-        MXFP8 operand flags (never the row count: one search a problem)."""
+        """The kernel arguments `autotuned`'s Triton autotuner searches per value of, where it runs as it is
+        (Inductor's max-autotune takes only its configs and benchmarks each launch of the graph itself): the
+        problem's sizes and variant flags, and the MXFP8 operand flags (never the row count)."""
         return [n for n in self.arg_names if n in self.fields or n.startswith("MX")]
 
     def autotuned(self):
-        """The kernel with every candidate as a `triton.autotune` config (for Inductor's max-autotune), searched
-        once per problem (`autotune_key`; the argument dtypes too, as Triton keys them)."""
+        """The kernel with every candidate as a `triton.autotune` config (for Inductor's max-autotune), keyed on
+        `autotune_key` (and the argument dtypes, as Triton keys them)."""
         if self._all is None:
             import triton
 
@@ -188,9 +189,12 @@ class Table:
         for name in sorted(self.entries):
             fields = FAMILIES[name].fields
             rows = []
+            defaults = FAMILIES[name].field_defaults
             for problem in sorted(self.entries[name], key=repr):
                 per = self.entries[name][problem]
-                rows.append({"problem": dict(zip(fields, problem)),
+                # (a field at its default is left out: tables stay readable by versions before the field)
+                raw = {f: v for f, v in zip(fields, problem) if f not in defaults or v != defaults[f]}
+                rows.append({"problem": raw,
                              "configs": {str(b): per[b].as_list() for b in sorted(per)}})
             out["families"][name] = rows
         return out
@@ -334,6 +338,7 @@ class _Tables:
     shipped: list
     autotune: bool
     picks: dict = dataclasses.field(default_factory=dict)
+    searched: set = dataclasses.field(default_factory=set)  # (family, problem, bucket) searched or in the user's
 
     def chain(self) -> list:
         return [self.user, *self.shipped]
@@ -411,12 +416,23 @@ def _experts(family: Family, problem: tuple) -> int:
     return problem[family.fields.index("E")] if "E" in family.fields else 1
 
 
+def _default_twin(family: Family, problem: tuple) -> Optional[tuple]:
+    """The problem with its defaulted fields at their defaults (MXFP8 K-loop launches: the bf16 weights' twin),
+    whose buckets stand in for those the problem has no pick of; None where they are at their defaults."""
+    if not family.field_defaults:
+        return None
+    twin = tuple(family.field_defaults.get(f, v) for f, v in zip(family.fields, problem))
+    return twin if twin != problem else None
+
+
 def lookup(state: _Tables, family: Family, problem: tuple, rows: int) -> tuple:
     """(tile, where it came from: "table", "nearest" or "default") for `rows` rows of `problem`, without search."""
     bkt = bucket(rows)
     per = {}
-    for table in reversed(state.chain()):  # (each bucket from the first table that holds it)
-        per.update(table.get(family.name, problem) or {})
+    twin = _default_twin(family, problem)
+    for prob in (twin, problem) if twin is not None else (problem,):  # (the problem's own buckets override)
+        for table in reversed(state.chain()):  # (each bucket from the first table that holds it)
+            per.update(table.get(family.name, prob) or {})
     if per:
         return per.get(bkt) or _nearest_bucket(per, bkt), "table"
     best, best_d = None, math.inf
@@ -450,19 +466,21 @@ def needs_search(family: Family, problem: tuple, rows: int, device: torch.device
         return None
     state = tables_for(*_device_facts(device))
     key = (family.name, problem, bucket(rows))
-    if key in state.picks:
+    if key in state.searched:  # (not `picks`: a compiled launch's table pick does not stand for a search)
         return None
     per = state.user.get(family.name, problem)
     if per and bucket(rows) in per:
         state.picks[key] = per[bucket(rows)]
+        state.searched.add(key)
         return None
     return state
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path):
-    """Holds an exclusive lock on `path`.lock between processes (where the OS has fcntl) while the table file's
-    read-modify-write runs, so two searching processes do not lose each other's picks."""
+def file_lock(path: Path):
+    """Holds an exclusive lock on `path`.lock between processes (where the OS has fcntl) while a table file's
+    read-modify-write runs (`record`, `tune.merge_into`), so processes writing side by side do not lose each
+    other's picks."""
     try:
         import fcntl
     except ImportError:  # (no fcntl: the write is still atomic, a concurrent pick can be lost)
@@ -484,12 +502,13 @@ def record(state: _Tables, family: Family, problem: tuple, rows: int, tile: Tile
     # (a key the table format cannot hold back, an int flag say, fails here, not when the file is next read)
     _problem_from_json(family, dict(zip(family.fields, problem)), f"{family.name} launch")
     state.picks[(family.name, problem, bkt)] = tile
-    with _lock, _file_lock(state.user_path):
-        if state.user_path.is_file():
-            state.user = load(state.user_path)
-        state.user.put(family.name, problem, bkt, tile)
-        state.user.device, state.user.capability = state.device, state.capability
-        save(state.user, state.user_path)
+    state.searched.add((family.name, problem, bkt))
+    with _lock, file_lock(state.user_path):
+        user = load(state.user_path) if state.user_path.is_file() else Table(source=str(state.user_path))
+        user.put(family.name, problem, bkt, tile)
+        user.device, user.capability = state.device, state.capability
+        save(user, state.user_path)
+        state.user = user  # (whole before it is seen: lookups on other threads read state.user)
 
 
 def time_candidates(family: Family, grid, args: list, kwargs: dict, timer: Callable) -> list:
