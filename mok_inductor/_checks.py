@@ -62,9 +62,13 @@ def stack_per_expert(name: str, w):
     return torch.stack(tuple(w))
 
 
-def require_dtype(name: str, t: torch.Tensor, dtypes) -> None:
+def require_dtype(name: str, t: torch.Tensor, dtypes, why: str = "") -> None:
     if t.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype {_fmt_dtypes(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
+        raise TypeError(f"{name}: expected dtype {_fmt_dtypes(dtypes)}{why}, got {str(t.dtype).replace('torch.', '')}")
+
+
+# (a weight's dtype must be x's: the message says how to get there)
+_AS_X = " (x's dtype: cast the weights, or run under torch.autocast, which casts both)"
 
 
 def require_dim(name: str, t: torch.Tensor, dim: int, what: str) -> None:
@@ -165,7 +169,7 @@ def check_moe_args(
     require_shape("top_experts", top_experts, (T, K), "(router_weights' shape [T, K]: the two must match)")
 
     require_tensor("gate_up_proj", gate_up_proj)
-    require_dtype("gate_up_proj", gate_up_proj, (x.dtype,))
+    require_dtype("gate_up_proj", gate_up_proj, (x.dtype,), _AS_X)
     if gate_up_proj.dim() == 4:  # [E, 2, I, H] (index 0 gate rows, 1 up rows; any strides: GPT-OSS's layout)
         if gate_up_proj.shape[1] != 2:
             raise ValueError(f"gate_up_proj: expected a 4-D FC1 of shape [E, 2, I, H] (gate rows, up rows), got "
@@ -185,7 +189,7 @@ def check_moe_args(
     I = two_i // 2
 
     require_tensor("down_proj", down_proj)
-    require_dtype("down_proj", down_proj, (x.dtype,))
+    require_dtype("down_proj", down_proj, (x.dtype,), _AS_X)
     require_device("down_proj", down_proj, device)
     require_shape("down_proj", down_proj, (E, H, I), "[E, H, I] (matching gate_up_proj [E, 2*I, H])")
 
@@ -196,7 +200,7 @@ def check_moe_args(
         missing = "shared_down_proj" if shared_down_proj is None else "shared_gate_up_proj"
         raise ValueError(f"{missing}: the shared expert needs both shared_gate_up_proj and shared_down_proj")
     if shared_gate_up_proj is not None:
-        require_dtype("shared_gate_up_proj", shared_gate_up_proj, (x.dtype,))
+        require_dtype("shared_gate_up_proj", shared_gate_up_proj, (x.dtype,), _AS_X)
         require_dim("shared_gate_up_proj", shared_gate_up_proj, 2, "[2*Is, H]")
         require_device("shared_gate_up_proj", shared_gate_up_proj, device)
         two_is, hs = shared_gate_up_proj.shape
@@ -205,7 +209,7 @@ def check_moe_args(
                 f"shared_gate_up_proj: expected shape [2*Is, {H}] with an even first dim, got "
                 f"{_shape(shared_gate_up_proj)}"
             )
-        require_dtype("shared_down_proj", shared_down_proj, (x.dtype,))
+        require_dtype("shared_down_proj", shared_down_proj, (x.dtype,), _AS_X)
         require_device("shared_down_proj", shared_down_proj, device)
         require_shape(
             "shared_down_proj", shared_down_proj, (H, two_is // 2), "[H, Is] (matching shared_gate_up_proj [2*Is, H])"
@@ -213,7 +217,7 @@ def check_moe_args(
     if shared_output_gate is not None:
         if shared_gate_up_proj is None:
             raise ValueError("shared_output_gate: given without a shared expert (shared_gate_up_proj is None)")
-        require_dtype("shared_output_gate", shared_output_gate, (x.dtype,))
+        require_dtype("shared_output_gate", shared_output_gate, (x.dtype,), _AS_X)
         require_device("shared_output_gate", shared_output_gate, device)
         require_shape("shared_output_gate", shared_output_gate, (1, H), "[1, H]")
     check_swiglu_limit(swiglu_limit)
@@ -229,7 +233,7 @@ def check_variant(x, gate_up_proj, down_proj, shared_gate_up_proj, gate_up_bias,
         if b is None:
             continue
         require_tensor(name, b)
-        require_dtype(name, b, (x.dtype,))
+        require_dtype(name, b, (x.dtype,), _AS_X)
         require_device(name, b, x.device)
         if shared_gate_up_proj is not None:
             raise ValueError(f"{name}: routed biases are not supported with a shared expert (shared_gate_up_proj)")

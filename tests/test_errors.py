@@ -146,26 +146,26 @@ class TestBadInput(expecttest.TestCase):
     def test_gate_up_proj_dtype_differs_from_x(self):
         self.assertExpectedInline(
             self.bad(TypeError, "gate_up_proj", gate_up_proj=_good()["gate_up_proj"].bfloat16()),
-            """gate_up_proj: expected dtype float32, got bfloat16""")
+            """gate_up_proj: expected dtype float32 (x's dtype: cast the weights, or run under torch.autocast, which casts both), got bfloat16""")
 
     def test_down_proj_dtype_differs_from_x(self):
         self.assertExpectedInline(self.bad(TypeError, "down_proj", down_proj=_good()["down_proj"].half()),
-            """down_proj: expected dtype float32, got float16""")
+            """down_proj: expected dtype float32 (x's dtype: cast the weights, or run under torch.autocast, which casts both), got float16""")
 
     def test_shared_gate_up_proj_dtype(self):
         self.assertExpectedInline(
             self.bad(TypeError, "shared_gate_up_proj", shared_gate_up_proj=_good()["shared_gate_up_proj"].bfloat16()),
-            """shared_gate_up_proj: expected dtype float32, got bfloat16""")
+            """shared_gate_up_proj: expected dtype float32 (x's dtype: cast the weights, or run under torch.autocast, which casts both), got bfloat16""")
 
     def test_shared_down_proj_dtype(self):
         self.assertExpectedInline(
             self.bad(TypeError, "shared_down_proj", shared_down_proj=_good()["shared_down_proj"].bfloat16()),
-            """shared_down_proj: expected dtype float32, got bfloat16""")
+            """shared_down_proj: expected dtype float32 (x's dtype: cast the weights, or run under torch.autocast, which casts both), got bfloat16""")
 
     def test_shared_output_gate_dtype(self):
         self.assertExpectedInline(
             self.bad(TypeError, "shared_output_gate", shared_output_gate=_good()["shared_output_gate"].bfloat16()),
-            """shared_output_gate: expected dtype float32, got bfloat16""")
+            """shared_output_gate: expected dtype float32 (x's dtype: cast the weights, or run under torch.autocast, which casts both), got bfloat16""")
 
     # ---- rank and shape
 
