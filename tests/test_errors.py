@@ -553,6 +553,25 @@ def test_triton_backend_on_cpu_tensors_without_the_interpreter(monkeypatch):
     assert _call(kw).shape == kw["x"].shape
 
 
+@pytest.mark.parametrize("bad", [3, -2])
+@pytest.mark.parametrize("grad", [False, True])
+def test_bad_expert_id_through_the_triton_kernels_on_cpu_tensors_is_the_cpu_value_error(bad, grad):
+    # the interpreter's kernels (schedule, decode forward) flag the id on CPU tensors: read at once, the
+    # contract's ValueError with the value, as on the CPU path (not the device assert's RuntimeError)
+    from mok_inductor import options
+
+    if not options.INTERPRET:
+        pytest.skip("a CUDA machine: the Triton backend refuses CPU tensors there (the interpreter is off)")
+    kw = _good()
+    kw["top_experts"] = kw["top_experts"].clone()
+    kw["top_experts"][2, 1] = bad
+    kw["x"] = kw["x"].detach().requires_grad_(grad)
+    with options.override(backend="triton", decode_max_routes=16 if not grad else 0), \
+            pytest.raises(ValueError, match=rf"^top_experts: expected expert indices in \[-1, 3\) \(-1 means no "
+                                            rf"route\), found {bad}$"):
+        _call(kw)
+
+
 @pytest.mark.parametrize("opts", ["reference", 42, ["backend"]])
 def test_options_of_another_kind_name_the_argument(opts):
     with pytest.raises(TypeError, match=r"^options: expected an Options or a dict of option changes, got "):

@@ -168,10 +168,10 @@ def test_schedule_empty_tokens():
 
 
 def test_schedule_rejects_bad_ids():
-    """Ids outside [-1, E) are rejected: under the interpreter (CPU) at once; on CUDA by a device-side assert,
-    which poisons the CUDA context, so that case runs in its own process."""
+    """Ids outside [-1, E) are rejected: under the interpreter (CPU) at once, with the CPU path's ValueError and the
+    value; on CUDA by a device-side assert, which poisons the CUDA context, so that case runs in its own process."""
     if DEV == "cpu":
-        with pytest.raises(RuntimeError):
+        with pytest.raises(ValueError, match=r"\[-1, 3\) \(-1 means no route\), found -2$"):
             kernels.build_schedule(torch.tensor([[0, -2]]), 3)
         # two launches (the scatter folds the chunks' counts of bad ids): 128 routes a chunk, the bad id in the
         # second of 3 (2 filled, 1 empty)
@@ -179,7 +179,7 @@ def test_schedule_rejects_bad_ids():
         te = torch.randint(-1, 120, (96, 2), generator=g)
         kernels.build_schedule(te, 120)
         te[70, 0] = 120
-        with pytest.raises(RuntimeError):
+        with pytest.raises(ValueError, match=r"found 120$"):
             kernels.build_schedule(te, 120)
         # E = 255: 64 routes per chunk, 71 chunks, more than the 64 the prefix kernel folds per step; the bad
         # id sits in the last filled chunk, the rest pass
@@ -187,7 +187,7 @@ def test_schedule_rejects_bad_ids():
         te = torch.randint(-1, 255, (2240, 2), generator=g)
         kernels.build_schedule(te, 255)
         te[-1, 1] = 255
-        with pytest.raises(RuntimeError):
+        with pytest.raises(ValueError, match=r"found 255$"):
             kernels.build_schedule(te, 255)
         return
     import subprocess
@@ -830,6 +830,9 @@ def test_decode_forward_checks_expert_ids():
         assert proc.returncode != 0, proc.stdout
         assert "decode forward ran" in proc.stderr and "the schedule ran" not in proc.stderr, proc.stderr[-2000:]
         assert "top_experts: expected expert indices in [-1, 4)" in proc.stderr, proc.stderr[-2000:]
+        if DEV == "cpu":  # the interpreter's flag is read at once: the contract's ValueError with the value
+            assert f"ValueError: top_experts: expected expert indices in [-1, 4) (-1 means no route), found {bad}" \
+                in proc.stderr, proc.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------

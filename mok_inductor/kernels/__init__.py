@@ -58,7 +58,6 @@ from __future__ import annotations
 import torch
 
 from .. import options
-from .. import _checks
 from ..types import (BackwardResult, ForwardResult, GradBuffers, Operand, RoutedOperands, shared_saved_dtype,
                      split_gate_up)
 
@@ -206,7 +205,7 @@ def decode_forward(x_TH, router_weights_TK, top_experts_TK, gate_up, down, s_gat
     y_TH = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
     ok = gemv.gemv_routes(x_TH, te_N, flat(router_weights_TK), gate, up, down, y_TH, swiglu_limit, act=act,
                           gate_up_bias=gate_up_bias, down_bias=down_bias, s_TH=s_TH, logit_T=logit_T)
-    torch._assert_async(ok, _checks.expert_ids_message(gate.shape[0]))
+    common.assert_expert_ids(ok, top_experts_TK, gate.shape[0])
     return y_TH
 
 

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _checks
 from ..options import INTERPRET
 from ..types import clip_bounds
 from . import configs
@@ -47,6 +48,17 @@ def traced(args) -> bool:
     if torch._C._get_dispatch_mode(key.FUNCTIONAL) is not None or torch._C._get_dispatch_mode(key.FAKE) is not None:
         return True
     return any(isinstance(a, (FakeTensor, FunctionalTensor)) for a in args)
+
+
+def assert_expert_ids(ok: torch.Tensor, top_experts: torch.Tensor, num_experts: int) -> None:
+    """The kernels' expert-id check (`ok`: 0 where an id is outside [-1, E)). On the device an asynchronous
+    assert (no host synchronisation); on CPU tensors (the interpreter) read at once, so the call raises the
+    contract's ValueError with the offending value, as the CPU path does."""
+    if ok.device.type == "cpu" and not traced((ok,)):
+        if not bool(ok):
+            _checks.check_expert_ids_eager(top_experts, num_experts)
+        return
+    torch._assert_async(ok, _checks.expert_ids_message(num_experts))
 
 
 def without_pointers(tensors) -> bool:

@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from . import common
-from .. import _checks
 from ..types import Schedule
 
 
@@ -175,14 +174,14 @@ def build_schedule(top_experts_TK: torch.Tensor, num_experts: int, *,
     if fused:
         common.launch(_schedule_scatter_kernel, (C,), te_N, None, None, counts_CG, bad_C, sorted_N, slots_N,
                        start_G, ok, N, E, C, G_POW2=g_pow2, BLOCK=block, FUSED=True, C_POW2=common.next_pow2(C))
-        torch._assert_async(ok, _checks.expert_ids_message(E))
+        common.assert_expert_ids(ok, top_experts_TK, E)
         return Schedule(sorted_N, start_G, slots_N)
     base_CG = torch.empty(C, G, dtype=torch.int32, device=dev)
     totals_G = torch.empty(G, dtype=torch.int32, device=dev)
     block_g = 16 if not common.INTERPRET else min(16, g_pow2)
     common.launch(_schedule_prefix_kernel, (common.cdiv(G, block_g),), counts_CG, base_CG, totals_G, bad_C, ok,
                    C, G, BLOCK_C=64, BLOCK_G=block_g)
-    torch._assert_async(ok, _checks.expert_ids_message(E))
+    common.assert_expert_ids(ok, top_experts_TK, E)
     common.launch(_schedule_scatter_kernel, (C,), te_N, base_CG, totals_G, None, None, sorted_N, slots_N, start_G,
                    ok, N, E, C, G_POW2=g_pow2, BLOCK=block, FUSED=False, C_POW2=1)
     return Schedule(sorted_N, start_G, slots_N)
