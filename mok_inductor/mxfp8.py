@@ -396,9 +396,10 @@ def is_quantized_arg(w) -> bool:
 
 
 def _carries_derivative(t: torch.Tensor) -> bool:
-    """Whether a derivative flows from t: it requires grad (backward), or it has a forward-mode tangent
-    (torch.func.jvp, jacfwd, forward_ad dual tensors)."""
-    return t.requires_grad or unpack_dual(t).tangent is not None
+    """Whether a derivative flows from t: it requires grad with grad mode on (backward; under no_grad or
+    inference_mode a float32 master of bf16 activations is not needed, so not checked), or it has a
+    forward-mode tangent (torch.func.jvp, jacfwd, forward_ad dual tensors)."""
+    return (t.requires_grad and torch.is_grad_enabled()) or unpack_dual(t).tangent is not None
 
 
 def _live_master(m):
@@ -440,7 +441,7 @@ def op_args(name: str, w) -> tuple:
 
     master = None
     masters = [q.master for q in w] if all(has) else []
-    if any(m.requires_grad for m in masters):
+    if torch.is_grad_enabled() and any(m.requires_grad for m in masters):
         master = _StackedMasters.apply(*masters)
     elif any(_carries_derivative(m) for m in masters):  # forward mode only: the tangents need a real tensor
         master = torch.stack(masters)

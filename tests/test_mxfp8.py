@@ -411,6 +411,25 @@ def test_no_master_no_weight_gradient_and_no_grad_needs_no_columnwise(device):
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_float32_masters_are_not_needed_without_grad(device, mode):
+    # weights quantized from float32 parameters keep them as masters; a call that computes no gradient (bf16 x)
+    # does not need them, so their dtype is not checked: the result is the masterless call's
+    p = _problem(torch.bfloat16, device)
+    gu32 = torch.nn.Parameter(p["gu"].float())
+    d32 = torch.nn.Parameter(p["d"].float())
+    q1, q2 = mxfp8.quantize(gu32), mxfp8.quantize(d32)
+    assert q1.master is gu32 and q2.master is d32
+    ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with ctx:
+        got = mok_inductor.moe(p["x"], p["rw"], p["te"], q1, q2)
+        want = mok_inductor.moe(p["x"], p["rw"], p["te"], mxfp8.quantize(gu32.detach()), mxfp8.quantize(d32.detach()))
+    assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="^gate_up_proj: the master weight must have the dtype of x"):
+        mok_inductor.moe(p["x"], p["rw"], p["te"], q1, q2)  # with grad mode on the master is needed
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_matches_reference_at_a_larger_shape_on_cuda():
     torch.manual_seed(0)
