@@ -206,12 +206,7 @@ def plan(top_experts: torch.Tensor, num_local_experts: int, group, *, hidden_siz
 def _check_exchanged(mine, received, rank: int, E: int) -> None:
     """Raise the same kind of error on every rank when any rank's arguments disagree or are out of range."""
     _, K, H, El, lo, hi, code, act, limit_bits = mine
-    if lo < -1 or hi >= E:
-        bad = lo if lo < -1 else hi
-        raise ValueError(
-            f"top_experts: expected global expert indices in [-1, {E}) (-1 means no route; E = {El} local experts "
-            f"x {len(received)} ranks), found {bad}"
-        )
+    # agreement first: with another rank's expert count, E (and the id range) differs between ranks
     for j, (_, Kj, Hj, Elj, loj, hij, codej, actj, limit_bitsj) in enumerate(received):
         if (Kj, Hj, Elj, codej) != (K, H, El, code):
             raise ValueError(
@@ -223,6 +218,13 @@ def _check_exchanged(mine, received, rank: int, E: int) -> None:
                 f"group: the ranks disagree on what the experts compute (activation, swiglu_limit, routed biases): "
                 f"rank {rank} has {_variant_text(act, limit_bits)}, rank {j} has {_variant_text(actj, limit_bitsj)}"
             )
+    if lo < -1 or hi >= E:
+        bad = lo if lo < -1 else hi
+        raise ValueError(
+            f"top_experts: expected global expert indices in [-1, {E}) (-1 means no route; E = {El} local experts "
+            f"x {len(received)} ranks), found {bad}"
+        )
+    for j, (_, _, _, _, loj, hij, _, _, _) in enumerate(received):
         if loj < -1 or hij >= E:
             raise ValueError(
                 f"top_experts: rank {j} of the expert-parallel group passed expert indices outside [-1, {E})"
@@ -292,7 +294,9 @@ def forward(p: EPPlan, x: torch.Tensor, router_weights: torch.Tensor, w_gate, w_
     [E_local, H]: the local experts' optional biases, applied where the experts run (`ops.forward`)."""
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     x_SH = x[p.token_S]
-    rw_f = router_weights.to(torch.promote_types(router_weights.dtype, torch.float32))
+    # float32 whatever each rank passed (as the one-device call reads them): ranks passing different dtypes
+    # exchange rows of one size (float64 on one rank beside float32 on another broke the all_to_all)
+    rw_f = router_weights.to(torch.float32)
     rw_SK = torch.where(p.local_mask_SK, rw_f[p.token_S], torch.zeros((), dtype=rw_f.dtype, device=x.device))
     x_RH = _all_to_all(x_SH, p.send_splits, p.recv_splits, p.group)
     rw_RK = _all_to_all(rw_SK, p.send_splits, p.recv_splits, p.group)

@@ -232,6 +232,13 @@ def case_errors_on_every_rank(rank, world, seed):
     with pytest.raises(ValueError, match="^group: the ranks disagree on"):
         mok_inductor.moe(mine.x, mine.router_weights, mine.top_experts.clamp(max=p["El"] - 1), gu, dn,
                          group=dist.group.WORLD)
+    # ids valid on the rank with more experts but out of the others' range: every rank names the disagreement
+    # (not the ids, which only look out of range because the expert counts differ)
+    te = mine.top_experts.clone()
+    if rank == 0:
+        te[0, 0] = E  # < 2E: in range for rank 0's doubled experts
+    with pytest.raises(ValueError, match="^group: the ranks disagree on"):
+        mok_inductor.moe(mine.x, mine.router_weights, te, gu, dn, group=dist.group.WORLD)
     # what the experts compute must agree too: the activation, the clamp, the biases' presence
     for kw in (dict(activation="gpt_oss" if rank == 0 else "swiglu"), dict(swiglu_limit=7.0 if rank else 6.0),
                dict(down_bias=torch.zeros(p["El"], H) if rank == world - 1 else None)):
@@ -457,6 +464,21 @@ def _functional_case(rank, world, seed, *, layout, main_grads, dtype=torch.float
         check("d routed down", torch.stack(list(d_rd)), g_ref["down_proj"][loc])
         check("d shared fc1", _sum_over_ranks(torch.cat([d_sg, d_su])), g_ref["shared_gate_up_proj"])
         check("d shared gate", _sum_over_ranks(d_sog), g_ref["shared_output_gate"])
+
+
+def case_router_weight_dtypes_may_differ_between_ranks(rank, world, seed):
+    """Router weights are read as float32 on every rank (as the one-device call reads them): rank 0 passing
+    float64 beside the others' float32 gives the all-float32 result, bitwise (the exchange used to carry each
+    rank's own dtype, and rows of two sizes aborted the group), and its gradient in float64."""
+    p = _problem(world, seed)
+    mine, dy = _rank_case(p, rank)
+    args = (mine.gate_up_proj, mine.down_proj)
+    want = mok_inductor.moe(mine.x, mine.router_weights, mine.top_experts, *args, group=dist.group.WORLD)
+    rw = (mine.router_weights.double() if rank == 0 else mine.router_weights).clone().requires_grad_(True)
+    got = mok_inductor.moe(mine.x, rw, mine.top_experts, *args, group=dist.group.WORLD)
+    assert torch.equal(got, want)
+    got.backward(dy)
+    assert rw.grad.dtype == rw.dtype and torch.isfinite(rw.grad).all()
 
 
 def case_workspace_does_not_keep_its_group(rank, world, seed):
@@ -690,7 +712,7 @@ SUITES = {
              case_all_tokens_empty, case_matches_one_device_and_is_deterministic, case_errors_on_every_rank,
              case_gpt_oss, case_gpt_oss_bf16_hf_views, case_swiglu_biases_empty_rank, case_gpt_oss_shared_expert,
              case_gpt_oss_autocast, case_functional_dense, case_functional_main_grads, case_functional_split,
-             case_workspace_does_not_keep_its_group],
+             case_router_weight_dtypes_may_differ_between_ranks, case_workspace_does_not_keep_its_group],
     "api4": [case_balanced_limit, case_all_to_rank0, case_empty_rank, case_minus_one_routes, case_bf16,
              case_matches_one_device_and_is_deterministic, case_errors_on_every_rank, case_gpt_oss,
              case_swiglu_biases_empty_rank, case_functional_main_grads, case_functional_split],

@@ -1045,6 +1045,35 @@ def test_prepare_stores_plans_that_compiled_code_reads(monkeypatch):
     torch.testing.assert_close(got, model(ids).logits, rtol=0, atol=0)
 
 
+def test_shard_experts_refuses_a_model_not_on_mok_and_a_second_call():
+    """shard_experts on a model whose experts run another implementation would shard weights that nothing sends
+    tokens for (its forward then failed deep inside transformers), and a second call would shard the shards: both
+    are errors naming the module (a one-rank gloo group)."""
+    import torch.distributed as dist
+    from _helpers import init_gloo
+
+    owned = not dist.is_initialized()
+    if owned:
+        init_gloo()
+    try:
+        model = _tiny_qwen3_moe()
+        model.set_experts_implementation("eager")
+        with pytest.raises(ValueError, match=r'^model\.layers\.0\.mlp\.experts: its experts run '
+                                             r'experts_implementation="eager"; shard_experts needs "mok"'):
+            hf.shard_experts(model, dist.group.WORLD)
+        model.set_experts_implementation("mok")
+        assert len(hf.shard_experts(model, dist.group.WORLD)) == 4
+        with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.experts: its experts are sharded already"):
+            hf.shard_experts(model, dist.group.WORLD)
+    finally:
+        model = None  # (the sharded experts hold the group: freed before it is destroyed)
+        import gc
+
+        gc.collect()
+        if owned:
+            dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_export_without_prepare_decides_the_plan_and_holds_the_op(strict):
     """torch.export of a fresh "mok" model (no eager call, no prepare()): the plan is decided outside the trace

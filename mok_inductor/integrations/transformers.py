@@ -545,12 +545,19 @@ def shard_experts(model: torch.nn.Module, group) -> list:
     for mname, module in model.named_modules():
         if not (hasattr(module, "down_proj") and hasattr(module, "has_bias")):
             continue
+        where = mname or "model"
+        impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        if impl is not None and impl != "mok":  # (only the "mok" experts function sends tokens to other ranks)
+            raise ValueError(f'{where}: its experts run experts_implementation="{impl}"; shard_experts needs "mok" '
+                             '(model.set_experts_implementation("mok") first)')
+        if getattr(module, _EP_GROUP_ATTR, None) is not None:
+            raise ValueError(f"{where}: its experts are sharded already (shard_experts was called on this model)")
         plan = experts_plan(module)
         if not plan.supported:
-            raise ValueError(f"model.{mname}: MoK cannot run these experts ({plan.reason}), so they cannot be sharded")
+            raise ValueError(f"{where}: MoK cannot run these experts ({plan.reason}), so they cannot be sharded")
         E = module.gate_up_proj.shape[0]
         if E % W != 0:
-            raise ValueError(f"model.{mname}: {E} experts do not split over {W} ranks")
+            raise ValueError(f"{where}: {E} experts do not split over {W} ranks")
         el = E // W
         # the experts' biases (GPT-OSS) are per expert like the weights: sharded the same way
         pnames = ("gate_up_proj", "down_proj") + (("gate_up_proj_bias", "down_proj_bias")
