@@ -1068,6 +1068,10 @@ def backward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, 
     slots). With `main_grads`, they are ADDED into the six buffers and the buffers are returned.
     `shared_output_gate_main_grad` ([1, H], float32/bfloat16) likewise receives the gate's gradient.
     Every argument is validated before anything is written.
+
+    MXFP8 `routed_down`: a 2-tuple here IS the column-wise (data_t [E, I, H], scale_t) pair, as MoK's bridge
+    passes it; the forward's row-wise (data, scale) passed by mistake is caught by its shape only where H != I
+    (with H == I it runs, with wrong gradients): an `MXFP8Weight` or a 4-tuple cannot be misread.
     """
     routed_gate, routed_up, routed_down = _canonical_routed(routed_gate, routed_up, routed_down)
     mx, (routed_gate, routed_up, routed_down) = _mxfp8_routed(x, routed_gate, routed_up, routed_down, backward=True)
