@@ -137,6 +137,8 @@ def main():
     a = p.parse_args()
     if a.check:
         sys.exit(0 if check() else 1)
+    if not torch.cuda.is_available():
+        p.error("the timings need a CUDA GPU; without one, --check compares the outputs under the interpreter")
     os.makedirs(a.out, exist_ok=True)
     log = bench_moe.tee_log(a.out, "decode.log", "w")
     rows = run(a.shapes.split(","), [int(t) for t in a.tokens.split(",")], a.contenders.split(","), log)

@@ -122,6 +122,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     a = p.parse_args()
+    if not a.check and not torch.cuda.is_available():
+        p.error("the timings need a CUDA GPU; without one, --check runs the checks at a tiny shape")
 
     if a.check:
         module, x, te, rw = experts_module(16, 64, 32, 4, 2, device="cpu")

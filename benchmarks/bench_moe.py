@@ -548,6 +548,8 @@ def main():
     p.add_argument("--iters", type=int, default=20, help="with --rounds: at least this many iterations a round")
     p.add_argument("--check", action="store_true", help="CPU smoke run of the contenders at a tiny shape")
     args = p.parse_args()
+    if not args.check and not torch.cuda.is_available():
+        p.error("the timings need a CUDA GPU; without one, --check runs the contenders at a tiny shape")
     if args.modes is not None and not args.rounds:
         p.error("--modes applies to --rounds only (the one-pass table times fwd and fwd+bwd)")
     modes = (args.modes or "fwd+bwd").split(",")  # (names checked by `interleaved`)
