@@ -235,6 +235,8 @@ def main():
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
+    if not args.tiny and not torch.cuda.is_available():
+        p.error("the model-sized shapes need CUDA GPUs; without them, --tiny runs the CPU smoke shape over gloo")
     cuda = torch.cuda.is_available() and not args.tiny
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -233,6 +233,8 @@ def main():
     p.add_argument("--child-timeout", type=int, default=900)
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.device == "cpu" and not a.child and not a.tiny:
+        p.error("the model-sized run on the CPU: the timings need a CUDA GPU (--tiny is the CPU smoke run)")
     a.lengths = [int(x) for x in a.lengths.split(",")]
     if a.child:
         return child(a)

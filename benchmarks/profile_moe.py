@@ -210,6 +210,8 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
+    if a.device == "cpu" and set(a.shapes.split(",")) - set(SMOKE_SHAPES):
+        p.error("model-sized shapes on the CPU: the timings need a CUDA GPU (--shapes tiny is the CPU smoke run)")
     changes = parse_options(a.options)
     shapes = {**SHAPES, **SMOKE_SHAPES}
     meta = dict(device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", torch=torch.__version__,

@@ -260,6 +260,8 @@ def main():
     p.add_argument("--warm-t", type=int, help=argparse.SUPPRESS)
     p.add_argument("--target-t", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.device == "cpu" and not a.child and not a.report and set(a.shapes.split(",")) - {"tiny"}:
+        p.error("model-sized shapes on the CPU: the timings need a CUDA GPU (--shapes tiny is the CPU smoke run)")
     if a.child:
         return child(a)
     if a.report:
