@@ -207,7 +207,7 @@ def _check_exchanged(mine, received, rank: int, E: int) -> None:
     """Raise the same kind of error on every rank when any rank's arguments disagree or are out of range."""
     _, K, H, El, lo, hi, code, act, limit_bits = mine
     # agreement first: with another rank's expert count, E (and the id range) differs between ranks
-    for j, (_, Kj, Hj, Elj, loj, hij, codej, actj, limit_bitsj) in enumerate(received):
+    for j, (_, Kj, Hj, Elj, _, _, codej, actj, limit_bitsj) in enumerate(received):
         if (Kj, Hj, Elj, codej) != (K, H, El, code):
             raise ValueError(
                 f"group: the ranks disagree on (topk, hidden size, local experts, x dtype): rank {rank} has "

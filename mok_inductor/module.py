@@ -205,7 +205,8 @@ class MoE(nn.Module):
         w = self.experts.gate_up_proj
         # under autocast the router's Linear and the op cast x and the weights to the autocast dtype themselves
         # (the float dtypes autocast casts: not float64)
-        if x.dtype != w.dtype and (not torch.is_autocast_enabled(x.device.type) or x.dtype not in _checks.FLOAT_DTYPES):
+        autocast = torch.is_autocast_enabled(x.device.type) and x.dtype in _checks.FLOAT_DTYPES
+        if x.dtype != w.dtype and not autocast:
             raise TypeError(f"x: expected dtype {str(w.dtype)[6:]} (the module's parameters'), got {str(x.dtype)[6:]}")
         if x.device != w.device:
             raise ValueError(f"x: expected a tensor on {w.device} (the module's parameters'), got one on {x.device}")

@@ -165,7 +165,7 @@ def gemv_routes(x_TH, te_N, rw_N, gate, up, down, out_TH, limit, *, act=None, ga
     """out_TH = the routed experts' sum (+ the shared expert's s_TH, gated by sigmoid(logit_T)) of T tokens
     with K = N / T routes each: gate, up read as [E, I, H], down as [E, H, I] (plain tensors, x.dtype); the
     optional biases [E, 2, I], [E, H]; at least one route. Returns the ids' check flag (int32 [1]) for
-    torch._assert_async."""
+    `common.assert_expert_ids`."""
     T, H = x_TH.shape
     N = te_N.numel()
     E, I, _ = gate.shape
