@@ -244,6 +244,12 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     sizes = [int(s) for s in args.sizes.split(",") if s] or [n for n in (1, 2, 4, 8, 16, 32) if n <= world]
+    if not all(1 <= n <= world for n in sizes):
+        if rank == 0:
+            print(f"bench_ep.py: error: --sizes {args.sizes}: group sizes run from 1 to the world size, {world}",
+                  file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     log(f"bench_ep: world {world}, {'nccl, ' + torch.cuda.get_device_name() if cuda else 'gloo, CPU'}, "
         f"torch {torch.__version__}, group sizes {sizes}")
@@ -281,4 +287,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

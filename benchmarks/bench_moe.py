@@ -548,6 +548,9 @@ def main():
     p.add_argument("--iters", type=int, default=20, help="with --rounds: at least this many iterations a round")
     p.add_argument("--check", action="store_true", help="CPU smoke run of the contenders at a tiny shape")
     args = p.parse_args()
+    unknown = [c for c in args.contenders.split(",") if c not in CONTENDERS]
+    if unknown:
+        p.error(f"unknown contender(s) {unknown}: {', '.join(CONTENDERS)}")
     if not args.check and not torch.cuda.is_available():
         p.error("the timings need a CUDA GPU; without one, --check runs the contenders at a tiny shape")
     if args.modes is not None and not args.rounds:
@@ -560,9 +563,14 @@ def main():
     # compiled graphs need it to inline mok's Triton kernels; the graph pass it also installs leaves the
     # grouped_mm contenders as they are (their gate/up halves are slices, not one chunk)
     mok_inductor.enable()
-    if args.check:
-        check(["mok", "mok_pointer_loads", "mok_compiled", "mok_compiled_dynamic", "mok_mxfp8", "grouped_mm",
-               "grouped_mm_compiled", "eager"])
+    if args.check:  # every contender unless --contenders names some
+        named = "--contenders" in sys.argv or any(a.startswith("--contenders=") for a in sys.argv)
+        cpu = ["mok", "mok_pointer_loads", "mok_compiled", "mok_compiled_dynamic", "mok_mxfp8", "grouped_mm",
+               "grouped_mm_compiled", "eager"]  # (the CUDA-graph contenders need a GPU)
+        picked = args.contenders.split(",") if named else cpu
+        if set(picked) - set(cpu):
+            p.error(f"--check runs {', '.join(cpu)}; not {sorted(set(picked) - set(cpu))}")
+        check(picked)
         return
     log = tee_log(args.out, "bench.log")
 
