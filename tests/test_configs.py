@@ -66,13 +66,86 @@ def test_table_name_of_gpu_names():
 
 
 def test_every_family_is_registered_with_valid_candidates():
-    names = {"gate_up", "gate_up_mx", "grouped_rows", "grouped_rows_mx", "bwd_act", "bwd_gemm", "wgrad"}
+    names = {"gate_up", "gate_up_mx", "grouped_rows", "grouped_rows_mx", "bwd_act", "bwd_gemm", "wgrad",
+             "gate_up_stage"}
     assert set(configs.FAMILIES) == names
     for fam in configs.FAMILIES.values():
         assert len(set(fam.candidates)) == len(fam.candidates) > 1
-        assert all(math.log2(v).is_integer() for t in fam.candidates for v in (t.block_m, t.block_n, t.block_k))
         assert fam.fields[0] == "dtype" and "E" in fam.sizes
+        if fam.is_stage:
+            assert fam.interpret == fam.candidates[0] and all(t.name for t in fam.candidates) and not fam.outputs
+            continue
+        assert all(math.log2(v).is_integer() for t in fam.candidates for v in (t.block_m, t.block_n, t.block_k))
         assert all(n in fam.arg_names for n in fam.outputs)
+        assert not any(t.name for t in fam.candidates)
+
+
+def test_stage_picks_round_trip_and_answer_only_their_own_problem(tables, tmp_path):
+    # a stage family's picks are names in the file; a problem without its own picks runs the fused way (a stage
+    # measured faster at one shape says nothing of a shape near it), and a name the stage does not know is an error
+    user, shipped = tables
+    fam = configs.FAMILIES["gate_up_stage"]
+    fused, gmm = fam.candidates
+    mixtral = ("bfloat16", 4096, 14336, 8)
+    path = _write(shipped / "nvidia-h100-80gb-hbm3.json", _table(*H100, [("gate_up_stage", mixtral, {4096: gmm, 64: fused})]))
+    assert '"4096": "grouped_mm"' in configs.dumps(configs.load(path))
+    assert configs.load(path).get("gate_up_stage", mixtral) == {4096: gmm, 64: fused}
+    state = configs.tables_for(*H100)
+    assert configs.lookup(state, fam, mixtral, 8192) == (gmm, "table")
+    assert configs.lookup(state, fam, mixtral, 100) == (fused, "table")
+    assert configs.lookup(state, fam, ("bfloat16", 4096, 14336, 16), 8192) == (fused, "default")
+    bad = json.loads(path.read_text())
+    bad["families"]["gate_up_stage"][0]["configs"]["64"] = "cublas"
+    with pytest.raises(configs.TableError, match="not a way the gate_up_stage stage runs"):
+        configs.parse(bad)
+    bad["families"]["gate_up_stage"][0]["configs"]["64"] = [128, 128, 64, 8, 3]
+    with pytest.raises(configs.TableError, match="not a way"):
+        configs.parse(bad)
+    tile = json.loads(path.read_text())
+    tile["families"]["gate_up"] = [{"problem": dict(zip(GATE_UP.fields, _problem())), "configs": {"64": "grouped_mm"}}]
+    with pytest.raises(configs.TableError, match="a config is"):
+        configs.parse(tile)
+
+
+def test_stage_search_times_each_way_that_can_run_and_records_the_fastest(tables, monkeypatch):
+    user, _ = tables
+    monkeypatch.setattr(configs, "INTERPRET", False)
+    monkeypatch.setattr(configs, "_device_facts", lambda dev: H100)
+    fam = configs.FAMILIES["gate_up_stage"]
+    prob = ("bfloat16", 4096, 14336, 8)
+    timed, ran = [], []
+
+    def timer(run, tile):
+        timed.append(tile.name)
+        run()
+        return {"fused": 2.0, "grouped_mm": 1.0}[tile.name]
+
+    monkeypatch.setattr(configs, "default_timer", timer)
+    asked = []
+
+    def way(name, can_run=True):
+        def runner():
+            ran.append(name)
+            return name[0]
+        return lambda: asked.append(name) or (runner if can_run else None)
+
+    ways = {"fused": way("fused"), "grouped_mm": way("grouped_mm")}
+    cannot = {"fused": way("fused"), "grouped_mm": way("grouped_mm", can_run=False)}
+    cpu = torch.device("cpu")
+    assert kernels.common.run_stage(fam, prob, 5000, cpu, ways) == "f"  # no search: the default, the fused way
+    assert asked == ["fused"]  # (the other way's conditions not even asked)
+    with options.override(autotune=True):
+        assert kernels.common.run_stage(fam, prob, 5000, cpu, ways) == "g"
+        assert timed == ["fused", "grouped_mm"] and ran == ["fused", "fused", "grouped_mm", "grouped_mm"]
+        assert kernels.common.run_stage(fam, prob, 6000, cpu, ways) == "g" and len(timed) == 2  # searched bucket
+        # a way that cannot run this call is not timed; the pick of a way that cannot run runs the fused one
+        assert kernels.common.run_stage(fam, prob, 100, cpu, cannot) == "f"
+        assert timed[2:] == ["fused"]
+    assert configs.load(user / "nvidia-h100-80gb-hbm3.json").get("gate_up_stage", prob) == \
+        {8192: fam.candidates[1], 128: fam.candidates[0]}
+    configs.reset()
+    assert kernels.common.run_stage(fam, prob, 8000, cpu, cannot) == "f"
+    assert kernels.common.run_stage(fam, prob, 8000, cpu, ways) == "g"  # a later process reads the pick
 
 
 def test_table_round_trip(tmp_path):
@@ -773,6 +846,8 @@ def test_autotuned_kernels_search_per_problem_not_per_row_count():
     # Inductor's max-autotune launches `Family.autotuned()`: Triton's autotuner caches a pick per value of its key,
     # which must name the problem (sizes, variant flags) so that two problems of one family do not share one
     for fam in configs.FAMILIES.values():
+        if fam.is_stage:  # (no kernel of its own)
+            continue
         key = fam.autotune_key
         assert set(key) <= set(fam.arg_names) and {"E", *[f for f in fam.fields if f in fam.arg_names]} <= set(key)
         assert "M" not in key and not any(k.startswith("BLOCK") for k in key)

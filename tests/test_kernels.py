@@ -345,6 +345,50 @@ def test_tma_only_with_many_rows_per_expert(monkeypatch):
     assert flags.count(True) == 2
 
 
+def _force_stage(monkeypatch, family, way):
+    """`family`'s stage runs `way` wherever it may (the interpreter reads no tables: its pick is the fused way)."""
+    real_pick = kernels.configs.pick
+    tile = next(t for t in family.candidates if t.name == way)
+    monkeypatch.setattr(kernels.configs, "pick", lambda fam, *a: tile if fam is family else real_pick(fam, *a))
+
+
+def test_gate_up_stage_by_grouped_mm_vs_oracle(monkeypatch):
+    # the gate/up stage as torch._grouped_mm over the sorted rows and the activation pass, where a table picks it:
+    # forward and backward against the oracle, the `-1` routes' saved rows zero (the GEMM leaves them unwritten),
+    # the saved g, u and y within bf16 roundings of the fused kernel's; the shared expert keeps the fused kernel
+    stage = kernels.gate_up.GATE_UP_STAGE
+    ran, real = [], kernels.gate_up._gate_up_grouped_mm
+    monkeypatch.setattr(kernels.gate_up, "_gate_up_grouped_mm", lambda *a: ran.append(a[0].shape[0]) or real(*a))
+    case = make_case(T=19, H=32, I=24, E=4, K=2, dtype=torch.bfloat16, shared=True, gate=True, drop=0.2, device=DEV,
+                     requires_grad=False, seed=41)
+    sched = kernels.build_schedule(case.top_experts, 4)
+    fused = _forward("triton", case, sched)
+    assert not ran
+    _force_stage(monkeypatch, stage, "grouped_mm")
+    fwd = _forward("triton", case, sched)
+    assert ran == [19]  # the routed experts, not the shared one
+    n_valid = int(sched.expert_offsets_E1[-1])
+    assert 0 < n_valid < 38 and torch.count_nonzero(fwd.gu_N2I[n_valid:]) == 0
+    assert rel_err(fwd.gu_N2I, fused.gu_N2I) < 1e-2 and rel_err(fwd.y_TH, fused.y_TH) < 1e-2
+    ran.clear()
+    _check_all(case)
+    assert ran
+    # the transposed layout ([E, H, 2I], gate then up columns) too
+    wg, wu, wd, *_ = _args(case)
+    w_t = case.gate_up_proj.transpose(1, 2).contiguous().transpose(1, 2)
+    ran.clear()
+    assert torch.equal(_forward("triton", case, sched, weights=(w_t[:, :24], w_t[:, 24:], wd)).y_TH, fwd.y_TH)
+    assert ran
+    # where the GEMM cannot compute the same (the clamp rounds g and u from float32 values; float32 activations),
+    # the fused kernel runs whatever the table says
+    ran.clear()
+    for kw in (dict(limit=0.6), dict(dtype=torch.float32)):
+        other = make_case(**{**dict(T=9, H=32, I=24, E=4, K=2, dtype=torch.bfloat16), **kw}, device=DEV,
+                          requires_grad=False, seed=42)
+        _forward("triton", other, kernels.build_schedule(other.top_experts, 4))
+    assert not ran
+
+
 @pytest.mark.parametrize("limit", [None, 0.5])
 def test_two_pass_bwd_act_equals_fused(limit, monkeypatch):
     # the two-pass variant against the fused kernel, same roundings: dg, du and scale * h bitwise equal; d scale

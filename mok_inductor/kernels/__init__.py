@@ -6,6 +6,8 @@ Forward:
     top_experts --build_schedule--> sorted routes, expert offsets (a stable counting sort on the device)
     x --gate_up (gather fused)--> gu [N, 2I] (saved), h [N, I] --grouped_rows (down)--> y per route [N, H]
       --combine (router weights, shared expert, its gate; fp32 in k order)--> y [T, H]
+    (where the tables pick it, the gate/up stage is torch._grouped_mm over the gathered rows, then a pass
+    computing h: `gate_up.GATE_UP_STAGE`)
 Decode (`decode_forward`: eager calls of a few routes that need no gradient, `options.decode_max_routes`):
     x --gate/up per route (ids checked)--> h [N, I] --down per route--> y per route [N, H] --combine--> y [T, H]
 Backward:
@@ -19,7 +21,8 @@ and u) instead of h [N, I].
 Families, one module each:
 
     common.py        launch plumbing (wrap_triton when traced), tile enumeration, swizzle
-    configs.py       tile configs: the tuned tables (tables/*.json), the fallback heuristic, the opt-in search
+    configs.py       tile configs and stage picks: the tuned tables (tables/*.json), the fallback heuristic,
+                     the opt-in search
     operands.py      weight operands: strides, split weights through address tables (`ExpertTable`), TMA
                      descriptors, MXFP8 dequantized once per call (`dequantized`)
     mx_loop.py       the MXFP8 K loops on the fp16 tensor cores (`MxLoop`), the activation rows in fp16
@@ -134,17 +137,17 @@ def _dequantized_if_large(ops: RoutedOperands, n_routes, dtype, fields, *, symbo
 
 def expert_mlp(x_TH, gate, up, down, gu_out, out, routes_N, offsets_E1, topk, limit, *, scatter, single=False,
                act=None, gate_up_bias=None, down_bias=None):
-    """gu_out = [g | u] (saved for backward) and out[dest(r)] = swiglu(g, u) @ down[e]^T for each sorted
+    """gu = [g | u] (saved for backward) and out[dest(r)] = swiglu(g, u) @ down[e]^T for each sorted
     row r: the gate/up GEMM (which also writes h, freed on return) then the down GEMM. gate, up read as
     [E, I, H], down as [E, H, I]. (A down GEMM applying the SwiGLU to g, u tiles in its K loop instead of
     reading h ran at half the rate: its A operand goes through registers.) `act`: the gated activation
     (`types.Activation`, None: the SwiGLU); the optional biases [E, 2, I], [E, H] go into the GEMMs'
-    accumulators."""
+    accumulators. -> gu: gu_out, or the tensor the gate/up stage wrote instead (`gate_up.gate_up`)."""
     h = torch.empty(gu_out.shape[0], gu_out.shape[1] // 2, dtype=out.dtype, device=gu_out.device)
-    gate_up.gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, h_out=h, single=single, act=act,
-                    bias_E2I=gate_up_bias)
-    return grouped_gemm.grouped_rows(h, down, out, routes_N, offsets_E1, scatter=scatter, single=single,
-                                     bias_EN=down_bias)
+    gu = gate_up.gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, h_out=h, single=single, act=act,
+                         bias_E2I=gate_up_bias)
+    grouped_gemm.grouped_rows(h, down, out, routes_N, offsets_E1, scatter=scatter, single=single, bias_EN=down_bias)
+    return gu
 
 
 def shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_E1, swiglu_limit, act=None):
@@ -156,8 +159,8 @@ def shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_
     dev, dtype = x_TH.device, x_TH.dtype
     gu_shared = torch.empty(T, 2 * s_gate.shape[0], dtype=shared_saved_dtype(dtype), device=dev)
     s_TH = torch.empty(T, H, dtype=dtype, device=dev)
-    expert_mlp(x_TH, plain(s_gate[None]), plain(s_up[None]), plain(s_down[None]), gu_shared, s_TH, sorted_N,
-               offsets_E1, 1, swiglu_limit, scatter=False, single=True, act=act)
+    gu_shared = expert_mlp(x_TH, plain(s_gate[None]), plain(s_up[None]), plain(s_down[None]), gu_shared, s_TH,
+                           sorted_N, offsets_E1, 1, swiglu_limit, scatter=False, single=True, act=act)
     logit_T = combine.rowdot(x_TH, s_out_gate_1H) if s_out_gate_1H is not None else None
     return gu_shared, s_TH, logit_T
 
@@ -179,8 +182,8 @@ def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperan
 
     gu_N2I = torch.empty(N, 2 * I, dtype=dtype, device=dev)  # saved for backward
     y_NH = torch.empty(N, H, dtype=dtype, device=dev)  # route order; rows of `-1` routes unwritten
-    expert_mlp(x_TH, ops.gate, ops.up, ops.down, gu_N2I, y_NH, sorted_N, offsets_E1, K, swiglu_limit, scatter=True,
-               act=act, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    gu_N2I = expert_mlp(x_TH, ops.gate, ops.up, ops.down, gu_N2I, y_NH, sorted_N, offsets_E1, K, swiglu_limit,
+                        scatter=True, act=act, gate_up_bias=gate_up_bias, down_bias=down_bias)
 
     gu_shared, s_TH, logit_T = shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_E1,
                                               swiglu_limit, act)

@@ -115,6 +115,26 @@ def _launch_tuned(family: configs.Family, grid, args, kwargs, problem: tuple, ro
     configs.launch_eager(family, tile, grid, args, kwargs)
 
 
+def run_stage(family: configs.Family, problem: tuple, rows: int, device: torch.device, ways: dict):
+    """Runs a stage the way its stage family (`configs.stage`) picks for `rows` rows of `problem`: `ways` maps
+    the names of its ways to callables that return the way's runner, or None where it cannot run this call
+    (asked only of the way picked, or of every way when searching; the first candidate, the fused kernel, can
+    always run); -> what the runner returns. With `options.autotune`, an unsearched (problem, bucket) times
+    each way that can run (every one writes the stage's outputs; the chosen one runs last) and records the
+    fastest."""
+    state = configs.needs_search(family, problem, rows, device)
+    if state is None:
+        run = ways[configs.pick(family, problem, rows, device).name]()
+    else:
+        timer = configs.current_timer()
+        runners = {t: ways[t.name]() for t in family.candidates}
+        timed = [(timer(run, t), t) for t, run in runners.items() if run is not None]
+        tile = min(timed, key=lambda t: t[0])[1]
+        configs.record(state, family, problem, rows, tile)
+        run = runners[tile]
+    return (run or ways[family.candidates[0].name]())()
+
+
 def at_least(n, bound: int, symbolic: bool) -> bool:
     """n >= bound for a size-based kernel choice, without a guard: a symbolic n (torch.compile with dynamic
     shapes) decides only where that is statically known, else `symbolic` (a guard would recompile the

@@ -23,6 +23,9 @@ With `options.autotune`, an eager launch whose (problem, bucket) the user's tabl
 scratch copies of the outputs, runs the fastest and records it in the user's table (so later processes
 read it like a tuned table). Launches that cannot search (in compiled graphs) take the tables as without it.
 
+Stage families (`stage`) use the same tables to pick how a whole stage runs (the fused Triton kernel, or
+`torch._grouped_mm` and an elementwise pass), by name, searched like the tiles.
+
 Every config a table names must be one of its family's `candidates` (the configs the kernels are tested and
 tuned with): anything else is an error when the table is loaded, not a silent fallback. Row counts never
 specialise a kernel (`do_not_specialize`), so a new token count compiles nothing once its bucket's
@@ -54,13 +57,14 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "tables"
 
 @dataclasses.dataclass(frozen=True)
 class Tile:
-    """One tile config."""
+    """One tile config; or, named (`stage`), one way of running a stage (a stage family's candidates)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    name: str = ""
 
     @property
     def meta(self) -> dict:
@@ -71,8 +75,9 @@ class Tile:
         """The launch's meta-parameters (built once: eager decode launches are host-bound; do not modify)."""
         return {**self.meta, "num_warps": self.num_warps, "num_stages": self.num_stages}
 
-    def as_list(self) -> list:
-        return [self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages]
+    def as_list(self):
+        """The table's form: [BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages], or a stage's name."""
+        return self.name or [self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages]
 
     def triton_config(self):
         import triton
@@ -86,19 +91,24 @@ class Family:
     log scale by the heuristic; the other fields select kernel variants and must match), the
     arguments it writes (`outputs`, searched on scratch copies), the interpreter's one config, an optional
     `small` config for launches at few rows per expert, and an eager `pre_hook(nargs)` run before each launch
-    (host TMA descriptors take their block shapes from the config)."""
+    (host TMA descriptors take their block shapes from the config).
+
+    A stage family (`stage`: fn None) picks how a whole stage runs instead, its candidates named `Tile`s (the
+    first: the fused Triton kernel); it answers only from its own problem's picks (a stage measured faster at
+    one shape says nothing of another), else its first candidate."""
 
     def __init__(self, name: str, fn, candidates: list, *, fields: tuple, sizes: tuple, outputs: tuple,
                  interpret: Tile, small: Optional[Tile] = None, pre_hook: Optional[Callable] = None,
                  field_defaults: Optional[dict] = None):
         assert fields[0] == "dtype" and set(sizes) <= set(fields[1:]), (fields, sizes)
+        assert (fn is None) == all(c.name for c in candidates), (name, candidates)
         # fields added after tables were written: a table entry without one reads as this value
         self.field_defaults = dict(field_defaults or {})
         assert set(self.field_defaults) <= set(fields) - set(sizes) - {"dtype"}, (name, field_defaults)
         assert small is None or small in candidates, (name, small)
         self.name, self.fn, self.candidates, self.sizes = name, fn, tuple(candidates), tuple(sizes)
         self.fields, self.outputs, self.interpret, self.small, self.pre_hook = fields, outputs, interpret, small, pre_hook
-        arg_names = list(fn.arg_names)
+        arg_names = list(fn.arg_names) if fn is not None else []
         self.output_positions = tuple(arg_names.index(n) for n in outputs)
         self.arg_names = arg_names
         self._all = None
@@ -127,8 +137,19 @@ class Family:
                                         key=self.autotune_key)(self.fn)
         return self._all
 
+    @property
+    def is_stage(self) -> bool:
+        return self.fn is None
+
     def __repr__(self):
         return f"Family({self.name})"
+
+
+def stage(name: str, *, fields: tuple, sizes: tuple, ways: tuple) -> Family:
+    """A stage family: `ways` the names of the ways a stage can run, the first its fused Triton kernel (the
+    default, and the interpreter's)."""
+    candidates = [Tile(0, 0, 0, 0, 0, w) for w in ways]
+    return Family(name, None, candidates, fields=fields, sizes=sizes, outputs=(), interpret=candidates[0])
 
 
 FAMILIES: dict[str, Family] = {}
@@ -270,6 +291,13 @@ def parse(data, source: str = "<table>") -> Table:
             for key, value in configs.items():
                 if not re.fullmatch(r"[1-9][0-9]*", key) or int(key) & (int(key) - 1):
                     raise TableError(f"{where}: row bucket {key!r} is not a power of two (decimal digits)")
+                if family.is_stage:
+                    tile = next((c for c in family.candidates if c.name == value), None)
+                    if tile is None:
+                        raise TableError(f"{where}: bucket {key}: {value!r} is not a way the {name} stage runs "
+                                         f"({', '.join(repr(c.name) for c in family.candidates)})")
+                    table.put(name, problem, int(key), tile)
+                    continue
                 if not (isinstance(value, list) and len(value) == 5 and all(type(v) is int for v in value)):
                     raise TableError(f"{where}: bucket {key}: a config is [BLOCK_M, BLOCK_N, BLOCK_K, num_warps, "
                                      f"num_stages], got {value!r}")
@@ -435,6 +463,8 @@ def lookup(state: _Tables, family: Family, problem: tuple, rows: int) -> tuple:
             per.update(table.get(family.name, prob) or {})
     if per:
         return per.get(bkt) or _nearest_bucket(per, bkt), "table"
+    if family.is_stage:
+        return family.candidates[0], "default"
     best, best_d = None, math.inf
     for table in state.chain():
         for other, per in table.entries.get(family.name, {}).items():

@@ -21,9 +21,9 @@ import triton.language as tl
 from ..types import Operand
 from . import common
 from .common import GROUP_M, _tile_ids, _tile_rows, cfg, mma, round_gu, row_tiles_worst, swiglu, to_out
-from .configs import Family, dtype_name, register
+from .configs import Family, dtype_name, register, stage
 from .mx_loop import (_MX_F16_CONFIGS, MX_F16_SMALL_GATE_UP, _gate_up_mx_block, act_step_t, group_scales, mx_group, mx_one, mx_rows, mx_step_t, mx_trans, scale_step, step_scales, use_mx_loop, w_block_scales)
-from .operands import (interleaved, row_desc, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases,
+from .operands import (concatenated, interleaved, row_desc, tma_eligible, tma_pre_hook, tma_weights, w_args, w_bases,
                        w_meta, w_tile, w_tma_tile)
 
 
@@ -231,19 +231,100 @@ GATE_UP = register(Family("gate_up", _gate_up_kernel, _GATE_UP_CONFIGS, fields=_
 GATE_UP_MX = register(Family("gate_up_mx", _gate_up_kernel, _MX_F16_CONFIGS, fields=("dtype", "H", "I", "E", "MX_LOOP"),
                              sizes=("H", "I", "E"), outputs=_OUTPUTS, interpret=cfg(16, 16, 32, 1, 1),
                              small=MX_F16_SMALL_GATE_UP))
+# how the gate/up stage runs where both ways compute the same (`_grouped_mm_weight`): the fused kernel, or
+# torch._grouped_mm on the sorted rows and an activation pass (faster at some large-expert shapes; the
+# tables say where, searched like the tiles)
+GATE_UP_STAGE = register(stage("gate_up_stage", fields=("dtype", "H", "I", "E"), sizes=("H", "I", "E"),
+                               ways=("fused", "grouped_mm")))
 
 
 def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=None, single=False, act=None,
             bias_E2I=None):
-    """gu_out[M, 2I] = [x[rows] @ gate[e]^T + b_g[e] | x[rows] @ up[e]^T + b_u[e]] per sorted row (before the
+    """gu[M, 2I] = [x[rows] @ gate[e]^T + b_g[e] | x[rows] @ up[e]^T + b_u[e]] per sorted row (before the
     clamp), and h_out[M, I] = the activation `act` (`types.Activation`; None: the SwiGLU) of those (rounded)
     values when given. gate, up: `types.Operand`s read as [E, I, H] (SINGLE: all T rows, one expert given as
-    [1, I, H] views); bias_E2I: optional [E, 2, I] (any strides)."""
+    [1, I, H] views); bias_E2I: optional [E, 2, I] (any strides). -> gu: gu_out, or where the stage runs
+    `torch._grouped_mm` (`GATE_UP_STAGE`), the GEMM's own output (gu_out unused)."""
     M = gu_out.shape[0]
     I = gu_out.shape[1] // 2
     if M == 0 or I == 0:
         return gu_out
     E, _, H = gate.data.shape
+    args = (x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, h_out, single, act, bias_E2I)
+    if single or h_out is None or limit is not None or bias_E2I is not None or x_TH.dtype != torch.bfloat16:
+        return _gate_up_fused(*args)  # (where torch._grouped_mm cannot compute the same: `_grouped_mm_weight`)
+
+    def by_grouped_mm():
+        w = _grouped_mm_weight(x_TH, gate, up)
+        return None if w is None else lambda: _gate_up_grouped_mm(x_TH, w, routes_N[:M] // topk, offsets_E1, h_out, act)
+
+    return common.run_stage(GATE_UP_STAGE, (dtype_name(x_TH.dtype), H, I, E), M, x_TH.device,
+                            {"fused": lambda: lambda: _gate_up_fused(*args), "grouped_mm": by_grouped_mm})
+
+
+def _grouped_mm_weight(x_TH, gate, up):
+    """The [E, 2I, H] gate_up weight `torch._grouped_mm` can run the stage on, where it computes what the fused
+    kernel does, else None. Also needed (checked by `gate_up`): bf16 activations, the SwiGLU's h wanted, no
+    clamp (the fused kernel rounds g and u without crossing it, from float32 values a bf16 GEMM output no
+    longer has) and no FC1 biases (added before the rounding). Here: bf16 weights as the halves of one tensor
+    (either dim of each expert's matrix contiguous), an eager call (a traced launch is the fused kernel's),
+    16-byte aligned rows, sm_90 or the CPU."""
+    if gate.data.dtype != torch.bfloat16 or common.traced((x_TH,)) or not hasattr(torch, "_grouped_mm"):
+        return None
+    w = concatenated(gate, up)  # (row-major [E, 2I, H] as HF and Megatron store it, or its transpose)
+    unit = w is not None and (2 if w.stride(2) == 1 else 1 if w.stride(1) == 1 else None)
+    if not unit or any(v % 8 for v in (*w.shape[1:], *(st for d, st in enumerate(w.stride()) if d != unit))):
+        return None
+    if x_TH.device.type == "cuda" and torch.cuda.get_device_capability(x_TH.device) < (9, 0):
+        return None
+    return w
+
+
+def _gate_up_grouped_mm(x_TH, w_E2IH, tokens_M, offsets_E1, h_out, act):
+    """The stage as `torch._grouped_mm` over the sorted rows (cuBLAS/CUTLASS's grouped GEMM, deterministic),
+    then `_act_rows_kernel`: h from the rounded g, u as the fused epilogue computes it, the `-1` routes' rows
+    zeroed. -> gu [M, 2I]."""
+    E = w_E2IH.shape[0]
+    xs = x_TH.index_select(0, tokens_M)
+    gu = torch._grouped_mm(xs, w_E2IH.transpose(1, 2), offs=offsets_E1[1:E + 1])
+    M, I = h_out.shape
+    grid = (common.cdiv(M, _ACT_ROWS), common.cdiv(I, _ACT_COLS))
+    common.launch(_act_rows_kernel, grid, gu, gu.stride(0), h_out, h_out.stride(0), offsets_E1, M, I, E,
+                  1.0 if act is None else act.alpha, 0.0 if act is None else act.beta,
+                  DOT_PREC=common.dot_precision(x_TH.dtype), BLOCK_M=_ACT_ROWS, BLOCK_N=_ACT_COLS, num_warps=4)
+    return gu
+
+
+_ACT_ROWS, _ACT_COLS = 32, 128
+
+
+@triton.jit(do_not_specialize=["M"])
+def _act_rows_kernel(gu_ptr, stride_gm, h_ptr, stride_hm, offsets_ptr, M, I, E, alpha, beta,
+                     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """h [M, I] = the gated activation of gu [M, 2I] = [g | u] (rounded already) on the rows of the experts'
+    routes (the first offsets[E]); the rows after them (the `-1` routes', which the grouped GEMM leaves
+    unwritten) zeroed in gu and h, as the fused kernel leaves them."""
+    alpha = tl.cast(alpha, tl.float32)
+    beta = tl.cast(beta, tl.float32)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = (rows < M)[:, None] & (cols < I)[None, :]
+    routed = (rows < tl.load(offsets_ptr + E))[:, None] & inside
+    g_ptrs = gu_ptr + rows[:, None].to(tl.int64) * stride_gm + cols[None, :]
+    g = tl.load(g_ptrs, mask=routed, other=0.0).to(tl.float32)
+    u = tl.load(g_ptrs + I, mask=routed, other=0.0).to(tl.float32)
+    h = swiglu(g, u, 0.0, alpha, beta, False)
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :], to_out(h, h_ptr, DOT_PREC), mask=inside)
+    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=gu_ptr.dtype.element_ty)
+    tl.store(g_ptrs, zero, mask=inside & ~routed)
+    tl.store(g_ptrs + I, zero, mask=inside & ~routed)
+
+
+def _gate_up_fused(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, h_out, single, act, bias_E2I):
+    M = gu_out.shape[0]
+    I = gu_out.shape[1] // 2
+    E, _, H = gate.data.shape
+
     def tiles(meta):
         return row_tiles_worst(M, E, meta["BLOCK_M"], single) * common.cdiv(I, meta["BLOCK_N"])
 

@@ -288,6 +288,21 @@ def interleaved(first, second, dim: int) -> Optional[torch.Tensor]:
     return torch.as_strided(a, shape, stride)
 
 
+def concatenated(first: Operand, second: Operand) -> Optional[torch.Tensor]:
+    """The one [E, 2I, H] tensor whose rows are first's [E, I, H] then second's, when the two are plain 3-D
+    views laid out that way (gate and up as the halves of one gate_up weight), else None."""
+    if first.quantized or second.quantized:
+        return None
+    a, b = first.data, second.data
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 3 or b.dim() != 3:
+        return None
+    if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype or 0 in a.shape:
+        return None
+    if not torch._C._is_alias_of(a, b) or b.storage_offset() != a.storage_offset() + a.shape[1] * a.stride(1):
+        return None
+    return torch.as_strided(a, (a.shape[0], 2 * a.shape[1], a.shape[2]), a.stride())
+
+
 def interleaved_pair(pair, dim: int) -> Optional[torch.Tensor]:
     """`interleaved(pair[:, 0], pair[:, 1], dim)` of a 4-D [E, 2, A, B] tensor, made by view ops (a permutation
     and a merge of two dims), or None. A buffer a kernel writes must be reached this way under torch.compile:
