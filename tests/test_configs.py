@@ -147,6 +147,16 @@ def test_stage_search_times_each_way_that_can_run_and_records_the_fastest(tables
     assert kernels.common.run_stage(fam, prob, 8000, cpu, cannot) == "f"
     assert kernels.common.run_stage(fam, prob, 8000, cpu, ways) == "g"  # a later process reads the pick
 
+    def failing():
+        raise RuntimeError("grouped gemm: unsupported layout")
+
+    with options.override(autotune=True):  # a way that fails while searched: a warning, the fused way recorded
+        with pytest.warns(RuntimeWarning, match="'grouped_mm' way failed at 30 rows.*unsupported layout"):
+            assert kernels.common.run_stage(fam, prob, 30, cpu, {**ways, "grouped_mm": lambda: failing}) == "f"
+        assert configs.tables_for(*H100).picks[("gate_up_stage", prob, 32)] == fam.candidates[0]
+        with pytest.raises(RuntimeError, match="unsupported"):  # the fused way's errors are the caller's
+            kernels.common.run_stage(fam, prob, 3, cpu, {**ways, "fused": lambda: failing})
+
 
 def test_table_round_trip(tmp_path):
     fam = configs.FAMILIES["grouped_rows"]

@@ -19,6 +19,7 @@ kernel), G groups (E, or E + 1 with the `-1` tail).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import triton
@@ -121,14 +122,26 @@ def run_stage(family: configs.Family, problem: tuple, rows: int, device: torch.d
     (asked only of the way picked, or of every way when searching; the first candidate, the fused kernel, can
     always run); -> what the runner returns. With `options.autotune`, an unsearched (problem, bucket) times
     each way that can run (every one writes the stage's outputs; the chosen one runs last) and records the
-    fastest."""
+    fastest; a way other than the fused one that raises is left out with a warning (the fused one's errors
+    are raised)."""
     state = configs.needs_search(family, problem, rows, device)
     if state is None:
         run = ways[configs.pick(family, problem, rows, device).name]()
     else:
         timer = configs.current_timer()
         runners = {t: ways[t.name]() for t in family.candidates}
-        timed = [(timer(run, t), t) for t, run in runners.items() if run is not None]
+        timed = []
+        for t, run in runners.items():
+            if run is None:
+                continue
+            try:
+                timed.append((timer(run, t), t))
+            except Exception as e:  # noqa: BLE001 - another library's kernel (torch._grouped_mm) on this GPU
+                if t == family.candidates[0]:
+                    raise
+                warnings.warn(f"{family.name}: the {t.name!r} way failed at {rows} rows of {problem} ({e!r}); "
+                              f"not recorded, the {family.candidates[0].name!r} way runs", RuntimeWarning,
+                              stacklevel=2)
         tile = min(timed, key=lambda t: t[0])[1]
         configs.record(state, family, problem, rows, tile)
         run = runners[tile]
