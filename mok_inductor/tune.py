@@ -349,9 +349,31 @@ def main(argv: Optional[list] = None) -> int:
             tune_shape(shape, tokens[name], Path(tmp), dtype=dtype, mxfp8=args.mxfp8, backward=not args.forward_only,
                        progress=lambda i, T, name=name: done(i, T, name))
     path = out / (configs.table_name(torch.cuda.get_device_name()) + ".json")
-    n = sum(len(per) for problems in configs.load(path).entries.values() for per in problems.values())
+    table = configs.load(path)
+    n = sum(len(per) for problems in table.entries.values() for per in problems.values())
     print(f"{path}: {n} picks")
+    for line in stage_summary(table):
+        print(line)
     return 0
+
+
+def stage_summary(table) -> list:
+    """A line per problem of a stage family where a way other than the fused kernel won some buckets."""
+    from mok_inductor.kernels import configs
+
+    lines = []
+    for name, problems in sorted(table.entries.items()):
+        family = configs.FAMILIES[name]
+        if not family.is_stage:
+            continue
+        for problem, per in sorted(problems.items(), key=repr):
+            won = {}
+            for b, tile in sorted(per.items()):
+                if tile != family.candidates[0]:
+                    won.setdefault(tile.name, []).append(b)
+            sizes = ", ".join(f"{f} {v}" for f, v in zip(family.fields, problem))
+            lines += [f"{name} ({sizes}): {way} at row buckets {', '.join(map(str, bs))}" for way, bs in won.items()]
+    return lines
 
 
 if __name__ == "__main__":

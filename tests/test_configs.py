@@ -657,6 +657,33 @@ def test_tune_shape_records_a_pick_for_every_launch(tmp_path, monkeypatch):
                             for f, probs in table.entries.items() for per in probs.values())
 
 
+def test_tune_shape_searches_the_gate_up_stage_and_reports_its_picks(tmp_path, monkeypatch):
+    # bf16 without a clamp: the gate/up stage's two ways are timed at each bucket (the stand-in timer prefers
+    # grouped_mm at 8 rows, the fused kernel at 2), recorded in the table, and `tune` names where grouped_mm won
+    monkeypatch.setattr(configs, "INTERPRET", False)
+    monkeypatch.setattr(kernels.common, "INTERPRET", False)
+    monkeypatch.setattr(configs, "_device_facts", lambda dev: H100)
+    real = configs.launch_eager
+    monkeypatch.setattr(configs, "launch_eager", lambda fam, tile, *a: real(fam, fam.interpret, *a))
+    stage_fam = configs.FAMILIES["gate_up_stage"]
+    rows = []
+
+    def timer(run, tile):
+        if tile.name:
+            rows.append(tile.name)
+            return 1.0 if (tile.name == "grouped_mm") == (len(rows) > 2) else 2.0
+        return 0.0
+
+    with options.override(backend="triton"), configs.timing_with(timer):
+        tune.tune_shape((32, 16, 4, 2, 0), [1, 4], tmp_path, dtype=torch.bfloat16, device=DEV, backward=False)
+    assert rows == ["fused", "grouped_mm"] * 2
+    table = configs.load(tmp_path / "nvidia-h100-80gb-hbm3.json")
+    prob = ("bfloat16", 32, 16, 4)
+    assert table.get("gate_up_stage", prob) == {2: stage_fam.candidates[0], 8: stage_fam.candidates[1]}
+    assert tune.stage_summary(table) == [
+        "gate_up_stage (dtype bfloat16, H 32, I 16, E 4): grouped_mm at row buckets 8"]
+
+
 def test_compiling_at_the_regime_token_counts_covers_every_launch(tmp_path, monkeypatch):
     # `tune --jobs` compiles a shape's candidates at one token count per regime (`tune.regime_tokens`): those
     # runs must launch every (family, problem) that the runs at all token counts launch. Thresholds lowered so
