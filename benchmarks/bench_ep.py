@@ -243,10 +243,13 @@ def main():
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    sizes = [int(s) for s in args.sizes.split(",") if s] or [n for n in (1, 2, 4, 8, 16, 32) if n <= world]
+    try:
+        sizes = [int(s) for s in args.sizes.split(",") if s] or [n for n in (1, 2, 4, 8, 16, 32) if n <= world]
+    except ValueError:
+        sizes = [0]  # (reported below)
     if not all(1 <= n <= world for n in sizes):
         if rank == 0:
-            print(f"bench_ep.py: error: --sizes {args.sizes}: group sizes run from 1 to the world size, {world}",
+            print(f"bench_ep.py: error: --sizes {args.sizes!r}: comma-separated group sizes from 1 to the world size, {world}",
                   file=sys.stderr)
         dist.destroy_process_group()
         return 2

@@ -538,8 +538,8 @@ def main():
     p.add_argument("--routing", default="balanced", help="balanced and/or skewed")
     p.add_argument("--skewed-shapes", default=None, help="also time these shapes with skewed routing (default: "
                    "qwen3-30b-a3b for the one-pass table, none with --rounds)")
-    p.add_argument("--contenders", default="mok,grouped_mm,grouped_mm_compiled,eager",
-                   help=f"comma-separated: {', '.join(CONTENDERS)}")
+    p.add_argument("--contenders", default=None, help=f"comma-separated: {', '.join(CONTENDERS)} (default: "
+                   "mok,grouped_mm,grouped_mm_compiled,eager; with --check, every contender a CPU runs)")
     p.add_argument("--mxfp8", action="store_true", help="add mok with MXFP8 routed weights (mok_mxfp8)")
     p.add_argument("--rounds", type=int, default=0, help="interleaved rounds instead of the one-pass table, at "
                    "each shape and routing (--routing, --skewed-shapes) and mode (--modes); the last contender is "
@@ -548,6 +548,8 @@ def main():
     p.add_argument("--iters", type=int, default=20, help="with --rounds: at least this many iterations a round")
     p.add_argument("--check", action="store_true", help="CPU smoke run of the contenders at a tiny shape")
     args = p.parse_args()
+    named = args.contenders is not None
+    args.contenders = args.contenders or "mok,grouped_mm,grouped_mm_compiled,eager"
     unknown = [c for c in args.contenders.split(",") if c not in CONTENDERS]
     if unknown:
         p.error(f"unknown contender(s) {unknown}: {', '.join(CONTENDERS)}")
@@ -564,7 +566,6 @@ def main():
     # grouped_mm contenders as they are (their gate/up halves are slices, not one chunk)
     mok_inductor.enable()
     if args.check:  # every contender unless --contenders names some
-        named = "--contenders" in sys.argv or any(a.startswith("--contenders=") for a in sys.argv)
         cpu = ["mok", "mok_pointer_loads", "mok_compiled", "mok_compiled_dynamic", "mok_mxfp8", "grouped_mm",
                "grouped_mm_compiled", "eager"]  # (the CUDA-graph contenders need a GPU)
         picked = args.contenders.split(",") if named else cpu

@@ -354,39 +354,101 @@ def _force_stage(monkeypatch, family, way):
 
 def test_gate_up_stage_by_grouped_mm_vs_oracle(monkeypatch):
     # the gate/up stage as torch._grouped_mm over the sorted rows and the activation pass, where a table picks it:
-    # forward and backward against the oracle, the `-1` routes' saved rows zero (the GEMM leaves them unwritten),
-    # the saved g, u and y within bf16 roundings of the fused kernel's; the shared expert keeps the fused kernel
+    # forward and backward against the oracle, the `-1` routes' saved rows zero (the GEMM leaves them unwritten);
+    # bitwise the fused kernel's g, u, h and y on CPU (the same float32 sums, rounded once; h rounded to nearest),
+    # the SwiGLU and GPT-OSS's activation (its alpha and beta), the transposed weight layout too; the shared
+    # expert keeps the fused kernel
+    from mok_inductor.types import ACTIVATIONS
+
     stage = kernels.gate_up.GATE_UP_STAGE
     ran, real = [], kernels.gate_up._gate_up_grouped_mm
     monkeypatch.setattr(kernels.gate_up, "_gate_up_grouped_mm", lambda *a: ran.append(a[0].shape[0]) or real(*a))
+    h_out, real_act = [], kernels.gate_up._act_rows_kernel
     case = make_case(T=19, H=32, I=24, E=4, K=2, dtype=torch.bfloat16, shared=True, gate=True, drop=0.2, device=DEV,
                      requires_grad=False, seed=41)
     sched = kernels.build_schedule(case.top_experts, 4)
-    fused = _forward("triton", case, sched)
-    assert not ran
+    wg, wu, wd, sg, su, sd, sog = _args(case)
+    w_t = case.gate_up_proj.transpose(1, 2).contiguous().transpose(1, 2)  # [E, H, 2I] stored
+
+    def both_ways(act, weights):
+        outs = []
+        for way in ("fused", "grouped_mm"):
+            _force_stage(monkeypatch, stage, way)
+            h_seen = []
+            monkeypatch.setattr(kernels.grouped_gemm, "grouped_rows", _spy_first_arg(h_seen, kernels.grouped_gemm.grouped_rows))
+            with mok_inductor.options.override(backend="triton"):
+                fwd = ops.forward(case.x, case.router_weights, case.top_experts, sched,
+                                  RoutedOperands.of_weights(*weights), sg, su, sd, sog, None, act)
+            monkeypatch.undo()
+            monkeypatch.setattr(kernels.gate_up, "_gate_up_grouped_mm", lambda *a: ran.append(a[0].shape[0]) or real(*a))
+            outs.append((fwd.gu_N2I, h_seen[0], fwd.y_TH))
+        return outs
+
+    for act in (ACTIVATIONS["swiglu"], ACTIVATIONS["gpt_oss"]):
+        for weights in ((wg, wu, wd), (w_t[:, :24], w_t[:, 24:], wd)):
+            ran.clear()
+            fused, by_gmm = both_ways(act, weights)
+            assert ran == [19]  # the routed experts, not the shared one
+            for a, b in zip(fused, by_gmm):
+                assert torch.equal(a, b)
+            n_valid = int(sched.expert_offsets_E1[-1])
+            assert 0 < n_valid < 38 and torch.count_nonzero(by_gmm[0][n_valid:]) == 0
+            assert torch.count_nonzero(by_gmm[1][n_valid:]) == 0 and torch.count_nonzero(by_gmm[1][:n_valid]) > 0
     _force_stage(monkeypatch, stage, "grouped_mm")
-    fwd = _forward("triton", case, sched)
-    assert ran == [19]  # the routed experts, not the shared one
-    n_valid = int(sched.expert_offsets_E1[-1])
-    assert 0 < n_valid < 38 and torch.count_nonzero(fwd.gu_N2I[n_valid:]) == 0
-    assert rel_err(fwd.gu_N2I, fused.gu_N2I) < 1e-2 and rel_err(fwd.y_TH, fused.y_TH) < 1e-2
     ran.clear()
     _check_all(case)
     assert ran
-    # the transposed layout ([E, H, 2I], gate then up columns) too
-    wg, wu, wd, *_ = _args(case)
-    w_t = case.gate_up_proj.transpose(1, 2).contiguous().transpose(1, 2)
-    ran.clear()
-    assert torch.equal(_forward("triton", case, sched, weights=(w_t[:, :24], w_t[:, 24:], wd)).y_TH, fwd.y_TH)
-    assert ran
-    # where the GEMM cannot compute the same (the clamp rounds g and u from float32 values; float32 activations),
-    # the fused kernel runs whatever the table says
-    ran.clear()
-    for kw in (dict(limit=0.6), dict(dtype=torch.float32)):
-        other = make_case(**{**dict(T=9, H=32, I=24, E=4, K=2, dtype=torch.bfloat16), **kw}, device=DEV,
-                          requires_grad=False, seed=42)
-        _forward("triton", other, kernels.build_schedule(other.top_experts, 4))
-    assert not ran
+
+
+def _spy_first_arg(seen, fn):
+    def spy(*a, **kw):
+        if not seen:
+            seen.append(a[0].clone())
+        return fn(*a, **kw)
+    return spy
+
+
+def test_gate_up_stage_keeps_the_fused_kernel_where_grouped_mm_would_differ(monkeypatch):
+    # the conditions under which torch._grouped_mm computes what the fused kernel does, each broken alone
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from mok_inductor import mxfp8
+
+    G = kernels.gate_up
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(4, 64, 32, generator=gen).to(torch.bfloat16)
+    x = torch.randn(10, 32, generator=gen).to(torch.bfloat16)
+    h = torch.empty(10, 32, dtype=torch.bfloat16)
+    bf = torch.bfloat16
+
+    def halves(t):
+        return Operand(t[:, :32], None), Operand(t[:, 32:], None)
+
+    assert G._same_by_grouped_mm(x, 10, bf, h, False, None, None) and G._grouped_mm_weight(x, *halves(w)) is not None
+    call_breaks = [dict(single=True), dict(limit=0.5), dict(bias=torch.zeros(4, 2, 32)), dict(h=None),
+                   dict(gu_dtype=torch.float32), dict(x=x.float()), dict(h=h.float()), dict(h=h.t().contiguous().t()),
+                   dict(rows=ShapeEnv().create_unbacked_symint())]
+    for kw in call_breaks:
+        args = {**dict(x=x, rows=10, gu_dtype=bf, h=h, single=False, limit=None, bias=None), **kw}
+        assert not G._same_by_grouped_mm(args["x"], args["rows"], args["gu_dtype"], args["h"], args["single"],
+                                         args["limit"], args["bias"]), kw
+    monkeypatch.setattr(kernels.common, "traced", lambda args: True)
+    assert not G._same_by_grouped_mm(x, 10, bf, h, False, None, None)  # a traced call
+    monkeypatch.undo()
+    odd = torch.empty(w.numel() + 1, dtype=bf)[1:].view(w.shape)
+    odd.copy_(w)
+    interleaved = w.view(4, 32, 2, 32)
+    q = mxfp8.quantize(w)
+    weight_breaks = {
+        "separate tensors": (Operand(w[:, :32].clone(), None), Operand(w[:, 32:].clone(), None)),
+        "float16": halves(w.half()),
+        "misaligned address": halves(odd),
+        "H not a multiple of 8": halves(torch.randn(4, 64, 36).to(bf)),
+        "interleaved gate/up (GPT-OSS's layout)": (Operand(interleaved[:, :, 0], None), Operand(interleaved[:, :, 1], None)),
+        "MXFP8": (Operand(q.data[:, :32], q.scale[:, :32]), Operand(q.data[:, 32:], q.scale[:, 32:])),
+    }
+    for name, (g, u) in weight_breaks.items():
+        assert G._grouped_mm_weight(x, g, u) is None, name
 
 
 @pytest.mark.parametrize("limit", [None, 0.5])

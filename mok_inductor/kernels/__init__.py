@@ -135,17 +135,17 @@ def _dequantized_if_large(ops: RoutedOperands, n_routes, dtype, fields, *, symbo
 # Forward
 
 
-def expert_mlp(x_TH, gate, up, down, gu_out, out, routes_N, offsets_E1, topk, limit, *, scatter, single=False,
-               act=None, gate_up_bias=None, down_bias=None):
-    """gu = [g | u] (saved for backward) and out[dest(r)] = swiglu(g, u) @ down[e]^T for each sorted
+def expert_mlp(x_TH, gate, up, down, rows, gu_dtype, out, routes_N, offsets_E1, topk, limit, *, scatter,
+               single=False, act=None, gate_up_bias=None, down_bias=None):
+    """gu = [g | u] [rows, 2I] in gu_dtype (saved for backward) and out[dest(r)] = swiglu(g, u) @ down[e]^T for each sorted
     row r: the gate/up GEMM (which also writes h, freed on return) then the down GEMM. gate, up read as
     [E, I, H], down as [E, H, I]. (A down GEMM applying the SwiGLU to g, u tiles in its K loop instead of
     reading h ran at half the rate: its A operand goes through registers.) `act`: the gated activation
     (`types.Activation`, None: the SwiGLU); the optional biases [E, 2, I], [E, H] go into the GEMMs'
-    accumulators. -> gu: gu_out, or the tensor the gate/up stage wrote instead (`gate_up.gate_up`)."""
-    h = torch.empty(gu_out.shape[0], gu_out.shape[1] // 2, dtype=out.dtype, device=gu_out.device)
-    gu = gate_up.gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, h_out=h, single=single, act=act,
-                         bias_E2I=gate_up_bias)
+    accumulators. -> gu."""
+    h = torch.empty(rows, gate.data.shape[1], dtype=out.dtype, device=out.device)
+    gu = gate_up.gate_up(x_TH, gate, up, rows, gu_dtype, routes_N, offsets_E1, topk, limit, h_out=h, single=single,
+                         act=act, bias_E2I=gate_up_bias)
     grouped_gemm.grouped_rows(h, down, out, routes_N, offsets_E1, scatter=scatter, single=single, bias_EN=down_bias)
     return gu
 
@@ -157,10 +157,10 @@ def shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_
     if s_gate is None:
         return x_TH.new_empty(0, 0, dtype=shared_saved_dtype(x_TH.dtype)), None, None
     dev, dtype = x_TH.device, x_TH.dtype
-    gu_shared = torch.empty(T, 2 * s_gate.shape[0], dtype=shared_saved_dtype(dtype), device=dev)
     s_TH = torch.empty(T, H, dtype=dtype, device=dev)
-    gu_shared = expert_mlp(x_TH, plain(s_gate[None]), plain(s_up[None]), plain(s_down[None]), gu_shared, s_TH,
-                           sorted_N, offsets_E1, 1, swiglu_limit, scatter=False, single=True, act=act)
+    gu_shared = expert_mlp(x_TH, plain(s_gate[None]), plain(s_up[None]), plain(s_down[None]), T,
+                           shared_saved_dtype(dtype), s_TH, sorted_N, offsets_E1, 1, swiglu_limit, scatter=False,
+                           single=True, act=act)
     logit_T = combine.rowdot(x_TH, s_out_gate_1H) if s_out_gate_1H is not None else None
     return gu_shared, s_TH, logit_T
 
@@ -176,14 +176,12 @@ def forward(x_TH, router_weights_TK, top_experts_TK, schedule, ops: RoutedOperan
     N = T * K
     fields = ("gate", "up", "down")
     ops = _kernel_operands(_dequantized_if_large(ops, N, x_TH.dtype, fields, symbolic=False), fields)
-    I = ops.gate.data.shape[1]
     dev, dtype = x_TH.device, x_TH.dtype
     sorted_N, offsets_E1 = schedule.sorted_routes_N, schedule.expert_offsets_E1
 
-    gu_N2I = torch.empty(N, 2 * I, dtype=dtype, device=dev)  # saved for backward
     y_NH = torch.empty(N, H, dtype=dtype, device=dev)  # route order; rows of `-1` routes unwritten
-    gu_N2I = expert_mlp(x_TH, ops.gate, ops.up, ops.down, gu_N2I, y_NH, sorted_N, offsets_E1, K, swiglu_limit,
-                        scatter=True, act=act, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    gu_N2I = expert_mlp(x_TH, ops.gate, ops.up, ops.down, N, dtype, y_NH, sorted_N, offsets_E1, K, swiglu_limit,
+                        scatter=True, act=act, gate_up_bias=gate_up_bias, down_bias=down_bias)  # saved for backward
 
     gu_shared, s_TH, logit_T = shared_forward(x_TH, s_gate, s_up, s_down, s_out_gate_1H, sorted_N, offsets_E1,
                                               swiglu_limit, act)

@@ -120,32 +120,35 @@ def run_stage(family: configs.Family, problem: tuple, rows: int, device: torch.d
     """Runs a stage the way its stage family (`configs.stage`) picks for `rows` rows of `problem`: `ways` maps
     the names of its ways to callables that return the way's runner, or None where it cannot run this call
     (asked only of the way picked, or of every way when searching; the first candidate, the fused kernel, can
-    always run); -> what the runner returns. With `options.autotune`, an unsearched (problem, bucket) times
-    each way that can run (every one writes the stage's outputs; the chosen one runs last) and records the
-    fastest; a way other than the fused one that raises is left out with a warning (the fused one's errors
-    are raised)."""
+    always run); -> what the runner returns. With `options.autotune`, an unsearched (problem, bucket) where
+    more than one way can run times each (every one writes the stage's outputs; the chosen one runs last) and
+    records the fastest. A way other than the fused one that raises while timed is left out with a warning,
+    and nothing is recorded (this process keeps the fused way for the bucket; a later one searches again);
+    the fused way's errors are raised."""
+    first = family.candidates[0]
     state = configs.needs_search(family, problem, rows, device)
     if state is None:
         run = ways[configs.pick(family, problem, rows, device).name]()
+        return (run or ways[first.name]())()
+    runners = {t: run for t in family.candidates if (run := ways[t.name]()) is not None}
+    if len(runners) < 2:  # (nothing to choose: searched when a call can run more than one way)
+        return runners[first]()
+    timer, timed, failed = configs.current_timer(), [], False
+    for t, run in runners.items():
+        try:
+            timed.append((timer(run, t), t))
+        except Exception as e:  # noqa: BLE001 - another library's kernel (torch._grouped_mm) on this GPU
+            if t == first:
+                raise
+            failed = True
+            warnings.warn(f"{family.name}: the {t.name!r} way failed at {rows} rows of {problem} ({e!r}); it is "
+                          f"left out, and nothing is recorded for this row bucket", RuntimeWarning, stacklevel=2)
+    tile = min(timed, key=lambda t: t[0])[1]
+    if failed:
+        configs.remember(state, family, problem, rows, tile)
     else:
-        timer = configs.current_timer()
-        runners = {t: ways[t.name]() for t in family.candidates}
-        timed = []
-        for t, run in runners.items():
-            if run is None:
-                continue
-            try:
-                timed.append((timer(run, t), t))
-            except Exception as e:  # noqa: BLE001 - another library's kernel (torch._grouped_mm) on this GPU
-                if t == family.candidates[0]:
-                    raise
-                warnings.warn(f"{family.name}: the {t.name!r} way failed at {rows} rows of {problem} ({e!r}); "
-                              f"not recorded, the {family.candidates[0].name!r} way runs", RuntimeWarning,
-                              stacklevel=2)
-        tile = min(timed, key=lambda t: t[0])[1]
         configs.record(state, family, problem, rows, tile)
-        run = runners[tile]
-    return (run or ways[family.candidates[0].name]())()
+    return runners[tile]()
 
 
 def at_least(n, bound: int, symbolic: bool) -> bool:

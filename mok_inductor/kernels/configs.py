@@ -94,8 +94,8 @@ class Family:
     (host TMA descriptors take their block shapes from the config).
 
     A stage family (`stage`: fn None) picks how a whole stage runs instead, its candidates named `Tile`s (the
-    first: the fused Triton kernel); it answers only from its own problem's picks (a stage measured faster at
-    one shape says nothing of another), else its first candidate."""
+    first: the fused Triton kernel); it answers only from its own problem's pick of the row bucket (a way
+    measured faster at one shape or row count says nothing of another), else its first candidate."""
 
     def __init__(self, name: str, fn, candidates: list, *, fields: tuple, sizes: tuple, outputs: tuple,
                  interpret: Tile, small: Optional[Tile] = None, pre_hook: Optional[Callable] = None,
@@ -461,10 +461,10 @@ def lookup(state: _Tables, family: Family, problem: tuple, rows: int) -> tuple:
     for prob in (twin, problem) if twin is not None else (problem,):  # (the problem's own buckets override)
         for table in reversed(state.chain()):  # (each bucket from the first table that holds it)
             per.update(table.get(family.name, prob) or {})
+    if family.is_stage:  # (its own problem's own bucket only: a way that won at some rows says nothing of others)
+        return (per[bkt], "table") if bkt in per else (family.candidates[0], "default")
     if per:
         return per.get(bkt) or _nearest_bucket(per, bkt), "table"
-    if family.is_stage:
-        return family.candidates[0], "default"
     best, best_d = None, math.inf
     for table in state.chain():
         for other, per in table.entries.get(family.name, {}).items():
@@ -523,6 +523,13 @@ def file_lock(path: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def remember(state: _Tables, family: Family, problem: tuple, rows: int, tile: Tile) -> None:
+    """Keep a pick for this process only, as searched (not written to the user's table)."""
+    key = (family.name, problem, bucket(rows))
+    state.picks[key] = tile
+    state.searched.add(key)
 
 
 def record(state: _Tables, family: Family, problem: tuple, rows: int, tile: Tile) -> None:

@@ -3,6 +3,9 @@
     x_TH[sorted_routes // K] --_gate_up_kernel (gather in the loads)--> gu_N2I = [g | u] (sorted, saved for
         backward; the `-1` routes' rows zero), h_NI = swiglu(g, u) (sorted, transient: the down GEMM's A)
 
+Where the tables pick it (`GATE_UP_STAGE`), the stage runs instead as torch._grouped_mm over the gathered sorted
+rows and `_act_rows_kernel` (h from the rounded g, u; the `-1` rows zeroed): only where that computes the same.
+
 g and u are rounded to the saved dtype without crossing the clamp bound (KEEP_CLIP), and h is computed from
 the rounded values: backward recomputes h from the saved g, u exactly. MXFP8 gate/up at decode sizes run the
 fp16 K loops of mx_loop.py (MX_LOOP), the rest the dequantizing loop (TMA descriptors for the weights' whole
@@ -238,44 +241,57 @@ GATE_UP_STAGE = register(stage("gate_up_stage", fields=("dtype", "H", "I", "E"),
                                ways=("fused", "grouped_mm")))
 
 
-def gate_up(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, *, h_out=None, single=False, act=None,
-            bias_E2I=None):
-    """gu[M, 2I] = [x[rows] @ gate[e]^T + b_g[e] | x[rows] @ up[e]^T + b_u[e]] per sorted row (before the
-    clamp), and h_out[M, I] = the activation `act` (`types.Activation`; None: the SwiGLU) of those (rounded)
-    values when given. gate, up: `types.Operand`s read as [E, I, H] (SINGLE: all T rows, one expert given as
-    [1, I, H] views); bias_E2I: optional [E, 2, I] (any strides). -> gu: gu_out, or where the stage runs
-    `torch._grouped_mm` (`GATE_UP_STAGE`), the GEMM's own output (gu_out unused)."""
-    M = gu_out.shape[0]
-    I = gu_out.shape[1] // 2
-    if M == 0 or I == 0:
-        return gu_out
-    E, _, H = gate.data.shape
-    args = (x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, h_out, single, act, bias_E2I)
-    if single or h_out is None or limit is not None or bias_E2I is not None or x_TH.dtype != torch.bfloat16:
-        return _gate_up_fused(*args)  # (where torch._grouped_mm cannot compute the same: `_grouped_mm_weight`)
+def gate_up(x_TH, gate, up, rows, gu_dtype, routes_N, offsets_E1, topk, limit, *, h_out=None, single=False,
+            act=None, bias_E2I=None):
+    """-> gu [rows, 2I] (gu_dtype) = [x[r] @ gate[e]^T + b_g[e] | x[r] @ up[e]^T + b_u[e]] per sorted row r
+    (before the clamp), and h_out[rows, I] = the activation `act` (`types.Activation`; None: the SwiGLU) of those
+    (rounded) values when given. gate, up: `types.Operand`s read as [E, I, H] (SINGLE: all T rows, one expert
+    given as [1, I, H] views); bias_E2I: optional [E, 2, I] (any strides). gu is allocated by the way the stage
+    runs (`GATE_UP_STAGE`): the fused kernel's buffer, or `torch._grouped_mm`'s own output."""
+    E, I, H = gate.data.shape
+    args = (x_TH, gate, up, rows, gu_dtype, routes_N, offsets_E1, topk, limit, h_out, single, act, bias_E2I)
+    if not _same_by_grouped_mm(x_TH, rows, gu_dtype, h_out, single, limit, bias_E2I):
+        return _gate_up_fused(*args)
 
     def by_grouped_mm():
         w = _grouped_mm_weight(x_TH, gate, up)
-        return None if w is None else lambda: _gate_up_grouped_mm(x_TH, w, routes_N[:M] // topk, offsets_E1, h_out, act)
+        return None if w is None else lambda: _gate_up_grouped_mm(x_TH, w, routes_N[:rows] // topk, offsets_E1,
+                                                                  h_out, act)
 
-    return common.run_stage(GATE_UP_STAGE, (dtype_name(x_TH.dtype), H, I, E), M, x_TH.device,
+    return common.run_stage(GATE_UP_STAGE, (dtype_name(x_TH.dtype), H, I, E), rows, x_TH.device,
                             {"fused": lambda: lambda: _gate_up_fused(*args), "grouped_mm": by_grouped_mm})
 
 
+def _same_by_grouped_mm(x_TH, rows, gu_dtype, h_out, single, limit, bias_E2I) -> bool:
+    """Whether the call is one `torch._grouped_mm` and `_act_rows_kernel` compute as the fused kernel does (up to
+    the GEMM's summation order), the weights aside (`_grouped_mm_weight`): an eager call at a known row count
+    (traced launches are the fused kernel's: a graph holds no stage search, and a symbolic count no bucket),
+    bf16 activations, saved g, u and h in bf16 (a contiguous h), no clamp (the fused kernel rounds g and u
+    without crossing it, from float32 values a bf16 GEMM output no longer has), no FC1 biases (added before the
+    rounding), routed (not the shared expert's single group)."""
+    if single or limit is not None or bias_E2I is not None or h_out is None or isinstance(rows, torch.SymInt):
+        return False
+    if not (x_TH.dtype == gu_dtype == h_out.dtype == torch.bfloat16) or h_out.stride(1) != 1 or rows == 0:
+        return False
+    return not common.traced((x_TH, h_out))
+
+
 def _grouped_mm_weight(x_TH, gate, up):
-    """The [E, 2I, H] gate_up weight `torch._grouped_mm` can run the stage on, where it computes what the fused
-    kernel does, else None. Also needed (checked by `gate_up`): bf16 activations, the SwiGLU's h wanted, no
-    clamp (the fused kernel rounds g and u without crossing it, from float32 values a bf16 GEMM output no
-    longer has) and no FC1 biases (added before the rounding). Here: bf16 weights as the halves of one tensor
-    (either dim of each expert's matrix contiguous), an eager call (a traced launch is the fused kernel's),
-    16-byte aligned rows, sm_90 or the CPU."""
-    if gate.data.dtype != torch.bfloat16 or common.traced((x_TH,)) or not hasattr(torch, "_grouped_mm"):
+    """The [E, 2I, H] gate_up weight `torch._grouped_mm` can run the stage on, else None: bf16 weights as the
+    halves of one tensor (either dim of each expert's matrix contiguous), 16-byte aligned (its address and every
+    stride but the unit one), on sm_90/sm_100 (where torch runs CUTLASS's grouped GEMM, with no host
+    synchronisation) or the CPU."""
+    if gate.data.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
         return None
     w = concatenated(gate, up)  # (row-major [E, 2I, H] as HF and Megatron store it, or its transpose)
     unit = w is not None and (2 if w.stride(2) == 1 else 1 if w.stride(1) == 1 else None)
     if not unit or any(v % 8 for v in (*w.shape[1:], *(st for d, st in enumerate(w.stride()) if d != unit))):
         return None
-    if x_TH.device.type == "cuda" and torch.cuda.get_device_capability(x_TH.device) < (9, 0):
+    if w.data_ptr() % 16 or x_TH.data_ptr() % 16:
+        return None
+    if x_TH.device.type == "cuda" and torch.cuda.get_device_capability(x_TH.device)[0] not in (9, 10):
+        return None
+    if x_TH.device.type not in ("cuda", "cpu"):
         return None
     return w
 
@@ -320,10 +336,11 @@ def _act_rows_kernel(gu_ptr, stride_gm, h_ptr, stride_hm, offsets_ptr, M, I, E, 
     tl.store(g_ptrs + I, zero, mask=inside & ~routed)
 
 
-def _gate_up_fused(x_TH, gate, up, gu_out, routes_N, offsets_E1, topk, limit, h_out, single, act, bias_E2I):
-    M = gu_out.shape[0]
-    I = gu_out.shape[1] // 2
-    E, _, H = gate.data.shape
+def _gate_up_fused(x_TH, gate, up, M, gu_dtype, routes_N, offsets_E1, topk, limit, h_out, single, act, bias_E2I):
+    E, I, H = gate.data.shape
+    gu_out = torch.empty(M, 2 * I, dtype=gu_dtype, device=x_TH.device)
+    if M == 0 or I == 0:
+        return gu_out
 
     def tiles(meta):
         return row_tiles_worst(M, E, meta["BLOCK_M"], single) * common.cdiv(I, meta["BLOCK_N"])
