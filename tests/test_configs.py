@@ -87,7 +87,8 @@ def test_stage_picks_round_trip_and_answer_only_their_own_problem(tables, tmp_pa
     fam = configs.FAMILIES["gate_up_stage"]
     fused, gmm = fam.candidates
     mixtral = ("bfloat16", 4096, 14336, 8)
-    path = _write(shipped / "nvidia-h100-80gb-hbm3.json", _table(*H100, [("gate_up_stage", mixtral, {4096: gmm, 64: fused})]))
+    picks = [("gate_up_stage", mixtral, {4096: gmm, 64: fused})]
+    path = _write(shipped / "nvidia-h100-80gb-hbm3.json", _table(*H100, picks))
     assert '"4096": "grouped_mm"' in configs.dumps(configs.load(path))
     assert configs.load(path).get("gate_up_stage", mixtral) == {4096: gmm, 64: fused}
     state = configs.tables_for(*H100)

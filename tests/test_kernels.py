@@ -362,8 +362,12 @@ def test_gate_up_stage_by_grouped_mm_vs_oracle(monkeypatch):
 
     stage = kernels.gate_up.GATE_UP_STAGE
     ran, real = [], kernels.gate_up._gate_up_grouped_mm
-    monkeypatch.setattr(kernels.gate_up, "_gate_up_grouped_mm", lambda *a: ran.append(a[0].shape[0]) or real(*a))
-    h_out, real_act = [], kernels.gate_up._act_rows_kernel
+
+    def spy(*a):
+        ran.append(a[0].shape[0])
+        return real(*a)
+
+    monkeypatch.setattr(kernels.gate_up, "_gate_up_grouped_mm", spy)
     case = make_case(T=19, H=32, I=24, E=4, K=2, dtype=torch.bfloat16, shared=True, gate=True, drop=0.2, device=DEV,
                      requires_grad=False, seed=41)
     sched = kernels.build_schedule(case.top_experts, 4)
@@ -375,12 +379,13 @@ def test_gate_up_stage_by_grouped_mm_vs_oracle(monkeypatch):
         for way in ("fused", "grouped_mm"):
             _force_stage(monkeypatch, stage, way)
             h_seen = []
-            monkeypatch.setattr(kernels.grouped_gemm, "grouped_rows", _spy_first_arg(h_seen, kernels.grouped_gemm.grouped_rows))
+            rows_gemm = _spy_first_arg(h_seen, kernels.grouped_gemm.grouped_rows)
+            monkeypatch.setattr(kernels.grouped_gemm, "grouped_rows", rows_gemm)
             with mok_inductor.options.override(backend="triton"):
                 fwd = ops.forward(case.x, case.router_weights, case.top_experts, sched,
                                   RoutedOperands.of_weights(*weights), sg, su, sd, sog, None, act)
             monkeypatch.undo()
-            monkeypatch.setattr(kernels.gate_up, "_gate_up_grouped_mm", lambda *a: ran.append(a[0].shape[0]) or real(*a))
+            monkeypatch.setattr(kernels.gate_up, "_gate_up_grouped_mm", spy)
             outs.append((fwd.gu_N2I, h_seen[0], fwd.y_TH))
         return outs
 
@@ -444,7 +449,8 @@ def test_gate_up_stage_keeps_the_fused_kernel_where_grouped_mm_would_differ(monk
         "float16": halves(w.half()),
         "misaligned address": halves(odd),
         "H not a multiple of 8": halves(torch.randn(4, 64, 36).to(bf)),
-        "interleaved gate/up (GPT-OSS's layout)": (Operand(interleaved[:, :, 0], None), Operand(interleaved[:, :, 1], None)),
+        "interleaved gate/up (GPT-OSS's layout)": (Operand(interleaved[:, :, 0], None),
+                                                   Operand(interleaved[:, :, 1], None)),
         "MXFP8": (Operand(q.data[:, :32], q.scale[:, :32]), Operand(q.data[:, 32:], q.scale[:, 32:])),
     }
     for name, (g, u) in weight_breaks.items():

@@ -137,8 +137,8 @@ def _dequantized_if_large(ops: RoutedOperands, n_routes, dtype, fields, *, symbo
 
 def expert_mlp(x_TH, gate, up, down, rows, gu_dtype, out, routes_N, offsets_E1, topk, limit, *, scatter,
                single=False, act=None, gate_up_bias=None, down_bias=None):
-    """gu = [g | u] [rows, 2I] in gu_dtype (saved for backward) and out[dest(r)] = swiglu(g, u) @ down[e]^T for each sorted
-    row r: the gate/up GEMM (which also writes h, freed on return) then the down GEMM. gate, up read as
+    """gu = [g | u] [rows, 2I] in gu_dtype (saved for backward) and out[dest(r)] = swiglu(g, u) @ down[e]^T for
+    each sorted row r: the gate/up GEMM (which also writes h, freed on return) then the down GEMM. gate, up read as
     [E, I, H], down as [E, H, I]. (A down GEMM applying the SwiGLU to g, u tiles in its K loop instead of
     reading h ran at half the rate: its A operand goes through registers.) `act`: the gated activation
     (`types.Activation`, None: the SwiGLU); the optional biases [E, 2, I], [E, H] go into the GEMMs'
