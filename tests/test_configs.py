@@ -664,14 +664,20 @@ def test_tune_shape_records_a_pick_for_every_launch(tmp_path, monkeypatch):
                             for f, probs in table.entries.items() for per in probs.values())
 
 
-def test_tune_shape_searches_the_gate_up_stage_and_reports_its_picks(tmp_path, monkeypatch):
-    # bf16 without a clamp: the gate/up stage's two ways are timed at each bucket (the stand-in timer prefers
-    # grouped_mm at 8 rows, the fused kernel at 2), recorded in the table, and `tune` names where grouped_mm won
+@pytest.fixture
+def as_on_h100(monkeypatch):
+    """Launches read tables and search as on an H100 (not as under the interpreter); each runs its family's
+    interpreter tile whatever the pick (cheap on the interpreter and on a GPU)."""
     monkeypatch.setattr(configs, "INTERPRET", False)
     monkeypatch.setattr(kernels.common, "INTERPRET", False)
     monkeypatch.setattr(configs, "_device_facts", lambda dev: H100)
     real = configs.launch_eager
     monkeypatch.setattr(configs, "launch_eager", lambda fam, tile, *a: real(fam, fam.interpret, *a))
+
+
+def test_tune_shape_searches_the_gate_up_stage_and_reports_its_picks(tmp_path, as_on_h100):
+    # bf16 without a clamp: the gate/up stage's two ways are timed at each bucket (the stand-in timer prefers
+    # grouped_mm at 8 rows, the fused kernel at 2), recorded in the table, and `tune` names where grouped_mm won
     stage_fam = configs.FAMILIES["gate_up_stage"]
     rows = []
 
@@ -691,15 +697,10 @@ def test_tune_shape_searches_the_gate_up_stage_and_reports_its_picks(tmp_path, m
         "gate_up_stage (dtype bfloat16, H 32, I 16, E 4): grouped_mm at row buckets 8"]
 
 
-def test_compiling_at_the_regime_token_counts_covers_every_launch(tmp_path, monkeypatch):
+def test_compiling_at_the_regime_token_counts_covers_every_launch(tmp_path, monkeypatch, as_on_h100):
     # `tune --jobs` compiles a shape's candidates at one token count per regime (`tune.regime_tokens`): those
     # runs must launch every (family, problem) that the runs at all token counts launch. Thresholds lowered so
     # that tiny shapes cross each of them under the interpreter.
-    monkeypatch.setattr(configs, "INTERPRET", False)
-    monkeypatch.setattr(kernels.common, "INTERPRET", False)
-    monkeypatch.setattr(configs, "_device_facts", lambda dev: H100)
-    real = configs.launch_eager
-    monkeypatch.setattr(configs, "launch_eager", lambda fam, tile, *a: real(fam, fam.interpret, *a))
     shape, tokens = (32, 16, 4, 2, 24), [1, 2, 3, 4, 6]
     limits = dict(tma_min_rows=1, two_pass_min_rows=2)  # (routes per expert T/2; the shared expert's rows T)
 
