@@ -374,25 +374,25 @@ def test_gate_up_stage_by_grouped_mm_vs_oracle(monkeypatch):
     wg, wu, wd, sg, su, sd, sog = _args(case)
     w_t = case.gate_up_proj.transpose(1, 2).contiguous().transpose(1, 2)  # [E, H, 2I] stored
 
-    def both_ways(act, weights):
-        outs = []
-        for way in ("fused", "grouped_mm"):
-            _force_stage(monkeypatch, stage, way)
-            h_seen = []
-            rows_gemm = _spy_first_arg(h_seen, kernels.grouped_gemm.grouped_rows)
-            monkeypatch.setattr(kernels.grouped_gemm, "grouped_rows", rows_gemm)
+    def one_way(way, act, weights):  # -> the saved gu, the routed h, y
+        h_seen, real_rows = [], kernels.grouped_gemm.grouped_rows
+
+        def rows_gemm(h, *a, **kw):  # (its first call: the routed experts' down GEMM, whose A is h)
+            h_seen.append(h.clone())
+            return real_rows(h, *a, **kw)
+
+        with monkeypatch.context() as m:
+            _force_stage(m, stage, way)
+            m.setattr(kernels.grouped_gemm, "grouped_rows", rows_gemm)
             with mok_inductor.options.override(backend="triton"):
                 fwd = ops.forward(case.x, case.router_weights, case.top_experts, sched,
                                   RoutedOperands.of_weights(*weights), sg, su, sd, sog, None, act)
-            monkeypatch.undo()
-            monkeypatch.setattr(kernels.gate_up, "_gate_up_grouped_mm", spy)
-            outs.append((fwd.gu_N2I, h_seen[0], fwd.y_TH))
-        return outs
+        return fwd.gu_N2I, h_seen[0], fwd.y_TH
 
     for act in (ACTIVATIONS["swiglu"], ACTIVATIONS["gpt_oss"]):
         for weights in ((wg, wu, wd), (w_t[:, :24], w_t[:, 24:], wd)):
             ran.clear()
-            fused, by_gmm = both_ways(act, weights)
+            fused, by_gmm = one_way("fused", act, weights), one_way("grouped_mm", act, weights)
             assert ran == [19]  # the routed experts, not the shared one
             for a, b in zip(fused, by_gmm):
                 assert torch.equal(a, b)
@@ -403,14 +403,6 @@ def test_gate_up_stage_by_grouped_mm_vs_oracle(monkeypatch):
     ran.clear()
     _check_all(case)
     assert ran
-
-
-def _spy_first_arg(seen, fn):
-    def spy(*a, **kw):
-        if not seen:
-            seen.append(a[0].clone())
-        return fn(*a, **kw)
-    return spy
 
 
 def test_gate_up_stage_keeps_the_fused_kernel_where_grouped_mm_would_differ(monkeypatch):

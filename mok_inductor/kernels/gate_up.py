@@ -289,11 +289,9 @@ def _grouped_mm_weight(x_TH, gate, up):
         return None
     if w.data_ptr() % 16 or x_TH.data_ptr() % 16:
         return None
-    if x_TH.device.type == "cuda" and torch.cuda.get_device_capability(x_TH.device)[0] not in (9, 10):
-        return None
-    if x_TH.device.type not in ("cuda", "cpu"):
-        return None
-    return w
+    dev = x_TH.device
+    on_cutlass = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] in (9, 10)
+    return w if on_cutlass or dev.type == "cpu" else None
 
 
 def _gate_up_grouped_mm(x_TH, w_E2IH, tokens_M, offsets_E1, h_out, act):

@@ -265,40 +265,41 @@ def row_desc(t: torch.Tensor):
     return host_desc(t)
 
 
+def _views_of_one(first, second) -> tuple:
+    """(a, b): the plain data of two weights (tensors or `Operand`s; MXFP8 data never qualifies) when they are
+    3-D views of one storage with the same shape, strides and dtype, else (None, None)."""
+    if isinstance(first, Operand):
+        if first.quantized or second.quantized:
+            return None, None
+        first, second = first.data, second.data
+    a, b = first, second
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 3 or b.dim() != 3:
+        return None, None
+    if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype:
+        return None, None
+    return (a, b) if torch._C._is_alias_of(a, b) else (None, None)
+
+
 def interleaved(first, second, dim: int) -> Optional[torch.Tensor]:
     """The one tensor whose `dim` (1 or 2) alternates `first` and `second` (two tensors or two `Operand`s;
     element 2i of it is first's i, 2i+1 second's i), when the two are plain 3-D views laid out that way
     (GPT-OSS's checkpoint layout: gate and up columns interleaved in one [E, H, 2I] weight), else None. Read
     whole, its interleaved dim is contiguous where each half alone has a stride of 2, which no load order
     coalesces."""
-    if isinstance(first, Operand):  # (a weight operand: its plain data; MXFP8 data is never interleaved)
-        if first.quantized or second.quantized:
-            return None
-        first, second = first.data, second.data
-    a, b = first, second
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 3 or b.dim() != 3:
-        return None
-    if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype or a.stride(dim) != 2:
-        return None
-    # one storage, the second view one element after the first (storage offsets: traced tensors have no pointers)
-    if a.shape[dim] == 0 or not torch._C._is_alias_of(a, b) or b.storage_offset() != a.storage_offset() + 1:
+    a, b = _views_of_one(first, second)
+    # the second view one element after the first (storage offsets: traced tensors have no pointers)
+    if a is None or a.stride(dim) != 2 or a.shape[dim] == 0 or b.storage_offset() != a.storage_offset() + 1:
         return None
     shape, stride = list(a.shape), list(a.stride())
     shape[dim], stride[dim] = 2 * shape[dim], 1
     return torch.as_strided(a, shape, stride)
 
 
-def concatenated(first: Operand, second: Operand) -> Optional[torch.Tensor]:
+def concatenated(first, second) -> Optional[torch.Tensor]:
     """The one [E, 2I, H] tensor whose rows are first's [E, I, H] then second's, when the two are plain 3-D
     views laid out that way (gate and up as the halves of one gate_up weight), else None."""
-    if first.quantized or second.quantized:
-        return None
-    a, b = first.data, second.data
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 3 or b.dim() != 3:
-        return None
-    if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype or 0 in a.shape:
-        return None
-    if not torch._C._is_alias_of(a, b) or b.storage_offset() != a.storage_offset() + a.shape[1] * a.stride(1):
+    a, b = _views_of_one(first, second)
+    if a is None or 0 in a.shape or b.storage_offset() != a.storage_offset() + a.shape[1] * a.stride(1):
         return None
     return torch.as_strided(a, (a.shape[0], 2 * a.shape[1], a.shape[2]), a.stride())
 
