@@ -325,9 +325,10 @@ def expert_ptr(ptr, e64, stride_e, E, TABLE: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 def e8m0_factor(sc):
-    """2**(sc - 127) of uint8 E8M0 scales, built from its float32 bits (exact; sc = 0, an all-zero block,
-    gives 0)."""
-    return (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    """2**(sc - 127) of uint8 E8M0 scales, built from its float32 bits, exact: byte 0 is 2**-127, float32's
+    subnormal 0x00400000 (the exponent field alone would read it as 0), byte 255 Inf."""
+    bits = sc.to(tl.int32) << 23
+    return tl.where(bits == 0, 0x400000, bits).to(tl.float32, bitcast=True)
 
 
 @triton.jit
