@@ -1129,11 +1129,36 @@ def test_functional_abi_mxfp8_errors():
         (TypeError, (sp1,) * 2 + (p["d"],), "routed_down: expected an MXFP8 weight (a (data, scale) tuple or a "
                                              "SplitRoutedWeight with scales), as the other routed weights"),
     ]
+    # tuples of none of MoK's forms: an entry would be ignored (a forward reads only the row-wise pair)
+    forms = "(data, scale), (data, scale, data_t, scale_t) or (data, scale, col_data, col_scale, True)"
+    junk = (q1.data, q1.scale, "extra")
+    cases += [
+        (ValueError, (junk, junk, (q2.data, q2.scale)), f"routed_gate: expected an MXFP8 tuple {forms}, got a "
+                                                        "3-tuple (Tensor, Tensor, str)"),
+        (ValueError, (fc1, fc1, (q2.data, q2.scale, q2.data_t)), f"routed_down: expected an MXFP8 tuple {forms}, "
+                                                                 "got a 3-tuple (Tensor, Tensor, Tensor)"),
+        (ValueError, (fc1, fc1, (q2.data_t, q2.scale_t, True)), f"routed_down: expected an MXFP8 tuple {forms}, "
+                                                                "got a 3-tuple (Tensor, Tensor, True)"),
+        (ValueError, (fc1, fc1, (q2.data, q2.scale, q2.data_t, q2.scale_t, False)),
+         f"routed_down: expected an MXFP8 tuple {forms}, got a 5-tuple (Tensor, Tensor, Tensor, Tensor, bool)"),
+        (ValueError, ((*fc1, None, q1.scale_t),) * 2 + ((q2.data, q2.scale),),
+         f"routed_gate: expected an MXFP8 tuple {forms}, got a 4-tuple (Tensor, Tensor, NoneType, Tensor)"),
+    ]
     for exc, args, message in cases:
         with pytest.raises(exc) as info:
             fwd(*args)
         assert str(info.value) == message
     y, fctx = fwd(fc1, fc1, (q2.data, q2.scale))
+    # MXFP8Weights stand for their tuples, a row-wise-only one for its (data, scale)
+    rows_only = mxfp8.quantize(p["gu"], columnwise=False), mxfp8.quantize(p["d"], columnwise=False)
+    assert torch.equal(fwd(rows_only[0], rows_only[0], rows_only[1])[0], y)
+    assert torch.equal(fwd(q1, q1, q2)[0], y)
+    with pytest.raises(ValueError) as info:  # the backward's down: its column-wise forms as well
+        mf.backward(cfg, ws, sch, fctx, torch.ones_like(y), p["x"], p["rw"], None, None, None, fc1, fc1,
+                    (q2.data_t, q2.scale_t, "x"))
+    assert str(info.value) == ("routed_down: expected an MXFP8 tuple (data_t, scale_t), (data, scale), (data, scale, "
+                               "data_t, scale_t), (data, scale, col_data, col_scale, True) or (col_data, col_scale, "
+                               "True), got a 3-tuple (Tensor, Tensor, str)")
     with pytest.raises(ValueError) as info:
         mf.backward(cfg, ws, sch, fctx, torch.ones_like(y), p["x"], p["rw"], None, None, None, fc1, fc1,
                     (q2.data_t, q2.scale_t))

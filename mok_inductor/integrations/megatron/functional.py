@@ -576,6 +576,23 @@ def _is_mxfp8_tuple(v) -> bool:
             and isinstance(v[0], torch.Tensor) and v[0].dtype == torch.float8_e4m3fn)
 
 
+def _check_mx_tuple(name: str, t: tuple, *, column_only: bool) -> None:
+    """Raise unless the MXFP8 tuple `t` is one of MoK's forms: (data, scale), (data, scale, data_t, scale_t),
+    (data, scale, col_data, col_scale, True) (Transformer Engine's column-wise storage flagged), and, where only
+    the column-wise pair is read (`column_only`: the backward's down), (col_data, col_scale, True). Nothing else
+    is ignored silently: an extra or misplaced entry is an error."""
+    n = len(t)
+    flagged = n in (3, 5) and t[-1] is True
+    if (n in (2, 4) or (flagged and (n == 5 or column_only))) and all(
+            isinstance(v, torch.Tensor) for v in t[:4 if n == 5 else 2 if n == 3 else n]):
+        return
+    forms = "(data, scale), (data, scale, data_t, scale_t) or (data, scale, col_data, col_scale, True)"
+    if column_only:
+        forms = "(data_t, scale_t), " + forms.replace(" or ", ", ") + " or (col_data, col_scale, True)"
+    kinds = ", ".join("True" if v is True else type(v).__name__ for v in t)
+    raise ValueError(f"{name}: expected an MXFP8 tuple {forms}, got a {n}-tuple ({kinds})")
+
+
 def _logical_scale(name: str, data, scale):
     """`scale` of the MXFP8 data `data` [..., M, K] as logical [..., M, K/32] scales: MoK's swizzled layout is
     de-swizzled (a copy); anything else is returned as given, for `mxfp8.check_weight` to validate."""
@@ -641,7 +658,8 @@ def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
 
     args = (routed_gate, routed_up, routed_down)
     if isinstance(routed_gate, mxfp8.MXFP8Weight) or isinstance(routed_down, mxfp8.MXFP8Weight):
-        args = tuple(a[:4] if isinstance(a, mxfp8.MXFP8Weight) else a for a in args)
+        # (its pairs as MoK's tuple: the row-wise one alone where quantized without the column-wise layout)
+        args = tuple((a[:2] if a.data_t is None else a[:4]) if isinstance(a, mxfp8.MXFP8Weight) else a for a in args)
         if routed_gate is routed_up:
             args = (args[0], args[0], args[2])
     gate, up, down = args
@@ -655,6 +673,9 @@ def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
     if gate is not up:
         raise TypeError("routed_gate: MXFP8 routed weights are supported as a combined FC1 (the same (data, scale) "
                         "tuple or SplitRoutedWeight passed as routed_gate and routed_up)")
+    for name, t in (("routed_gate", gate), ("routed_down", down)):
+        if isinstance(t, tuple):
+            _check_mx_tuple(name, t, column_only=backward and name == "routed_down")
 
     def split_parts(name, w):
         """(data, scale, data_t, scale_t) sequences of a split weight, validated (column-wise: backward only)."""
