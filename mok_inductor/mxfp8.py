@@ -9,8 +9,8 @@ quantization applied to the transposed weight, data [..., K, M] and scales [...,
 Scale choice (the OCP rule MoK uses): e = clamp(ceil(log2(amax / 448)), -127, 127) per block, so every
 scaled element lies in [-448, 448], e4m3's finite range, and the block's largest element keeps the most
 mantissa bits; an all-zero block gets e = -127. Every scale byte means 2**(byte - 127), byte 0 included
-(2**-127, a float32 subnormal), in the kernels as in `dequantize`. The scale is taken over a block's finite elements; NaN
-stays NaN and +-Inf becomes e4m3's NaN (it has no Inf), so non-finite values propagate as NaN.
+(2**-127, a float32 subnormal), in the kernels as in `dequantize`. The scale is taken over a block's finite
+elements; NaN stays NaN and +-Inf becomes e4m3's NaN (it has no Inf), so non-finite values propagate as NaN.
 
 Consumers:
 - `mok_inductor.moe` takes an `MXFP8Weight` (or a list of E per-expert ones) in place of a routed
