@@ -342,6 +342,32 @@ def test_main_grads_are_added_in_place_combined(device, mg_dtype):
     assert torch.equal(out[0], fresh[0]) and torch.equal(out[1], fresh[1])  # dx, d_rw untouched by main grads
 
 
+def test_combined_shared_fc1_takes_its_main_grads_as_row_halves():
+    # one [2Is, H] shared FC1 passed as shared_gate and shared_up: its gradient is added into the row halves of
+    # one buffer (main_grads[0] and [2]); one half passed twice is an error raised before any buffer is written
+    p = make_problem("cpu", torch.float32)
+    cfg, ws, sch = setup(p)
+    routed = routed_args(p, "combined")
+    shared = (p["sgu"], p["sgu"], p["sd"])
+    gate_kw = {} if p["sog"] is None else {"shared_output_gate_weight": p["sog"]}
+    y, fctx = mf.forward(cfg, ws, sch, p["x"], p["rw"], *shared, *routed, swiglu_limit=p["limit"], **gate_kw)
+    bwd = lambda **kw: mf.backward(cfg, ws, sch, fctx, p["dy"], p["x"], p["rw"], *shared, *routed,  # noqa: E731
+                                   swiglu_limit=p["limit"], **gate_kw, **kw)
+    fresh = bwd()
+    assert fresh[5] is fresh[6] and fresh[5].shape == (2 * IS, H)  # one combined gradient in both slots
+    sh_fc1, r_fc1 = torch.randn(2 * IS, H), torch.randn(E, 2 * I, H)
+    sh_fc2, r_fc2 = torch.randn(H, IS), torch.randn(E, H, I)
+    kept = [t.clone() for t in (sh_fc1, r_fc1, sh_fc2, r_fc2)]
+    half = sh_fc1[:IS]
+    with pytest.raises(ValueError, match=r"^main_grads\[0\]: pass the shared gate and up main-grads as row views, "
+                                         r"not one buffer twice$"):
+        bwd(main_grads=(half, r_fc1, half, r_fc1, sh_fc2, r_fc2))
+    assert all(torch.equal(t, k) for t, k in zip((sh_fc1, r_fc1, sh_fc2, r_fc2), kept))
+    bwd(main_grads=(sh_fc1[:IS], r_fc1, sh_fc1[IS:], r_fc1, sh_fc2, r_fc2))
+    assert rel_err(sh_fc1 - kept[0], fresh[5]) <= TOLERANCE[torch.float32]
+    assert rel_err(sh_fc2 - kept[2], fresh[7]) <= TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("form", ["sequences", "mok_form"])
 def test_split_main_grads_with_storage_tables(device, form):

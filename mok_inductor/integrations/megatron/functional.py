@@ -1087,12 +1087,15 @@ def backward(config: MoKConfig, workspace: MoKWorkspace, schedule: MoKSchedule, 
     Without `main_grads`, the weight gradients are fresh tensors in the weights' dtype, shaped like the
     arguments (a combined FC1 passed as gate and up gets one combined gradient, returned in both
     slots). With `main_grads`, they are ADDED into the six buffers and the buffers are returned.
-    `shared_output_gate_main_grad` ([1, H], float32/bfloat16) likewise receives the gate's gradient.
-    Every argument is validated before anything is written.
+    `shared_output_gate_main_grad` ([1, H], float32/bfloat16) likewise receives the gate's gradient. A
+    combined shared FC1 (one [2Is, H] weight passed as shared_gate and shared_up) takes its main-grads as the
+    row halves of one buffer, main_grads[0] and main_grads[2]; one half passed twice is an error. Every
+    argument is validated before anything is written.
 
     MXFP8 `routed_down`: a 2-tuple here IS the column-wise (data_t [E, I, H], scale_t) pair, as MoK's bridge
     passes it; the forward's row-wise (data, scale) passed by mistake is caught by its shape only where H != I
-    (with H == I it runs, with wrong gradients): an `MXFP8Weight` or a 4-tuple cannot be misread.
+    (with H == I it runs, with wrong gradients): an `MXFP8Weight` or a 4-tuple cannot be misread. A tuple of
+    none of MoK's forms is a ValueError listing them.
     """
     routed_gate, routed_up, routed_down = _canonical_routed(routed_gate, routed_up, routed_down)
     mx, (routed_gate, routed_up, routed_down) = _mxfp8_routed(x, routed_gate, routed_up, routed_down, backward=True)
