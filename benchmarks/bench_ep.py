@@ -249,8 +249,8 @@ def main():
         sizes = [0]  # (reported below)
     if not all(1 <= n <= world for n in sizes):
         if rank == 0:
-            print(f"bench_ep.py: error: --sizes {args.sizes!r}: comma-separated group sizes from 1 to the world size, {world}",
-                  file=sys.stderr)
+            print(f"bench_ep.py: error: --sizes {args.sizes!r}: comma-separated group sizes from 1 to the world "
+                  f"size, {world}", file=sys.stderr)
         dist.destroy_process_group()
         return 2
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)

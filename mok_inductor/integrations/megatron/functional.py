@@ -583,14 +583,15 @@ def _check_mx_tuple(name: str, t: tuple, *, column_only: bool) -> None:
     is ignored silently: an extra or misplaced entry is an error."""
     n = len(t)
     flagged = n in (3, 5) and t[-1] is True
-    if (n in (2, 4) or (flagged and (n == 5 or column_only))) and all(
-            isinstance(v, torch.Tensor) for v in t[:4 if n == 5 else 2 if n == 3 else n]):
+    tensors = t[:-1] if flagged else t
+    if (n in (2, 4) or (flagged and (n == 5 or column_only))) and all(isinstance(v, torch.Tensor) for v in tensors):
         return
-    forms = "(data, scale), (data, scale, data_t, scale_t) or (data, scale, col_data, col_scale, True)"
+    forms = ["(data, scale)", "(data, scale, data_t, scale_t)", "(data, scale, col_data, col_scale, True)"]
     if column_only:
-        forms = "(data_t, scale_t), " + forms.replace(" or ", ", ") + " or (col_data, col_scale, True)"
+        forms = ["(data_t, scale_t)", *forms, "(col_data, col_scale, True)"]
     kinds = ", ".join("True" if v is True else type(v).__name__ for v in t)
-    raise ValueError(f"{name}: expected an MXFP8 tuple {forms}, got a {n}-tuple ({kinds})")
+    raise ValueError(f"{name}: expected an MXFP8 tuple {', '.join(forms[:-1])} or {forms[-1]}, got a {n}-tuple "
+                     f"({kinds})")
 
 
 def _logical_scale(name: str, data, scale):
