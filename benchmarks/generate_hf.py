@@ -2,7 +2,8 @@
 seen for the first time (cold) and again (warm).
 
     python benchmarks/generate_hf.py --out DIR [--backends mok,grouped_mm] [--lengths 37,101,260,515,1030]
-                                     [--max-new-tokens 32] [--child-cache fresh|shared] [--hf-decode-switch off|on]
+                                     [--max-new-tokens 32] [--warm-passes 3] [--child-cache fresh|shared]
+                                     [--hf-decode-switch off|on]
                                      [--profile-new-length L] [--no-cudnn-attention] [--static-cache]
     python benchmarks/generate_hf.py --device cpu --tiny --out /tmp/gen     # CPU smoke run (mok runs its reference)
 
@@ -12,7 +13,9 @@ process: the parameter checksum is reported), bf16. Each backend runs in its own
 other; with --child-cache fresh, the default, each has an empty Triton cache). In it: one untimed generate at
 --warmup-len (loads the libraries, the decode step's kernels); then greedy generate() of --max-new-tokens
 tokens (batch 1, random prompts, the same in every process) at each length, timed as a whole (cold: each length
-new to the process); then the same run again (warm). Reported: seconds, new tokens/s, cold/warm (target at most
+new to the process); then the same run again --warm-passes times (warm: the pass of median total time; every
+pass's total in warm.passes_total_s: a decode call is host-bound, and its wall time moves between repeats of the same
+loop by more than the gap a single pass could show). Reported: seconds, new tokens/s, cold/warm (target at most
 1.2), each backend's time against the first backend's, and how many leading greedy tokens agree with the first
 backend's at each length (reported, not checked: bf16 rounding may flip near-tied logits of a random model).
 transformers (5.23 at least) switches "grouped_mm" to "batched_mm" for decoding inside generate() on GPUs
@@ -135,11 +138,13 @@ def child(a):
         sync(a.device)
         warm_up_s = time.perf_counter() - t
     cold, tokens = run()
-    warm, tokens_warm = run()
+    passes = [run() for _ in range(a.warm_passes)]
+    warm, tokens_warm = sorted(passes, key=lambda p: p[0]["total_s"])[(len(passes) - 1) // 2]
+    warm["passes_total_s"] = [p[0]["total_s"] for p in passes]
     hot_ops = profile_new_length(a, generate, dims) if a.profile_new_length else None
     print(json.dumps(dict(backend=a.child, experts_implementation=got, checksum=checksum, load_s=load_s,
                           warm_up_s=warm_up_s, cold=cold, warm=warm, tokens=tokens,
-                          same_tokens_cold_warm=tokens == tokens_warm, impl_calls=calls, mok_plans=plans,
+                          same_tokens_cold_warm=all(tokens == t for _, t in passes), impl_calls=calls, mok_plans=plans,
                           hot_ops=hot_ops, hf_decode_switch_present=switch, hf_decode_switch=a.hf_decode_switch,
                           cache_class=facts.get("cache_class"), cache_kwargs=cache,
                           transformers=__import__("transformers").__version__, torch=torch.__version__)))
@@ -205,6 +210,10 @@ def table(rows, lengths, n):
                    f"{vs[0]} | {vs[1]} | {min(agree.values()) if agree else '—'} of {n} |")
     out.append("")
     per = {r["backend"]: (r["cold"]["per_length_s"], r["warm"]["per_length_s"]) for r in rows if "error" not in r}
+    out.append("warm passes, total s (the median one is the warm column): " + "; ".join(
+        f"{r['backend']}: " + ", ".join(f"{t:.2f}" for t in r["warm"].get("passes_total_s", []))
+        for r in rows if "error" not in r))
+    out.append("")
     out.append("per length, cold / warm s: " + "; ".join(
         f"{b}: " + ", ".join(f"{L} {c[str(L)]:.2f}/{w[str(L)]:.2f}" for L in lengths) for b, (c, w) in per.items()))
     return "\n".join(out)
@@ -216,6 +225,8 @@ def main():
     p.add_argument("--backends", default="mok,grouped_mm", help="experts implementations, the first is the reference")
     p.add_argument("--lengths", default="37,101,260,515,1030", help="prompt lengths, in order")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--warm-passes", type=int, default=3,
+                   help="timed passes over the seen lengths (warm: the median one)")
     p.add_argument("--warmup-len", type=int, default=16, help="prompt length of the untimed first generate (0: none)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke runs)")
@@ -236,6 +247,8 @@ def main():
     if a.device == "cpu" and not a.child and not a.tiny:
         p.error("the model-sized run on the CPU: the timings need a CUDA GPU (--tiny is the CPU smoke run)")
     a.lengths = [int(x) for x in a.lengths.split(",")]
+    if a.warm_passes < 1:
+        p.error("--warm-passes: at least 1")
     if a.child:
         return child(a)
     os.makedirs(a.out, exist_ok=True)
@@ -256,7 +269,8 @@ def main():
     rows = []
     for b in a.backends.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", b, "--lengths", ",".join(map(str, a.lengths)),
-               "--max-new-tokens", str(a.max_new_tokens), "--warmup-len", str(a.warmup_len), "--device", a.device,
+               "--max-new-tokens", str(a.max_new_tokens), "--warm-passes", str(a.warm_passes),
+               "--warmup-len", str(a.warmup_len), "--device", a.device,
                "--hf-decode-switch", a.hf_decode_switch, "--profile-new-length", str(a.profile_new_length)] + (
                    ["--tiny"] if a.tiny else []) + (["--no-cudnn-attention"] if a.no_cudnn_attention else []) + (
                    ["--static-cache"] if a.static_cache else [])

@@ -46,11 +46,12 @@ def test_cpu_smoke_run_with_gemm_references(tmp_path):
 def test_generate_cpu_smoke_run(tmp_path, static):
     # both backends in their own processes, with transformers' default dynamic KV cache or a static one (on a GPU
     # transformers compiles the decoding forward then; here it stays eager): the cache class generate() used,
-    # every length timed in both passes, the same weights in both processes, the mok process's prefill and
-    # decode calls ran mok (greedy tokens are compared, not required equal: bf16)
+    # every length timed in every pass (the warm one: the median of --warm-passes, the lower of two), the same
+    # weights in both processes, the mok process's prefill and decode calls ran mok (greedy tokens are compared,
+    # not required equal: bf16)
     run = subprocess.run([sys.executable, os.path.join(HERE, "..", "benchmarks", "generate_hf.py"), "--device", "cpu",
                           "--tiny", "--lengths", "5,9", "--max-new-tokens", "3", "--warmup-len", "4",
-                          "--out", str(tmp_path)] + (["--static-cache"] if static else []),
+                          "--warm-passes", "2", "--out", str(tmp_path)] + (["--static-cache"] if static else []),
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.load(open(tmp_path / "generate_hf.json"))
@@ -60,6 +61,7 @@ def test_generate_cpu_smoke_run(tmp_path, static):
     for r in rows.values():
         assert r["cache_class"] == ("StaticCache" if static else "DynamicCache")
         assert set(r["cold"]["per_length_s"]) == set(r["warm"]["per_length_s"]) == {"5", "9"}
+        assert len(r["warm"]["passes_total_s"]) == 2 and r["warm"]["total_s"] == min(r["warm"]["passes_total_s"])
         assert all(len(t) == 3 for t in r["tokens"].values())
         assert r["same_tokens_cold_warm"]
     assert rows["grouped_mm"]["same_weights_as_first"]
