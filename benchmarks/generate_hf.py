@@ -209,11 +209,11 @@ def table(rows, lengths, n):
         out.append(f"| {r['backend']} | {c:.2f} | {w:.2f} | {new / c:.0f} | {new / w:.0f} | {c / w:.2f}{flag} | "
                    f"{vs[0]} | {vs[1]} | {min(agree.values()) if agree else '—'} of {n} |")
     out.append("")
-    per = {r["backend"]: (r["cold"]["per_length_s"], r["warm"]["per_length_s"]) for r in rows if "error" not in r}
+    ok = [r for r in rows if "error" not in r]
     out.append("warm passes, total s (the median one is the warm column): " + "; ".join(
-        f"{r['backend']}: " + ", ".join(f"{t:.2f}" for t in r["warm"].get("passes_total_s", []))
-        for r in rows if "error" not in r))
+        f"{r['backend']}: " + ", ".join(f"{t:.2f}" for t in r["warm"]["passes_total_s"]) for r in ok))
     out.append("")
+    per = {r["backend"]: (r["cold"]["per_length_s"], r["warm"]["per_length_s"]) for r in ok}
     out.append("per length, cold / warm s: " + "; ".join(
         f"{b}: " + ", ".join(f"{L} {c[str(L)]:.2f}/{w[str(L)]:.2f}" for L in lengths) for b, (c, w) in per.items()))
     return "\n".join(out)

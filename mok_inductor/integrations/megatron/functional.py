@@ -715,11 +715,8 @@ def _mxfp8_routed(x, routed_gate, routed_up, routed_down, *, backward: bool):
             dt, st = _mx_native_col(col, t[2], t[3])
         elif len(t) == 4:
             dt, st = t[2], _logical_scale(col, t[2], t[3])
-        elif len(t) == 2:
+        else:  # (data_t, scale_t): `_check_mx_tuple` let no other form through
             dt, st = t[0], _logical_scale(col, t[0], t[1])
-        else:
-            raise ValueError("routed_down: the backward needs the MXFP8 down as its column-wise (data_t, scale_t), "
-                             "(col_data, col_scale, True), a 4-tuple or a native 5-tuple")
         mxfp8.check_weight("routed_down (column-wise)", dt, st, None, None, None, x.dtype, x.device)
         return dt, st
 
